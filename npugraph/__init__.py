@@ -1,0 +1,16 @@
+"""npugraph: capture Ascend NPU graphs for LLM decoding and rewrite their kernel lengths per step.
+
+The public surface: :class:`Runtime` (capture / update / replay / step),
+:class:`AttentionMetadata` (what a backend provides per step),
+:class:`~npugraph.attention.DecodeAttention` (the thin attention client), and the
+pieces it is made of: :mod:`npugraph.capture`, :mod:`npugraph.replay`,
+:mod:`npugraph.ops`, :mod:`npugraph.device`, :mod:`npugraph.sim`.
+"""
+
+from npugraph.attention import DecodeAttention
+from npugraph.errors import NpuGraphError
+from npugraph.replay.lens import AttentionMetadata
+from npugraph.runtime import Runtime
+
+__all__ = ["AttentionMetadata", "DecodeAttention", "NpuGraphError", "Runtime"]
+__version__ = "0.1.0"

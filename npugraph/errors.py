@@ -1,0 +1,67 @@
+"""The runtime's exceptions: one hierarchy rooted in :class:`NpuGraphError`.
+
+Messages name the namespace, graph key, layer and argument at fault, and say what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NpuGraphError",
+    "DeviceUnavailable",
+    "CaptureFailed",
+    "UnknownKeyError",
+    "MetadataError",
+    "NotReplayableError",
+    "UpdateFailed",
+    "GraphDeadlock",
+    "GraphRace",
+    "PolicyError",
+]
+
+
+class NpuGraphError(Exception):
+    """Base of every error npugraph raises.
+
+    ``postmortem`` is the path of the post-mortem dump written for this error, if any.
+    """
+
+    postmortem: str | None = None
+
+
+class DeviceUnavailable(NpuGraphError):
+    """The requested device (real torch_npu) cannot be loaded here."""
+
+
+class CaptureFailed(NpuGraphError):
+    """The captured callable raised; nothing was registered for that key."""
+
+
+class UnknownKeyError(NpuGraphError, KeyError):
+    """A key was replayed or updated that was never captured."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class MetadataError(NpuGraphError, ValueError):
+    """The step's metadata is missing a layer or holds invalid lengths or block ids."""
+
+
+class NotReplayableError(NpuGraphError):
+    """The graph's last update failed part-way; a complete update must succeed first."""
+
+
+class UpdateFailed(NpuGraphError):
+    """A device call failed while updating a graph (it is now not replayable)."""
+
+
+class GraphDeadlock(NpuGraphError):
+    """The device would hang: a graph waits on an event that is never recorded."""
+
+
+class GraphRace(NpuGraphError):
+    """Two device operations raced (lost event record, update overtaking a replay)."""
+
+
+class PolicyError(NpuGraphError, ValueError):
+    """A kernel-policy file does not match this model or device."""

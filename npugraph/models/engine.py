@@ -1,0 +1,75 @@
+"""A minimal decode engine: static buffers, capture of every size, replayed steps.
+
+It is what an inference engine does around npugraph, small enough to read: the
+demo, the benchmarks and the end-to-end tests drive the decoder through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from npugraph.models.llama import Decoder
+from npugraph.models.workload import StepBatch
+from npugraph.replay.lens import AttentionMetadata
+from npugraph.runtime import Runtime
+
+__all__ = ["DecodeEngine"]
+
+
+class DecodeEngine:
+    """Own the static input buffers of ``model`` and capture it at ``sizes``.
+
+    Persistent buffers are sized for the largest capture; each graph reads the
+    first ``size`` rows.  The block table buffer is refreshed by the runtime.
+    """
+
+    def __init__(self, runtime: Runtime, model: Decoder, sizes: Sequence[int], *, namespace: str = "main") -> None:
+        self.runtime = runtime
+        self.model = model
+        self.sizes = sorted(set(sizes))
+        self.namespace = namespace
+        cfg = model.cfg
+        n = self.sizes[-1]
+        self.buffers = {
+            "input_ids": torch.zeros(n, dtype=torch.int64),
+            "positions": torch.zeros(n, dtype=torch.int64),
+            "slot_mapping": torch.zeros(n, dtype=torch.int64),
+        }
+        self.block_table = torch.zeros(n, cfg.max_blocks_per_seq, dtype=torch.int32)
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+
+    def capture(self) -> None:
+        """Capture every size, largest first."""
+
+        def make(size: object) -> tuple:
+            assert isinstance(size, int)
+            views = {k: v[:size] for k, v in self.buffers.items()}
+            self._views[size] = views  # the engine owns its buffers' views
+            meta = AttentionMetadata(seq_lens=torch.ones(size, dtype=torch.int32), block_table=self.block_table[:size])
+            args = (views["input_ids"], views["positions"], views["slot_mapping"], meta)
+            return self.model, args, {"static_inputs": views}
+
+        self.runtime.manager.capture_all(self.sizes, make, namespace=self.namespace)
+
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        """Replay one step; return the logits of its real requests (synchronized)."""
+        logits = self.runtime.step(
+            batch.size,
+            {"default": batch.meta},
+            inputs={
+                "input_ids": batch.input_ids,
+                "positions": batch.positions,
+                "slot_mapping": batch.slot_mapping,
+            },
+            namespace=self.namespace,
+        )
+        self.runtime.synchronize()
+        return logits[: batch.num_reqs]
+
+    def eager(self, batch: StepBatch) -> torch.Tensor:
+        """Run the same (padded) step eagerly; return the real requests' logits."""
+        out = self.model(batch.input_ids, batch.positions, batch.slot_mapping, batch.padded_meta)
+        self.runtime.synchronize()
+        return out[: batch.num_reqs]

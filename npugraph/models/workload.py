@@ -1,0 +1,143 @@
+"""Continuous-batching decode workload: requests arrive, decode and finish.
+
+Blocks come from a free list and go back to it when a request finishes, so block
+tables are non-contiguous and blocks are reused.  Block 0 is the null block (padding
+writes there) and is never handed out.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+
+import attrs
+import torch
+
+from npugraph.models.llama import DecoderConfig
+from npugraph.replay.lens import AttentionMetadata
+
+__all__ = ["Request", "StepBatch", "Workload"]
+
+
+@attrs.define
+class Request:
+    """One request: its prompt length, how many tokens it will decode, its blocks."""
+
+    rid: int
+    context: int  # tokens already in the cache
+    remaining: int
+    blocks: list[int]
+    last_token: int
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StepBatch:
+    """One decode step: R requests, one new token each, padded to ``size`` tokens."""
+
+    size: int
+    num_reqs: int
+    input_ids: torch.Tensor  # [size] int64
+    positions: torch.Tensor  # [size] int64
+    slot_mapping: torch.Tensor  # [size] int64 (padding → null slot 0)
+    meta: AttentionMetadata  # seq_lens [R], block_table [R, cols] (host)
+    padded_meta: AttentionMetadata  # the same, padded to [size] (for eager reference)
+    rids: tuple[int, ...]
+
+
+class Workload:
+    """Generate decode steps for a stream of requests under continuous batching."""
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        sizes: Sequence[int],
+        *,
+        seed: int = 0,
+        max_batch: int | None = None,
+        adversarial: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.sizes = sorted(sizes)
+        self.rng = random.Random(seed)
+        self.max_batch = max_batch or self.sizes[-1]
+        self.adversarial = adversarial
+        self.free = list(range(1, cfg.num_blocks))
+        self.rng.shuffle(self.free)
+        self.running: list[Request] = []
+        self._next = 0
+
+    def _admit(self) -> None:
+        cfg = self.cfg
+        target = self.rng.randint(1, self.max_batch)
+        while len(self.running) < target:
+            prompt = self.rng.randint(1, cfg.max_model_len // 3)
+            out = self.rng.randint(1, max(1, cfg.max_model_len // 4))
+            if self.adversarial and self.rng.random() < 0.3:
+                prompt = self.rng.choice([1, cfg.max_model_len - out - 1])
+            prompt = max(1, min(prompt, cfg.max_model_len - out - 1))
+            need = -(-(prompt + out) // cfg.block_size)
+            if need > len(self.free):
+                break
+            blocks = [self.free.pop() for _ in range(need)]
+            self.running.append(Request(self._next, prompt, out, blocks, self.rng.randrange(cfg.vocab_size)))
+            self._next += 1
+
+    def _retire(self) -> None:
+        keep = []
+        for r in self.running:
+            if r.remaining <= 0:
+                self.free.extend(r.blocks)
+            else:
+                keep.append(r)
+        self.running = keep
+
+    def steps(self, n: int) -> Iterator[StepBatch]:
+        """Yield ``n`` decode steps; :meth:`feedback` may set each step's sampled tokens."""
+        for _ in range(n):
+            self._retire()
+            self._admit()
+            if self.rng.random() < 0.2:
+                self.rng.shuffle(self.running)
+            yield self._batch()
+            for r in self.running:
+                r.context += 1
+                r.remaining -= 1
+
+    def feedback(self, rids: Sequence[int], tokens: Sequence[int]) -> None:
+        by = {r.rid: r for r in self.running}
+        for rid, tok in zip(rids, tokens):
+            if rid in by:
+                by[rid].last_token = int(tok)
+
+    def _batch(self) -> StepBatch:
+        cfg = self.cfg
+        reqs = self.running
+        r = len(reqs)
+        size = next(s for s in self.sizes if s >= r)
+        cols = cfg.max_blocks_per_seq
+        ids = torch.zeros(size, dtype=torch.int64)
+        pos = torch.zeros(size, dtype=torch.int64)
+        slots = torch.zeros(size, dtype=torch.int64)
+        bt = torch.zeros(r, cols, dtype=torch.int32)
+        lens = torch.zeros(r, dtype=torch.int32)
+        for i, q in enumerate(reqs):
+            p = q.context  # position of the new token
+            ids[i] = q.last_token
+            pos[i] = p
+            slots[i] = q.blocks[p // cfg.block_size] * cfg.block_size + p % cfg.block_size
+            bt[i, : len(q.blocks)] = torch.tensor(q.blocks, dtype=torch.int32)
+            lens[i] = p + 1
+        padded_bt = torch.zeros(size, cols, dtype=torch.int32)
+        padded_bt[:r] = bt
+        padded_lens = torch.zeros(size, dtype=torch.int32)
+        padded_lens[:r] = lens
+        return StepBatch(
+            size=size,
+            num_reqs=r,
+            input_ids=ids,
+            positions=pos,
+            slot_mapping=slots,
+            meta=AttentionMetadata(seq_lens=lens, block_table=bt),
+            padded_meta=AttentionMetadata(seq_lens=padded_lens, block_table=padded_bt),
+            rids=tuple(q.rid for q in reqs),
+        )

@@ -1,0 +1,86 @@
+"""What every kernel declaration provides; capture and update are both driven from it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+__all__ = ["AttentionCall", "StepLens", "OpSpec"]
+
+
+@attrs.frozen(kw_only=True)
+class AttentionCall:
+    """One decode-attention call of one layer, as a client hands it to the runtime.
+
+    ``query`` ``[T, N, D]``; caches ``[num_blocks, block_size, KVN, D]`` (``Dv`` for
+    values); ``block_table`` ``[B, max_blocks]`` int32 on the device; ``out``
+    ``[T, N, Dv]``.  ``tokens_per_request`` > 1 means speculative verification
+    (``T = B * tokens_per_request``, causal within each request).
+    """
+
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    out: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    tokens_per_request: int = 1
+
+    @property
+    def block_size(self) -> int:
+        return int(self.key_cache.shape[1])
+
+
+@attrs.frozen(kw_only=True)
+class StepLens:
+    """Host-side lengths of one KV-cache group for one step, padded to the graph's batch.
+
+    ``kv_lens``: key length per request (padding requests: 0);
+    ``q_ends``: cumulative query-token ends per request (last = tokens);
+    ``kv_lens_host``: ``kv_lens`` as a CPU int32 tensor (PA's form).
+    """
+
+    kv_lens: tuple[int, ...]
+    q_ends: tuple[int, ...]
+    kv_lens_host: torch.Tensor
+
+
+@attrs.frozen(kw_only=True)
+class OpSpec:
+    """One attention kernel, declared once.
+
+    * ``kernel`` / ``overload``: the torch_npu-shaped entry point (``ops.<kernel>.<overload>``);
+    * ``host_args``: host-side arguments rewritten by a task update each step;
+    * ``refreshed_buffers``: device arguments whose contents the runtime refreshes by copy;
+    * ``arguments(call, lens, workspace)``: the kernel's keyword arguments;
+    * ``host_values(lens)``: the ``host_args`` for a step;
+    * ``workspace_bytes(device, kwargs, max_model_len)``: one workspace for every length
+      up to ``max_model_len`` (queried at capture only, never per step);
+    * ``unsupported(call)``: why this kernel cannot run ``call`` (or ``None``);
+    * ``fused_update``: the device's 4-in-1 update entry point may be used.
+    """
+
+    name: str
+    kernel: str
+    overload: str | None
+    host_args: tuple[str, ...]
+    refreshed_buffers: tuple[str, ...]
+    arguments: Callable[[AttentionCall, StepLens, torch.Tensor | None], dict[str, Any]]
+    host_values: Callable[[StepLens], dict[str, Any]]
+    workspace_bytes: Callable[[Any, dict[str, Any], int], int]
+    unsupported: Callable[[AttentionCall], str | None]
+    fused_update: bool = False
+
+    def kernel_fn(self, device: Any) -> Callable[..., Any]:
+        """Resolve the entry point on ``device`` (once per capture, not per step)."""
+        fn = getattr(device.ops, self.kernel)
+        return getattr(fn, self.overload) if self.overload else fn
+
+    def launch(self, device: Any, kwargs: dict[str, Any]) -> None:
+        """Issue the kernel: run eagerly, record during capture, rewrite inside an update."""
+        self.kernel_fn(device)(**kwargs)

@@ -1,0 +1,372 @@
+"""Rewrite captured graphs' host-side kernel arguments before each replay."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import attrs
+
+from npugraph.capture.manager import CaptureManager, GraphEntry
+from npugraph.errors import (
+    GraphRace,
+    MetadataError,
+    NotReplayableError,
+    NpuGraphError,
+    UpdateFailed,
+)
+from npugraph.ops.base import OpSpec, StepLens
+from npugraph.replay.lens import AttentionMetadata, convert
+
+__all__ = ["ReplayUpdater", "UpdatePlan"]
+
+
+@attrs.frozen(kw_only=True)
+class UpdatePlan:
+    """What an update of one graph touches, worked out once after capture.
+
+    Per task (in layer order): its layer and KV-cache group names, task-group handle,
+    event, op spec, resolved kernel entry point, whether the fused 4-in-1 update
+    applies, and the captured block-table buffer (weakly); per task the cache
+    geometry its lengths are validated against.
+    """
+
+    layers: tuple[str, ...]
+    groups: tuple[str, ...]
+    handles: tuple[Any, ...]
+    events: tuple[Any, ...]
+    specs: tuple[OpSpec, ...]
+    kernels: tuple[Callable[..., Any], ...]
+    fused: tuple[bool, ...]
+    block_tables: tuple[Any, ...]
+    geometry: tuple[tuple[int, int, int], ...]  # (block_size, num_blocks, table columns)
+
+
+@attrs.define
+class _NamespaceSteps:
+    """Step bookkeeping of one namespace: which replay the next update must follow."""
+
+    done: tuple[Any, Any]
+    step: int = 0
+    updated: bool = False
+    replayed: bool = False
+
+    def advance_if_complete(self) -> None:
+        if self.updated and self.replayed:
+            self.step += 1
+            self.updated = self.replayed = False
+
+
+class ReplayUpdater:
+    """Apply each step's lengths and block tables to captured graphs, then replay them.
+
+    Workflow per step (either order of 2 and 3 works):
+
+    1. the engine builds per-layer (or per-KV-cache-group) :class:`AttentionMetadata`;
+    2. :meth:`update` — validates and pads every distinct metadata object once, copies
+       block tables into the captured buffers once per group, then on its own update
+       stream, ordered after the namespace's previous replay by an event (never a host
+       synchronize), re-issues each task whose host arguments changed inside
+       ``graph_task_update_begin/end`` and records each task's ``ExternalEvent``;
+    3. :meth:`replay` — enqueues the graph on the current stream.
+
+    A graph whose update failed (bad metadata, device error) refuses to replay until a
+    complete update succeeds.  The updater never captures and never synchronizes.
+    """
+
+    def __init__(
+        self,
+        manager: CaptureManager,
+        *,
+        validate: bool = True,
+        skip_unchanged: bool = True,
+        fused_update: bool = True,
+        on_error: Callable[[NpuGraphError, GraphEntry | None], None] | None = None,
+    ) -> None:
+        self.manager = manager
+        self.device = manager.device
+        self.validate = validate
+        self.skip_unchanged = skip_unchanged
+        self._fused = self.device.fused_fia_update if fused_update else None
+        self._stream: Any = None
+        self._plans: dict[int, UpdatePlan] = {}
+        self._steps: dict[str, _NamespaceSteps] = {}
+        self._on_error = on_error
+
+    @property
+    def stream(self) -> Any:
+        """The update stream shared by every namespace."""
+        if self._stream is None:
+            self._stream = self.device.npu.Stream()
+        return self._stream
+
+    def _ns(self, namespace: str) -> _NamespaceSteps:
+        st = self._steps.get(namespace)
+        if st is None:
+            npu = self.device.npu
+            st = self._steps[namespace] = _NamespaceSteps(done=(npu.Event(), npu.Event()))
+        return st
+
+    def plan(self, entry: GraphEntry) -> UpdatePlan:
+        """The update plan of ``entry`` (built on first use)."""
+        plan = self._plans.get(id(entry.graph))
+        if plan is None:
+            plan = self._plans[id(entry.graph)] = self._build_plan(entry)
+        return plan
+
+    def _build_plan(self, entry: GraphEntry) -> UpdatePlan:
+        fused, geometry, tables = [], [], []
+        for t in entry.tasks:
+            bt = t.tensor("block_table")
+            kc = t.tensor("key_cache")
+            if kc is None:
+                kc = t.tensor("key")
+            if bt is None or kc is None:
+                raise NpuGraphError(
+                    f"{entry.namespace}/{entry.key!r} layer {t.layer!r}: a captured tensor was "
+                    "freed; the graph cannot be updated"
+                )
+            geometry.append((int(kc.shape[1]), int(kc.shape[0]), int(bt.shape[1])))
+            tables.append(weakref.ref(bt))
+            fused.append(bool(t.spec.fused_update and self._fused is not None))
+        return UpdatePlan(
+            layers=tuple(t.layer for t in entry.tasks),
+            groups=tuple(t.group for t in entry.tasks),
+            handles=tuple(t.handle for t in entry.tasks),
+            events=tuple(t.event for t in entry.tasks),
+            specs=tuple(t.spec for t in entry.tasks),
+            kernels=tuple(t.spec.kernel_fn(self.device) for t in entry.tasks),
+            fused=tuple(fused),
+            block_tables=tuple(tables),
+            geometry=tuple(geometry),
+        )
+
+    # --- update ----------------------------------------------------------------------
+    def update(
+        self,
+        namespace: str,
+        key: Hashable,
+        metadata: Mapping[str, AttentionMetadata],
+    ) -> None:
+        """Write this step's metadata into the graph of ``(namespace, key)``.
+
+        ``metadata`` maps attention layer names, or KV-cache group names shared by
+        many layers, to :class:`AttentionMetadata`.  Each task is resolved by its own
+        layer name first, then by its group; never by iteration order.
+        """
+        entry = self.manager.entry(namespace, key)
+        plan = self.plan(entry)
+        entry.replayable = False
+        try:
+            host, copies = self._prepare(entry, plan, metadata)
+        except NpuGraphError as exc:
+            self._report(exc, entry)
+            raise
+        try:
+            self._issue(entry, plan, host, copies)
+        except NpuGraphError as exc:
+            self._report(exc, entry)
+            raise
+        except self.device.race_errors as exc:
+            err: NpuGraphError = GraphRace(self._describe_device_error(exc, entry))
+            self._report(err, entry)
+            raise err from exc
+        except Exception as exc:
+            err = UpdateFailed(
+                f"update of {namespace}/{key!r} failed: {type(exc).__name__}: {exc}. The graph "
+                "will not replay until a complete update succeeds."
+            )
+            self._report(err, entry)
+            raise err from exc
+        entry.replayable = True
+        entry.steps += 1
+        steps = self._ns(namespace)
+        steps.updated = True
+        steps.advance_if_complete()
+
+    def _prepare(
+        self, entry: GraphEntry, plan: UpdatePlan, metadata: Mapping[str, AttentionMetadata]
+    ) -> tuple[list[dict[str, Any]], dict[tuple[int, int], tuple[Any, AttentionMetadata]]]:
+        """Resolve, validate and convert metadata; no device call happens here."""
+        get = metadata.get
+        converted: dict[int, StepLens] = {}
+        host_of: dict[tuple[int, str], dict[str, Any]] = {}
+        copies: dict[tuple[int, int], tuple[Any, AttentionMetadata]] = {}
+        host: list[dict[str, Any]] = []
+        for i, layer in enumerate(plan.layers):
+            meta = get(layer)
+            group = plan.groups[i]
+            if meta is None:
+                meta = get(group)
+                if meta is None:
+                    raise MetadataError(
+                        f"{entry.namespace}/{entry.key!r}: the step's metadata has no entry for "
+                        f"layer {layer!r} nor for its KV-cache group {group!r} (it has "
+                        f"{sorted(metadata)[:6]}...); pass metadata for every captured layer"
+                    )
+            mid = id(meta)
+            lens = converted.get(mid)
+            if lens is None:
+                bs, nblocks, cols = plan.geometry[i]
+                lens = convert(
+                    meta,
+                    batch=entry.batch,
+                    tokens=entry.tokens,
+                    max_model_len=self.manager.max_model_len,
+                    block_size=bs,
+                    num_blocks=nblocks,
+                    capacity_blocks=cols,
+                    where=f"{entry.namespace}/{entry.key!r} layer {layer!r}",
+                    validate=self.validate,
+                )
+                prev = entry.last_lens.get(group)
+                if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
+                    lens = prev  # unchanged: identity lets tasks skip the re-issue
+                else:
+                    entry.last_lens[group] = lens
+                converted[mid] = lens
+                copies[(id(plan.block_tables[i]), mid)] = (plan.block_tables[i], meta)
+            spec = plan.specs[i]
+            hk = (id(lens), spec.name)
+            hv = host_of.get(hk)
+            if hv is None:
+                cached = entry.last_host.get((group, spec.name))
+                if cached is not None and cached[0] is lens:
+                    hv = cached[1]
+                else:
+                    hv = spec.host_values(lens)
+                    entry.last_host[(group, spec.name)] = (lens, hv)
+                host_of[hk] = hv
+            host.append(hv)
+        return host, copies
+
+    def _issue(
+        self,
+        entry: GraphEntry,
+        plan: UpdatePlan,
+        host: list[dict[str, Any]],
+        copies: dict[tuple[int, int], tuple[Any, AttentionMetadata]],
+    ) -> None:
+        npu = self.device.npu
+        us = self.stream
+        steps = self._ns(entry.namespace)
+        if steps.step > 0:
+            # Order after the previous replay: it must consume the previous step's
+            # lengths and events before this step's land (no host synchronize).
+            us.wait_event(steps.done[(steps.step - 1) % 2])
+        with npu.stream(us):
+            for ref, meta in copies.values():
+                buf = ref()
+                src = meta.block_table
+                if buf.data_ptr() != src.data_ptr():
+                    rows = min(int(src.shape[0]), int(buf.shape[0]))
+                    cols = min(int(src.shape[1]), int(buf.shape[1]))
+                    buf[:rows, :cols].copy_(src[:rows, :cols], non_blocking=True)
+            begin = npu.graph_task_update_begin
+            end = npu.graph_task_update_end
+            fused_fn = self._fused
+            applied = entry.applied
+            pending = entry.event_pending
+            skip = self.skip_unchanged
+            tasks = entry.tasks
+            handles, events, kernels, fused = plan.handles, plan.events, plan.kernels, plan.fused
+            for i in range(len(tasks)):
+                hv = host[i]
+                if skip and applied[i] is hv:
+                    if not pending[i]:
+                        events[i].record(us)
+                        pending[i] = True
+                    continue
+                kw = tasks[i].kwargs()
+                kw.update(hv)
+                if fused[i] and not pending[i]:
+                    fused_fn(
+                        us,
+                        handles[i],
+                        events[i],
+                        kw.pop("query"),
+                        kw.pop("key"),
+                        kw.pop("value"),
+                        **kw,
+                    )  # type: ignore[misc]
+                    applied[i] = hv
+                    pending[i] = True
+                    continue
+                begin(us, handles[i])
+                try:
+                    kernels[i](**kw)
+                finally:
+                    end(us)
+                applied[i] = hv
+                if not pending[i]:
+                    events[i].record(us)
+                    pending[i] = True
+        if entry.replay_waiting:
+            # The replay already queued consumes these events.
+            entry.replay_waiting = False
+            pending[:] = [False] * len(pending)
+
+    # --- replay ----------------------------------------------------------------------
+    def replay(self, namespace: str, key: Hashable) -> None:
+        """Enqueue the graph of ``(namespace, key)`` on the current stream.
+
+        Called after :meth:`update` it runs this step's lengths; called before, it
+        waits on the device for the update that follows.
+        """
+        entry = self.manager.entry(namespace, key)
+        if not entry.replayable:
+            err = NotReplayableError(
+                f"{namespace}/{key!r} is not replayable: its last update failed part-way, so "
+                "some layers hold new lengths and some old. Call update() with complete, "
+                "valid metadata first."
+            )
+            self._report(err, entry)
+            raise err
+        if entry.replay_waiting:
+            raise NpuGraphError(
+                f"{namespace}/{key!r} already has a replay waiting for its update; update it before replaying again"
+            )
+        pending = entry.event_pending
+        if pending and pending[0] and pending[-1]:
+            pending[:] = [False] * len(pending)
+        else:
+            entry.replay_waiting = True
+        npu = self.device.npu
+        steps = self._ns(namespace)
+        entry.graph.replay()
+        steps.done[steps.step % 2].record(npu.current_stream())
+        entry.replays += 1
+        steps.replayed = True
+        steps.advance_if_complete()
+
+    # --- errors ----------------------------------------------------------------------
+    def _report(self, err: NpuGraphError, entry: GraphEntry | None) -> None:
+        if self._on_error is not None:
+            self._on_error(err, entry)
+
+    def _describe_device_error(self, exc: BaseException, entry: GraphEntry | None) -> str:
+        return describe_device_error(self.manager, exc, entry)
+
+
+def describe_device_error(manager: CaptureManager, exc: BaseException, entry: GraphEntry | None = None) -> str:
+    """Name the namespace, key and layer behind a device deadlock or race error."""
+    events = []
+    blocked = getattr(exc, "blocked", None)
+    if blocked:
+        events = [b.get("event") for b in blocked]
+    elif getattr(exc, "event", None) is not None:
+        events = [exc.event]  # type: ignore[attr-defined]
+    lines = []
+    for ev in events:
+        found = manager.task_for_event(ev) if ev is not None else None
+        if found is not None:
+            e, t = found
+            lines.append(f"namespace {e.namespace!r}, key {e.key!r}, layer {t.layer!r} (task {t.index}, {t.spec.name})")
+    group = getattr(exc, "task_group", None)
+    if not lines and group is not None and entry is not None:
+        for t in entry.tasks:
+            if getattr(t.handle, "_group", None) is group:
+                lines.append(f"namespace {entry.namespace!r}, key {entry.key!r}, layer {t.layer!r}")
+    where = "; ".join(lines) if lines else "no captured task matched"
+    return f"{where}: {exc}"

@@ -1,0 +1,91 @@
+"""``npugraph.sim``: a CPU simulation of torch_npu's graph API with real PA/FIA kernels.
+
+Shaped like ``torch_npu`` (the ops below, ``_C``) with ``npugraph.sim.npu`` shaped like
+``torch.npu``, so code written for torch_npu runs on it with only the module swapped.
+See the README's "The simulator" section for what it models and what it does not.
+
+Simulator-only controls: :func:`configure` (adversarial scheduling, host-cost model),
+:func:`counters` (device calls made so far), :func:`pool_bytes`.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+
+from npugraph.sim import npu
+from npugraph.sim._ops import (
+    _npu_fused_infer_attention_score_get_max_workspace,
+    _npu_fused_infer_attention_score_out_graph,
+    _npu_fused_infer_attention_score_v2_get_max_workspace,
+    _npu_paged_attention,
+    _npu_paged_attention_get_workspace,
+    npu_fused_infer_attention_score,
+    npu_fused_infer_attention_score_v2,
+)
+from npugraph.sim._runtime import HostCostModel, SimConfig, get_state
+from npugraph.sim._runtime import reset as _reset
+from npugraph.sim.errors import (
+    CaptureError,
+    DeadlockError,
+    RaceError,
+    SimError,
+    UpdateMismatchError,
+    WorkspaceTooSmall,
+)
+
+__all__ = [
+    "npu",
+    "_C",
+    "_npu_paged_attention",
+    "_npu_paged_attention_get_workspace",
+    "npu_fused_infer_attention_score",
+    "_npu_fused_infer_attention_score_get_max_workspace",
+    "npu_fused_infer_attention_score_v2",
+    "_npu_fused_infer_attention_score_v2_get_max_workspace",
+    "HostCostModel",
+    "SimConfig",
+    "configure",
+    "counters",
+    "pool_bytes",
+    "SimError",
+    "DeadlockError",
+    "RaceError",
+    "WorkspaceTooSmall",
+    "CaptureError",
+    "UpdateMismatchError",
+]
+
+_C = types.SimpleNamespace(_npu_fused_infer_attention_score_out_graph=_npu_fused_infer_attention_score_out_graph)
+
+
+def configure(
+    *,
+    adversarial_seed: int | None = None,
+    cost_model: HostCostModel | None = None,
+    kernel_time_model: object = None,
+) -> None:
+    """Reset the simulated device with a new configuration.
+
+    ``adversarial_seed``: defer work and interleave streams in a seeded random order.
+    ``cost_model``: charge modelled host time per device call (benchmarks).
+    ``kernel_time_model``: ``f(op_name, params) -> seconds`` of modelled device time.
+    All queues, counters and streams of the previous device are dropped.
+    """
+    _reset(
+        SimConfig(
+            adversarial_seed=adversarial_seed,
+            cost_model=cost_model,
+            kernel_time_model=kernel_time_model,
+        )
+    )
+
+
+def counters() -> collections.Counter[str]:
+    """Device calls made since the last :func:`configure` (a live Counter)."""
+    return get_state().counters
+
+
+def pool_bytes(pool: tuple[int, int]) -> int:
+    """Bytes that graphs captured into ``pool`` currently hold."""
+    return get_state().pools.get(pool, 0)

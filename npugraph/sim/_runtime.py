@@ -1,0 +1,482 @@
+"""The simulated device: streams, events, the work scheduler, counters and host costs.
+
+The simulated NPU is a process-wide resource, as the real one is, so this module keeps
+one :class:`SimState`; :func:`reset` replaces it (tests do so before each case).
+
+Model: every stream is an ordered queue of work items.  After each host call the
+scheduler runs whatever is runnable.  By default it runs everything it can at once
+("work runs as soon as nothing blocks it"); in adversarial mode it runs a random,
+seeded number of steps, picking among runnable streams at random, and only drains
+completely at a synchronize.  Work on different streams is ordered only by events.
+A synchronize that finds work still blocked raises :class:`DeadlockError` at once
+instead of waiting for the device timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+
+from npugraph.sim.errors import DeadlockError, RaceError
+
+if TYPE_CHECKING:
+    from npugraph.sim._graph import CaptureSession
+
+__all__ = [
+    "HostCostModel",
+    "SimConfig",
+    "SimState",
+    "Stream",
+    "Event",
+    "ExternalEvent",
+    "get_state",
+    "reset",
+]
+
+
+@attrs.frozen(kw_only=True)
+class HostCostModel:
+    """Host-side microseconds that each device API call costs (busy-waited).
+
+    Off by default.  :meth:`atlas_a2` reproduces the cost structure measured on
+    Atlas A2 by the vllm-ascend project:
+
+    * issue #13058 (20 layers): 3.68 ms of update per step, ~184 us per updated
+      layer, against 1.21 ms of replay;
+    * PR #15579: reusing one PA workspace instead of querying it per layer cut the
+      update from 2.4-2.95 ms to 1.65 ms (20 layers), i.e. ~40-65 us per query;
+    * PR #4233: ~85 us per host synchronize.
+    """
+
+    op_launch_us: float = 0.0
+    update_begin_us: float = 0.0
+    update_end_us: float = 0.0
+    event_record_us: float = 0.0
+    workspace_query_us: float = 0.0
+    synchronize_us: float = 0.0
+    replay_us: float = 0.0
+
+    @classmethod
+    def atlas_a2(cls) -> HostCostModel:
+        """Return the model calibrated on the Atlas A2 measurements cited above."""
+        # 184 us per updated layer = begin 22 + op launch (tiling) 120 + end 30 + record 12.
+        return cls(
+            op_launch_us=120.0,
+            update_begin_us=22.0,
+            update_end_us=30.0,
+            event_record_us=12.0,
+            workspace_query_us=50.0,
+            synchronize_us=85.0,
+            replay_us=40.0,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class SimConfig:
+    """How the simulated device schedules work and charges host time.
+
+    ``adversarial_seed`` turns on adversarial scheduling: work is deferred and
+    streams are interleaved in a seeded random order consistent with their
+    dependencies, so missing ordering shows up as wrong results or typed errors.
+    ``cost_model`` charges host time per device call (benchmarks only).
+    """
+
+    adversarial_seed: int | None = None
+    cost_model: HostCostModel | None = None
+    kernel_time_model: Any = None  # callable(op_name, params) -> seconds; see policy
+
+
+class _Work(Protocol):
+    def ready(self) -> bool: ...
+
+    def step(self, max_nodes: int) -> bool: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+_ids = itertools.count(1)
+
+
+def _new_id() -> int:
+    return next(_ids)
+
+
+class SimState:
+    """The one simulated device of this process."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.adversarial = config.adversarial_seed is not None
+        self.rng = random.Random(config.adversarial_seed)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.active: list[Stream] = []
+        self.capture: CaptureSession | None = None
+        self.default_stream = Stream._create(self, name="default", is_default=True)
+        self.current_stream = self.default_stream
+        self.pools: dict[tuple[int, int], int] = {}
+        self.auto_update_stream: Stream | None = None
+        self.device_index = 0
+        self._costs = config.cost_model
+
+    # --- host cost and call counting -------------------------------------------------
+    def charge(self, what: str) -> None:
+        """Count one device call and spend its modelled host time."""
+        self.counters[what] += 1
+        model = self._costs
+        if model is None:
+            return
+        us = getattr(model, what + "_us", 0.0)
+        if us:
+            end = time.perf_counter() + us * 1e-6
+            while time.perf_counter() < end:
+                pass
+
+    # --- scheduling ------------------------------------------------------------------
+    def enqueue(self, stream: Stream, work: _Work) -> None:
+        stream._queue.append(work)
+        if len(stream._queue) == 1:
+            self.active.append(stream)
+        self.pump()
+
+    def pump(self, drain: bool = False) -> None:
+        """Run runnable work: everything (default, or ``drain``) or a random slice."""
+        if not self.active:
+            return
+        if self.adversarial and not drain:
+            budget = self.rng.randint(0, 4)
+            max_nodes = 1
+        else:
+            budget = -1
+            max_nodes = 1 if self.adversarial else 1 << 30
+        while budget != 0 and self.active:
+            ready = [s for s in self.active if s._queue[0].ready()]
+            if not ready:
+                return
+            s = self.rng.choice(ready) if self.adversarial else ready[0]
+            work = s._queue[0]
+            try:
+                finished = work.step(max_nodes)
+            except BaseException:
+                # A failed work item is dropped so that the device stays usable.
+                self._pop(s)
+                raise
+            if finished:
+                self._pop(s)
+            budget -= 1
+
+    def _pop(self, s: Stream) -> None:
+        s._queue.popleft()
+        if not s._queue:
+            self.active.remove(s)
+
+    def drain(self, what: str, stream: Stream | None = None) -> None:
+        """Run all work (of ``stream`` and what it depends on); raise if any stays blocked."""
+        self.pump(drain=True)
+        stuck = [s for s in self.active if stream is None or s is stream]
+        if not stuck:
+            return
+        blocked = [s._queue[0].describe() | {"stream": s} for s in self.active]
+        lines = [f"{what} would block forever: the device is deadlocked."]
+        for info in blocked:
+            lines.append("  - " + info["text"])
+        lines.append(
+            "Every ExternalEvent a graph waits on must be recorded (after "
+            "graph_task_update_end) before the graph can run past that wait."
+        )
+        raise DeadlockError("\n".join(lines), blocked)
+
+
+_STATE: SimState | None = None
+
+
+def get_state() -> SimState:
+    """Return the simulated device, creating it with the default config on first use."""
+    global _STATE
+    if _STATE is None:
+        _STATE = SimState(SimConfig())
+    return _STATE
+
+
+def reset(config: SimConfig | None = None) -> SimState:
+    """Replace the simulated device by a fresh one (all queues, counters and config)."""
+    global _STATE
+    _STATE = SimState(config or SimConfig())
+    return _STATE
+
+
+# --- streams -------------------------------------------------------------------------
+
+
+class Stream:
+    """An ordered queue of device work (``torch.npu.Stream``)."""
+
+    _state: SimState
+    _queue: collections.deque[_Work]
+    _name: str
+    _is_default: bool
+    _updating: Any  # the task group handle between update begin/end
+    _update_ops: int
+    stream_id: int
+    priority: int
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
+        return cls._create(get_state(), name=None, is_default=False)
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        pass
+
+    @classmethod
+    def _create(cls, state: SimState, name: str | None, is_default: bool) -> Stream:
+        self = object.__new__(cls)
+        self._state = state
+        self._queue = collections.deque()
+        self.stream_id = _new_id()
+        self._name = name or f"stream#{self.stream_id}"
+        self._is_default = is_default
+        self._updating = None
+        self._update_ops = 0
+        self.priority = 0
+        return self
+
+    def __repr__(self) -> str:
+        return f"<sim.npu.Stream {self._name}>"
+
+    @property
+    def device(self) -> str:
+        return "npu:0"
+
+    def wait_event(self, event: Event) -> None:
+        """Make all future work on this stream wait for ``event``'s latest record."""
+        self._state.enqueue(self, _EventWait(event, event._issued))
+
+    def wait_stream(self, stream: Stream) -> None:
+        """Make all future work on this stream wait for the work queued on ``stream``."""
+        ev = Event()
+        ev.record(stream)
+        self.wait_event(ev)
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        self._state.pump(drain=True)
+        return not self._queue
+
+    def synchronize(self) -> None:
+        self._state.charge("synchronize")
+        self._state.drain(f"{self!r}.synchronize()", stream=self)
+
+
+# --- events --------------------------------------------------------------------------
+
+
+class Event:
+    """A regular stream event (``torch.npu.Event``): waits see its latest record."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.event_id = _new_id()
+        self._issued = 0  # sequence number of the latest record() call
+        self._completed = 0  # sequence number of the latest record that ran
+        self._time = 0.0
+
+    def __repr__(self) -> str:
+        return f"<sim.npu.Event #{self.event_id}>"
+
+    def record(self, stream: Stream | None = None) -> None:
+        st = get_state()
+        stream = stream or st.current_stream
+        if st.capture is not None and st.capture.stream is stream:
+            raise _capture_unsupported("Event.record on the capturing stream")
+        self._issued += 1
+        st.enqueue(stream, _EventRecord(self, self._issued))
+
+    def wait(self, stream: Stream | None = None) -> None:
+        st = get_state()
+        (stream or st.current_stream).wait_event(self)
+
+    def query(self) -> bool:
+        get_state().pump(drain=True)
+        return self._completed >= self._issued
+
+    def synchronize(self) -> None:
+        st = get_state()
+        st.charge("synchronize")
+        st.pump(drain=True)
+        if self._completed < self._issued:
+            st.drain(f"{self!r}.synchronize()")
+
+    def elapsed_time(self, end_event: Event) -> float:
+        return (end_event._time - self._time) * 1e3
+
+
+def _capture_unsupported(what: str) -> Exception:
+    from npugraph.sim.errors import CaptureError
+
+    return CaptureError(f"{what}: the simulator captures a single stream; fork/join not modelled")
+
+
+class ExternalEvent:
+    """A one-bit device flag (``torch.npu.ExternalEvent``).
+
+    ``record`` enqueues "flag = 1" (a record while the flag is already 1 is lost:
+    the simulator raises :class:`RaceError` when it lands).  ``wait`` enqueues
+    "block until flag == 1, then flag = 0"; inside a capture it becomes a graph node.
+    ``reset`` is a no-op, as on every CANN that has task groups.
+    """
+
+    def __init__(self) -> None:
+        self.event_id = _new_id()
+        self._flag = 0
+        self._waits_since_record = 0
+        self.label: str | None = None  # simulator-only: shown in error messages
+
+    def __repr__(self) -> str:
+        return f"<sim.npu.ExternalEvent #{self.event_id}>"
+
+    def record(self, stream: Stream) -> None:
+        st = get_state()
+        st.charge("event_record")
+        self._waits_since_record = 0
+        if st.capture is not None and st.capture.stream is stream:
+            st.capture.record_external(self, wait=False)
+            return
+        st.enqueue(stream, _ExternalRecord(self))
+
+    def wait(self, stream: Stream) -> None:
+        st = get_state()
+        if self._waits_since_record >= 1:
+            raise RuntimeError(
+                "External event: A single record operation cannot be associated with multiple wait operations."
+            )
+        self._waits_since_record += 1
+        if st.capture is not None and st.capture.stream is stream:
+            st.capture.record_external(self, wait=True)
+            return
+        st.enqueue(stream, _ExternalWait(self))
+
+    def reset(self, stream: Stream) -> None:
+        """No-op on every CANN that has task groups (kept for old code)."""
+
+
+# --- plain work items ----------------------------------------------------------------
+
+
+class _EventRecord:
+    def __init__(self, event: Event, seq: int) -> None:
+        self.event, self.seq = event, seq
+
+    def ready(self) -> bool:
+        return True
+
+    def step(self, max_nodes: int) -> bool:
+        self.event._completed = max(self.event._completed, self.seq)
+        self.event._time = time.perf_counter()
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {"text": f"record of {self.event!r}", "event": self.event}
+
+
+class _EventWait:
+    def __init__(self, event: Event, seq: int) -> None:
+        self.event, self.seq = event, seq
+
+    def ready(self) -> bool:
+        return self.event._completed >= self.seq
+
+    def step(self, max_nodes: int) -> bool:
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {"text": f"wait on {self.event!r} (record #{self.seq})", "event": self.event}
+
+
+def external_event_name(event: ExternalEvent) -> str:
+    return f"{event!r}" + (f" [{event.label}]" if event.label else "")
+
+
+class _ExternalRecord:
+    def __init__(self, event: ExternalEvent) -> None:
+        self.event = event
+
+    def ready(self) -> bool:
+        return True
+
+    def step(self, max_nodes: int) -> bool:
+        fire_external_record(self.event)
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {"text": f"record of {external_event_name(self.event)}", "event": self.event}
+
+
+def fire_external_record(event: ExternalEvent) -> None:
+    """Set the flag; a record that lands while it is already set is lost."""
+    if event._flag:
+        raise RaceError(
+            f"{external_event_name(event)} was recorded while its flag was already set: "
+            "this record is lost, and the next replay waiting on it would hang. Record each "
+            "task's event exactly once per replay (after its update), and order the update "
+            "stream after the previous replay.",
+            event=event,
+        )
+    event._flag = 1
+
+
+class _ExternalWait:
+    def __init__(self, event: ExternalEvent) -> None:
+        self.event = event
+
+    def ready(self) -> bool:
+        return bool(self.event._flag)
+
+    def step(self, max_nodes: int) -> bool:
+        self.event._flag = 0
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "text": f"wait on {external_event_name(self.event)}, which is never recorded",
+            "event": self.event,
+        }
+
+
+class KernelWork:
+    """One eager kernel launch queued on a stream."""
+
+    def __init__(self, run: Any, label: str) -> None:
+        self.run, self.label = run, label
+
+    def ready(self) -> bool:
+        return True
+
+    def step(self, max_nodes: int) -> bool:
+        self.run()
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {"text": self.label}
+
+
+@contextmanager
+def use_stream(stream: Stream | None) -> Iterator[None]:
+    """Make ``stream`` current for the block (``torch.npu.stream``)."""
+    st = get_state()
+    if stream is None:
+        yield
+        return
+    prev = st.current_stream
+    st.current_stream = stream
+    try:
+        yield
+    finally:
+        st.current_stream = prev

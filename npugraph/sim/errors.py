@@ -1,0 +1,68 @@
+"""Errors the simulated device raises where real hardware would hang or corrupt memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "SimError",
+    "DeadlockError",
+    "RaceError",
+    "WorkspaceTooSmall",
+    "CaptureError",
+    "UpdateMismatchError",
+]
+
+
+class SimError(RuntimeError):
+    """Base of every error the simulator raises on its own account."""
+
+
+class DeadlockError(SimError):
+    """Work is queued behind a wait that nothing will ever satisfy.
+
+    On hardware the stream blocks and the next synchronize fails after a device
+    timeout (error 507011, ~30 minutes).  ``blocked`` lists what each stuck stream
+    waits for: dicts with the ``stream``, ``graph``, ``event`` and ``task_group``
+    objects (``None`` where not applicable), so a runtime can name its own layers.
+    """
+
+    def __init__(self, message: str, blocked: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.blocked = blocked or []
+
+
+class RaceError(SimError):
+    """Two stream operations raced in a way that gives wrong output or a later hang.
+
+    ``event``, ``task_group`` and ``graph`` carry the objects involved (or ``None``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        event: Any = None,
+        task_group: Any = None,
+        graph: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.event = event
+        self.task_group = task_group
+        self.graph = graph
+
+
+class WorkspaceTooSmall(SimError):
+    """A kernel ran with a workspace smaller than its current arguments need.
+
+    This is a simulator check: torch_npu never size-checks the workspace, and the
+    hardware silently corrupts memory instead.
+    """
+
+
+class CaptureError(SimError):
+    """Something was done during capture that a real NPU graph capture forbids."""
+
+
+class UpdateMismatchError(SimError):
+    """The op issued inside a task update differs from the op captured in that group."""

@@ -1,0 +1,126 @@
+"""Real math for the simulated attention kernels, and their workspace models.
+
+Numerics (both kernels): scores ``scale * q·k`` and the softmax in float32; the
+probabilities are cast to the input dtype before the product with V, which is
+accumulated in float32 and cast back.  Requests are vectorised (one gather, one
+batched matmul); no Python loop runs per token.
+
+Workspace models (bytes).  PA's depends on the *current* lengths and is not
+monotonic: short sequences take a split-KV ("flash decoding") path that spreads each
+request over the idle cores, so a batch of short sequences can need more scratch
+than the same batch at 6144 tokens (the effect vllm-ascend hit in PR #3986).  FIA's
+``get_max_workspace`` is a true maximum over lengths for the given shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "AI_CORES",
+    "attention",
+    "gather_paged",
+    "pa_workspace_bytes",
+    "fia_workspace_bytes",
+]
+
+AI_CORES = 24  # Atlas A2/A3 vector cores used by the split-KV decision
+_WS_BASE = 16 * 1024
+
+
+def pa_workspace_bytes(tokens: int, heads: int, kv_heads: int, v_head_size: int, max_len: int) -> int:
+    """Scratch PA needs for ``tokens`` requests whose longest context is ``max_len``."""
+    if max_len <= 0:
+        return _WS_BASE
+    if max_len <= 1024:
+        # split-KV: fill the idle cores with pieces of each (short) request
+        splits = max(1, math.ceil(AI_CORES / max(1, tokens * kv_heads)))
+    else:
+        splits = math.ceil(max_len / 2048)
+    return _WS_BASE + tokens * heads * splits * (v_head_size + 2) * 4
+
+
+def fia_workspace_bytes(rows: int, heads: int, v_head_size: int, max_kv_len: int) -> int:
+    """Scratch FIA needs for ``rows`` query rows attending to at most ``max_kv_len`` keys."""
+    splits = min(16, max(1, math.ceil(max_kv_len / 1024)))
+    return 4 * _WS_BASE + rows * heads * splits * (v_head_size + 2) * 4
+
+
+def gather_paged(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lens: torch.Tensor,
+    max_len: int,
+    block_size: int,
+    arg: str,
+) -> torch.Tensor:
+    """Gather positions ``[0, max_len)`` of every request from a paged cache.
+
+    ``cache`` is ``[num_blocks, block_size, ...]``; returns ``[B, max_len, ...]``.
+    Block ids of valid positions are range-checked (``arg`` names the table);
+    positions past a request's length read block 0 and are masked by the caller.
+    """
+    num_blocks = cache.shape[0]
+    pos = torch.arange(max_len)
+    col = pos // block_size
+    blk = block_table[:, col].long()  # [B, max_len]
+    valid = pos.unsqueeze(0) < lens.unsqueeze(1)
+    bad = valid & ((blk < 0) | (blk >= num_blocks))
+    if bool(bad.any()):
+        b, p = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"{arg}: request {b} position {p} maps to block id {int(blk[b, p])}, outside "
+            f"[0, {num_blocks}) (the cache has {num_blocks} blocks)"
+        )
+    blk = torch.where(valid, blk, torch.zeros_like(blk))
+    return cache[blk, (pos % block_size).unsqueeze(0).expand_as(blk)]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked multi-head attention with GQA.
+
+    ``q`` ``[B, N, Sq, D]``, ``k`` ``[B, KVN, Sk, D]``, ``v`` ``[B, KVN, Sk, Dv]``;
+    ``q_lens``/``kv_lens`` ``[B]`` valid lengths.  ``causal`` anchors the diagonal
+    bottom-right (query i of Lq sees key j iff ``j <= i + Lk - Lq``); ``mask``
+    (True = masked) broadcasts to ``[B, 1, Sq, Sk]``.  Rows with no visible key
+    give zeros.  Returns ``(out [B, N, Sq, Dv] in q.dtype, lse [B, N, Sq] float32)``.
+    """
+    b, n, sq, d = q.shape
+    kvn, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = n // kvn
+    qf = q.float().reshape(b, kvn, g * sq, d)
+    s = torch.matmul(qf, k.float().transpose(-1, -2)).reshape(b, kvn, g, sq, sk) * scale
+    qi = torch.arange(sq).view(1, sq, 1)
+    kj = torch.arange(sk).view(1, 1, sk)
+    ql = q_lens.view(b, 1, 1).long()
+    kl = kv_lens.view(b, 1, 1).long()
+    allowed = (kj < kl) & (qi < ql)
+    if causal:
+        allowed = allowed & (kj <= qi + (kl - ql))
+    allowed = allowed.view(b, 1, 1, sq, sk)
+    if mask is not None:
+        m = mask.bool()
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        allowed = allowed & ~m.reshape(m.shape[0], 1, 1, m.shape[-2], m.shape[-1])
+    s = s.masked_fill(~allowed, float("-inf"))
+    mx = s.amax(dim=-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    p = torch.exp(s - mx)
+    denom = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    lse = torch.where(denom > 0, mx + torch.log(denom), torch.full_like(denom, float("-inf")))
+    pv = p.to(q.dtype).float().reshape(b, kvn, g * sq, sk)
+    o = torch.matmul(pv, v.float()).reshape(b, kvn, g, sq, dv)
+    return o.reshape(b, n, sq, dv).to(q.dtype), lse.reshape(b, n, sq)
