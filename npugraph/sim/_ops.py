@@ -209,7 +209,11 @@ def auto_update(g: gr.NPUGraph, cpu_update_input: list[dict[str, Any]]) -> None:
         for key in op.host_args:
             if key not in update_input:
                 continue
-            params[key] = update_input[key]
+            value = update_input[key]
+            captured = params.get(key)
+            if isinstance(captured, torch.Tensor) and not isinstance(value, torch.Tensor):
+                value = torch.tensor(list(value), dtype=captured.dtype)  # e.g. PA context_lens
+            params[key] = value
         with rt.use_stream(us):
             gr.graph_task_update_begin(us, rec["handle"])
             launch(op, params)
@@ -273,8 +277,8 @@ def _pa_check(p: dict[str, Any]) -> dict[str, Any]:
         if length < 0 or length > cap:
             raise _fail(
                 op,
-                "context_lens",
-                f"[{i}] = {length} is outside [0, {cap}] (block_table has {bt.shape[1]} blocks of {bs} per request)",
+                f"context_lens[{i}]",
+                f"= {length} is outside [0, {cap}] (block_table has {bt.shape[1]} blocks of {bs} per request)",
             )
     return {"max_len": max(lens, default=0), "max_kv": cap, "max_q": 1}
 

@@ -1,0 +1,445 @@
+"""One test per rule of the graph contract (shared/reference/npu-graph-semantics.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import npugraph.sim as torch_npu
+from npugraph.sim import npu
+
+SCALE = 0.125
+
+
+def _pa_setup(t=2, n=4, kvn=2, d=16, nb=8, bs=4, cols=4, dtype=torch.float16):
+    q = torch.randn(t, n, d, dtype=dtype)
+    kc = torch.randn(nb, bs, kvn, d, dtype=dtype)
+    vc = torch.randn(nb, bs, kvn, d, dtype=dtype)
+    bt = torch.randint(0, nb, (t, cols), dtype=torch.int32)
+    out = torch.empty(t, n, d, dtype=dtype)
+    return q, kc, vc, bt, out
+
+
+def _pa(q, kc, vc, bt, lens, out, ws=None):
+    torch_npu._npu_paged_attention(
+        q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt, lens, out, workspace=ws
+    )
+
+
+def _capture_pa(q, kc, vc, bt, lens, out, ws):
+    g = npu.NPUGraph()
+    ev = npu.ExternalEvent()
+    with npu.graph(g):
+        s = npu.current_stream()
+        ev.wait(s)
+        ev.reset(s)
+        npu.graph_task_group_begin(s)
+        _pa(q, kc, vc, bt, lens, out, ws)
+        h = npu.graph_task_group_end(s)
+    return g, ev, h
+
+
+def _update_pa(us, h, ev, q, kc, vc, bt, lens, out, ws, record=True):
+    with npu.stream(us):
+        npu.graph_task_update_begin(us, h)
+        _pa(q, kc, vc, bt, lens, out, ws)
+        npu.graph_task_update_end(us)
+        if record:
+            ev.record(us)
+
+
+def _eager_pa(q, kc, vc, bt, lens):
+    out = torch.empty_like(q)
+    _pa(q, kc, vc, bt, lens, out)
+    npu.synchronize()
+    return out
+
+
+def _ws(q, kc, vc, bt, out, max_len=16):
+    return torch_npu._npu_paged_attention_get_workspace(
+        q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt, torch.full((q.shape[0],), 1, dtype=torch.int32), out
+    )
+
+
+# --- §2 graphs and streams ------------------------------------------------------------
+
+
+def test_capture_on_default_stream_raises():
+    g = npu.NPUGraph()
+    with pytest.raises(RuntimeError, match="must be captured on a non-default stream"):
+        g.capture_begin()
+
+
+def test_capture_twice_raises_until_reset():
+    g = npu.NPUGraph()
+    x = torch.ones(3)
+    with npu.graph(g):
+        x.add_(1)
+    with pytest.raises(RuntimeError, match="already owns a captured graph"), npu.graph(g):
+        pass
+    g.reset()
+    with npu.graph(g):
+        x.add_(1)
+    g.replay()
+    assert torch.equal(x, torch.full((3,), 2.0))
+
+
+def test_capture_end_on_other_stream_raises():
+    g = npu.NPUGraph()
+    s = npu.Stream()
+    with npu.stream(s):
+        g.capture_begin()
+    with pytest.raises(RuntimeError, match="Capture must end on the same stream it began on."):
+        g.capture_end()
+    g.reset()
+
+
+def test_capture_error_mode_validated():
+    g = npu.NPUGraph()
+    with pytest.raises(RuntimeError, match="Unknown capture error mode"), npu.graph(g, capture_error_mode="strict"):
+        pass
+
+
+def test_replay_and_pool_before_capture_raise():
+    g = npu.NPUGraph()
+    with pytest.raises(RuntimeError, match="Called NPUGraph::replay without a preceding successful capture."):
+        g.replay()
+    with pytest.raises(RuntimeError, match="pool without a preceding successful capture"):
+        g.pool()
+
+
+def test_capture_records_and_does_not_execute():
+    cache = torch.zeros(4, 3)
+    w = torch.randn(3, 3)
+    x = torch.randn(2, 3)
+    idx = torch.tensor([1, 3])
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        y = torch.relu(x @ w)
+        cache.index_copy_(0, idx, y)
+    assert torch.equal(cache, torch.zeros(4, 3)), "capture must not touch the cache"
+    assert torch.isnan(y).all(), "captured results only exist after replay (buffer is poisoned)"
+    g.replay()
+    npu.synchronize()
+    assert torch.equal(cache[idx], torch.relu(x @ w))
+    x.copy_(torch.randn(2, 3))  # new input contents, same buffer
+    g.replay()
+    npu.synchronize()
+    assert torch.equal(y, torch.relu(x @ w)), "replay re-executes on the same buffers"
+
+
+@pytest.mark.parametrize("read", ["item", "tolist", "cpu", "bool"])
+def test_host_read_of_captured_result_raises(read):
+    x = torch.randn(3)
+    g = npu.NPUGraph()
+    with pytest.raises(torch_npu.CaptureError, match="not permitted when stream is capturing"), npu.graph(g):
+        y = x.sum()
+        if read == "item":
+            y.item()
+        elif read == "tolist":
+            y.tolist()
+        elif read == "cpu":
+            y.cpu()
+        else:
+            bool(y > 0)
+    g.reset()
+
+
+def test_data_dependent_shape_cannot_be_captured():
+    x = torch.randn(8)
+    g = npu.NPUGraph()
+    with pytest.raises(torch_npu.CaptureError, match="Data-dependent"), npu.graph(g):
+        torch.nonzero(x)
+
+
+def test_pool_is_shared_and_graph_buffers_keep_addresses():
+    pool = npu.graph_pool_handle()
+    x = torch.randn(4)
+    g1, g2 = npu.NPUGraph(), npu.NPUGraph()
+    with npu.graph(g1, pool=pool):
+        a = x * 2
+    with npu.graph(g2, pool=pool):
+        b = x * 3
+    assert g1.pool() == g2.pool() == pool
+    assert torch_npu.pool_bytes(pool) >= a.nbytes + b.nbytes
+    ptr = a.data_ptr()
+    g1.replay()
+    g2.replay()
+    npu.synchronize()
+    assert a.data_ptr() == ptr and torch.equal(a, x * 2) and torch.equal(b, x * 3)
+
+
+def test_replay_is_asynchronous_and_ordered_by_events():
+    """Replay enqueues; a graph waiting on an ExternalEvent runs when it is recorded."""
+    x = torch.ones(2)
+    ev = npu.ExternalEvent()
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        s = npu.current_stream()
+        ev.wait(s)
+        x.mul_(3)
+    g.replay()  # blocked on ev
+    assert torch.equal(x, torch.ones(2)), "must not have run yet"
+    us = npu.Stream()
+    ev.record(us)
+    npu.synchronize()
+    assert torch.equal(x, torch.full((2,), 3.0))
+
+
+def test_debug_dump_writes_json(tmp_path):
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    g, _, _ = _capture_pa(q, kc, vc, bt, lens, out, None)
+    p = tmp_path / "g.json"
+    g.debug_dump(str(p))
+    doc = json.loads(p.read_text())
+    kinds = [n["kind"] for n in doc["nodes"]]
+    assert "ExtWaitNode" in kinds and "KernelTask" in kinds
+    with pytest.warns(UserWarning):
+        npu.NPUGraph().debug_dump(str(tmp_path / "none.json"))
+
+
+# --- §3 task groups -------------------------------------------------------------------
+
+
+def test_task_group_needs_capturing_stream():
+    with pytest.raises(RuntimeError, match="not capturing"):
+        npu.graph_task_group_begin(npu.Stream())
+
+
+def test_task_group_holds_exactly_one_op():
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    g = npu.NPUGraph()
+    with pytest.raises(torch_npu.CaptureError, match="exactly one op call"), npu.graph(g):
+        s = npu.current_stream()
+        npu.graph_task_group_begin(s)
+        _pa(q, kc, vc, bt, lens, out)
+        _pa(q, kc, vc, bt, lens, out)
+
+
+# --- §4 task updates ------------------------------------------------------------------
+
+
+def test_stale_lengths_without_update_and_right_answer_after():
+    q, kc, vc, bt, out = _pa_setup()
+    cap = torch.tensor([3, 5], dtype=torch.int32)
+    new = torch.tensor([9, 2], dtype=torch.int32)
+    ws = torch.empty(1 << 20, dtype=torch.uint8)
+    g, ev, h = _capture_pa(q, kc, vc, bt, cap, out, ws)
+    us = npu.Stream()
+    # skip the update: record the event only → the graph runs with captured lengths
+    ev.record(us)
+    g.replay()
+    npu.synchronize()
+    assert torch.equal(out, _eager_pa(q, kc, vc, bt, cap))
+    assert not torch.equal(out, _eager_pa(q, kc, vc, bt, new))
+    _update_pa(us, h, ev, q, kc, vc, bt, new, out, ws)
+    g.replay()
+    npu.synchronize()
+    assert torch.equal(out, _eager_pa(q, kc, vc, bt, new))
+
+
+def test_update_stream_rules():
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    g, ev, h = _capture_pa(q, kc, vc, bt, lens, out, None)
+    with pytest.raises(RuntimeError, match="must not be the graph's capture stream"):
+        npu.graph_task_update_begin(npu.graph.default_capture_stream, h)
+    us = npu.Stream()
+    with pytest.raises(RuntimeError, match="no update in progress"):
+        npu.graph_task_update_end(us)
+
+
+def test_op_inside_update_is_not_executed_and_must_match():
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    g, ev, h = _capture_pa(q, kc, vc, bt, lens, out, None)
+    us = npu.Stream()
+    out.fill_(7)
+    _update_pa(us, h, ev, q, kc, vc, bt, torch.tensor([1, 1], dtype=torch.int32), out, None)
+    npu.synchronize()
+    assert (out == 7).all(), "the op inside an update is not executed"
+    other = torch.empty_like(out)
+    with npu.stream(us):
+        npu.graph_task_update_begin(us, h)
+        with pytest.raises(torch_npu.UpdateMismatchError, match="'out' must be the captured buffer"):
+            _pa(q, kc, vc, bt, lens, other)
+        us._updating = None
+    with npu.stream(us):
+        npu.graph_task_update_begin(us, h)
+        with pytest.raises(torch_npu.UpdateMismatchError, match="differs from the op captured"):
+            torch_npu.npu_fused_infer_attention_score(
+                q.unsqueeze(1), q.unsqueeze(1), q.unsqueeze(1), num_heads=4, input_layout="BSND"
+            )
+
+
+def test_host_args_are_copied_at_call_time():
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    g, ev, h = _capture_pa(q, kc, vc, bt, lens, out, None)
+    expected = _eager_pa(q, kc, vc, bt, torch.tensor([3, 5], dtype=torch.int32))
+    lens[0] = 11  # mutating the host tensor later changes nothing
+    ev.record(npu.Stream())
+    g.replay()
+    npu.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_workspace_too_small_raises_with_simulator_note():
+    q, kc, vc, bt, out = _pa_setup(t=1)
+    short = torch.tensor([2], dtype=torch.int32)
+    long_ = torch.tensor([16], dtype=torch.int32)
+    args = (q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt)
+    ws_short = torch_npu._npu_paged_attention_get_workspace(*args, short, out)
+    ws_long = torch_npu._npu_paged_attention_get_workspace(*args, long_, out)
+    with pytest.raises(torch_npu.WorkspaceTooSmall, match="Simulator check"):
+        _pa(q, kc, vc, bt, short, out, ws=torch.empty(ws_short.numel() - 1, dtype=torch.uint8))
+    _pa(q, kc, vc, bt, short, out, ws=ws_short)
+    npu.synchronize()
+    del ws_long
+
+
+def test_pa_workspace_is_not_monotonic():
+    from npugraph.sim.kernels import pa_workspace_bytes
+
+    short = pa_workspace_bytes(1, 8, 1, 128, 100)
+    long_ = pa_workspace_bytes(1, 8, 1, 128, 6144)
+    assert short > long_, "a shorter context needs a larger workspace (split-KV)"
+
+
+# --- §5 ExternalEvent -----------------------------------------------------------------
+
+
+def test_second_wait_without_record_raises():
+    ev = npu.ExternalEvent()
+    g = npu.NPUGraph()
+    with pytest.raises(RuntimeError, match="cannot be associated with multiple wait operations"), npu.graph(g):
+        s = npu.current_stream()
+        ev.wait(s)
+        ev.wait(s)
+    g.reset()
+
+
+def test_wait_never_recorded_is_a_deadlock_naming_graph_and_event():
+    q, kc, vc, bt, out = _pa_setup()
+    g, ev, h = _capture_pa(q, kc, vc, bt, torch.tensor([3, 5], dtype=torch.int32), out, None)
+    g.replay()
+    with pytest.raises(torch_npu.DeadlockError) as info:
+        npu.synchronize()
+    msg = str(info.value)
+    assert f"graph #{g.graph_id}" in msg and f"ExternalEvent #{ev.event_id}" in msg
+    assert "task group" in msg and "never recorded" in msg
+    assert info.value.blocked[0]["event"] is ev
+
+
+def test_lost_record_raises_race():
+    ev = npu.ExternalEvent()
+    us = npu.Stream()
+    ev.record(us)
+    with pytest.raises(torch_npu.RaceError, match="record is lost"):
+        ev.record(us)
+
+
+def test_update_overtaking_a_queued_replay_is_a_race():
+    """Update B lands before the replay that should have run with update A."""
+    q, kc, vc, bt, out = _pa_setup()
+    g, ev, h = _capture_pa(q, kc, vc, bt, torch.tensor([3, 5], dtype=torch.int32), out, None)
+    us, main = npu.Stream(), npu.Stream()
+    blocker = npu.ExternalEvent()
+    with npu.stream(main):
+        blocker.wait(main)  # hold main so the replay stays queued
+        _update_pa(us, h, ev, q, kc, vc, bt, torch.tensor([2, 2], dtype=torch.int32), out, None)
+        g.replay()
+        with pytest.raises(torch_npu.RaceError, match="Order the update stream after the previous replay"):
+            _update_pa(us, h, ev, q, kc, vc, bt, torch.tensor([4, 4], dtype=torch.int32), out, None, record=False)
+
+
+def test_ordering_update_stream_after_replay_avoids_the_race():
+    q, kc, vc, bt, out = _pa_setup()
+    g, ev, h = _capture_pa(q, kc, vc, bt, torch.tensor([3, 5], dtype=torch.int32), out, None)
+    us, main = npu.Stream(), npu.Stream()
+    blocker = npu.ExternalEvent()
+    a = torch.tensor([2, 2], dtype=torch.int32)
+    b = torch.tensor([4, 4], dtype=torch.int32)
+    with npu.stream(main):
+        blocker.wait(main)
+        _update_pa(us, h, ev, q, kc, vc, bt, a, out, None)
+        g.replay()
+        done = npu.Event()
+        done.record(main)
+        us.wait_event(done)  # the fix: the next update waits for this replay
+        _update_pa(us, h, ev, q, kc, vc, bt, b, out, None)
+        blocker.record(npu.Stream())
+        npu.synchronize()
+    assert torch.equal(out, _eager_pa(q, kc, vc, bt, a)), "the replay ran with update A's lengths"
+
+
+def test_reset_is_a_noop():
+    ev = npu.ExternalEvent()
+    s = npu.Stream()
+    ev.record(s)
+    ev.reset(s)
+    x = torch.zeros(1)
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        ev.wait(npu.current_stream())
+        x.add_(1)
+    g.replay()
+    npu.synchronize()
+    assert x.item() == 1.0
+
+
+# --- §6 auto-dispatch -----------------------------------------------------------------
+
+
+def test_update_without_auto_dispatch_raises():
+    g = npu.NPUGraph()
+    x = torch.zeros(1)
+    with npu.graph(g):
+        x.add_(1)
+    with pytest.raises(RuntimeError, match="auto_dispatch_capture=True"):
+        g.update(cpu_update_input=[{"context_lens": [1]}])
+
+
+def _auto_pa_graph(n_ops=2):
+    q, kc, vc, bt, _ = _pa_setup()
+    outs = [torch.empty_like(q) for _ in range(n_ops)]
+    lens = torch.tensor([1, 1], dtype=torch.int32)
+    g = npu.NPUGraph()
+    with npu.graph(g, auto_dispatch_capture=True):
+        for o in outs:
+            _pa(q, kc, vc, bt, lens, o)
+    return g, (q, kc, vc, bt), outs
+
+
+def test_auto_dispatch_broadcast_and_per_record_update():
+    g, (q, kc, vc, bt), outs = _auto_pa_graph()
+    a = torch.tensor([5, 7], dtype=torch.int32)
+    g.update(cpu_update_input=[{"context_lens": a}])  # broadcast
+    g.replay()
+    npu.synchronize()
+    ref = _eager_pa(q, kc, vc, bt, a)
+    assert all(torch.equal(o, ref) for o in outs)
+    b = torch.tensor([2, 9], dtype=torch.int32)
+    g.update(cpu_update_input=[{"context_lens": a}, {"context_lens": b}])
+    g.replay()
+    npu.synchronize()
+    assert torch.equal(outs[0], ref) and torch.equal(outs[1], _eager_pa(q, kc, vc, bt, b))
+    with pytest.raises(RuntimeError, match="must be 1 or equal to the number of captured ops"):
+        g.update(cpu_update_input=[{"context_lens": a}] * 3)
+
+
+def test_auto_dispatch_skips_undeclared_keys_with_a_warning():
+    g, (q, kc, vc, bt), outs = _auto_pa_graph(1)
+    g.update(cpu_update_input=[{"context_lens": torch.tensor([4, 4], dtype=torch.int32)}])
+    g.replay()
+    npu.synchronize()
+    before = outs[0].clone()
+    with pytest.warns(UserWarning, match="were skipped"):
+        g.update(cpu_update_input=[{"context_len": torch.tensor([1, 1], dtype=torch.int32)}])
+    g.replay()
+    npu.synchronize()
+    assert torch.equal(outs[0], before), "a misspelt key changes nothing"

@@ -1,0 +1,199 @@
+"""PA and FIA against an independent oracle: float64 SDPA on K/V gathered per request.
+
+Tolerances (max abs error, inputs ~N(0, 1), outputs are convex mixes of V rows):
+float32 1e-4, float16 4e-3, bfloat16 3e-2 — the kernels cast probabilities to the
+input dtype before the V product, as the NPU kernels do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import npugraph.sim as torch_npu
+from npugraph.sim import npu
+
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
+
+
+def _oracle(q, k, v, scale, causal=False):
+    """q [N, Sq, D], k/v [KVN, Sk, D] → [N, Sq, Dv] in float64 (empty key → zeros)."""
+    n, kvn = q.shape[0], k.shape[0]
+    if k.shape[1] == 0:
+        return torch.zeros(n, q.shape[1], v.shape[-1], dtype=torch.float64)
+    k = k.double().repeat_interleave(n // kvn, 0)
+    v = v.double().repeat_interleave(n // kvn, 0)
+    mask = None
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        i = torch.arange(sq).unsqueeze(1)
+        j = torch.arange(sk).unsqueeze(0)
+        mask = j <= i + (sk - sq)
+    return F.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask, scale=scale)
+
+
+def _gather(cache, table_row, length, bs):
+    """cache [NB, BS, KVN, D] → [KVN, length, D] by an independent per-position loop."""
+    rows = [cache[int(table_row[p // bs]), p % bs] for p in range(length)]
+    if not rows:
+        return cache.new_zeros(cache.shape[2], 0, cache.shape[3])
+    return torch.stack(rows, 0).transpose(0, 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=DTYPES,
+    t=st.integers(1, 5),
+    kvn=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2, 4]),
+    d=st.sampled_from([8, 16, 32]),
+    bs=st.sampled_from([1, 4, 16]),
+    data=st.data(),
+)
+def test_pa_matches_oracle(dtype, t, kvn, group, d, bs, data):
+    n = kvn * group
+    cols = data.draw(st.integers(1, 6))
+    nb = data.draw(st.integers(cols, 3 * cols + 2))
+    lens = data.draw(st.lists(st.integers(0, cols * bs), min_size=t, max_size=t))
+    q = torch.randn(t, n, d, dtype=dtype)
+    kc = torch.randn(nb, bs, kvn, d, dtype=dtype)
+    vc = torch.randn(nb, bs, kvn, d, dtype=dtype)
+    bt = torch.stack([torch.randperm(nb)[:cols] for _ in range(t)]).to(torch.int32)
+    out = torch.empty(t, n, d, dtype=dtype)
+    scale = 1 / math.sqrt(d)
+    cl = torch.tensor(lens, dtype=torch.int32)
+    torch_npu._npu_paged_attention(q, kc, vc, kvn, n, scale, bt, cl, out)
+    npu.synchronize()
+    for i in range(t):
+        k = _gather(kc, bt[i], lens[i], bs)
+        v = _gather(vc, bt[i], lens[i], bs)
+        ref = _oracle(q[i].unsqueeze(1), k, v, scale).squeeze(1)
+        err = (out[i].double() - ref).abs().max().item()
+        assert err <= TOL[dtype], (i, lens[i], err)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=DTYPES,
+    kvn=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    bs=st.sampled_from([2, 8]),
+    qper=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+    causal=st.booleans(),
+    data=st.data(),
+)
+def test_fia_tnd_paged_matches_oracle(dtype, kvn, group, bs, qper, causal, data):
+    n, d = kvn * group, 16
+    b = len(qper)
+    if sum(qper) == 0:
+        qper[0] = 1
+    cols = 4
+    nb = 12
+    kvl = [data.draw(st.integers(x, cols * bs)) for x in qper]  # keys cover the queries
+    t = sum(qper)
+    ends = [sum(qper[: i + 1]) for i in range(b)]
+    q = torch.randn(t, n, d, dtype=dtype)
+    kc = torch.randn(nb, bs, kvn * d, dtype=dtype)
+    vc = torch.randn(nb, bs, kvn * d, dtype=dtype)
+    bt = torch.stack([torch.randperm(nb)[:cols] for _ in range(b)]).to(torch.int32)
+    scale = 0.3
+    kw = dict(
+        actual_seq_lengths=ends,
+        actual_seq_lengths_kv=kvl,
+        block_table=bt,
+        num_heads=n,
+        num_key_value_heads=kvn,
+        scale=scale,
+        input_layout="TND",
+        block_size=bs,
+        softmax_lse_flag=True,
+    )
+    if causal:
+        kw.update(sparse_mode=3, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))
+    out, lse = torch_npu.npu_fused_infer_attention_score(q, kc, vc, **kw)
+    npu.synchronize()
+    assert out.shape == (t, n, d) and lse.shape == (t, n, 1) and lse.dtype == torch.float32
+    start = 0
+    for i in range(b):
+        qi = q[start : ends[i]].transpose(0, 1)  # [N, Sq, D]
+        k = _gather(kc.view(nb, bs, kvn, d), bt[i], kvl[i], bs)
+        v = _gather(vc.view(nb, bs, kvn, d), bt[i], kvl[i], bs)
+        ref = _oracle(qi, k, v, scale, causal=causal).transpose(0, 1)
+        if ends[i] > start:
+            err = (out[start : ends[i]].double() - ref).abs().max().item()
+            assert err <= TOL[dtype]
+            if kvl[i] and not causal:
+                s = qi.double() @ k.double().repeat_interleave(group, 0).transpose(-1, -2) * scale
+                ref_lse = torch.logsumexp(s, -1).transpose(0, 1)
+                assert torch.allclose(lse[start : ends[i], :, 0].double(), ref_lse, atol=1e-3)
+        start = ends[i]
+
+
+@pytest.mark.parametrize("layout", ["BSH", "BSND", "BNSD"])
+@pytest.mark.parametrize("sq", [1, 3])
+def test_fia_dense_layouts_match_oracle(layout, sq):
+    b, n, kvn, d, sk = 3, 4, 2, 16, 7
+    qb = torch.randn(b, n, sq, d)
+    kb = torch.randn(b, kvn, sk, d)
+    vb = torch.randn(b, kvn, sk, d)
+    kv_lens = [7, 3, 0]
+    conv = {
+        "BNSD": lambda x: x,
+        "BSND": lambda x: x.transpose(1, 2).contiguous(),
+        "BSH": lambda x: x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1).contiguous(),
+    }[layout]
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        conv(qb),
+        conv(kb),
+        conv(vb),
+        num_heads=n,
+        num_key_value_heads=kvn,
+        scale=0.25,
+        input_layout=layout,
+        actual_seq_lengths_kv=kv_lens,
+    )
+    npu.synchronize()
+    for i in range(b):
+        ref = _oracle(qb[i], kb[i, :, : kv_lens[i]], vb[i, :, : kv_lens[i]], 0.25)
+        assert torch.allclose(out[i].double(), conv(ref.unsqueeze(0))[0], atol=1e-4)
+
+
+def test_actual_seq_lengths_ignored_when_query_length_is_one():
+    q = torch.randn(1, 4, 1, 8)
+    k = torch.randn(1, 4, 5, 8)
+    a, _ = torch_npu.npu_fused_infer_attention_score(q, k, k, num_heads=4, input_layout="BNSD", actual_seq_lengths=[29])
+    b, _ = torch_npu.npu_fused_infer_attention_score(q, k, k, num_heads=4, input_layout="BNSD", actual_seq_lengths=[100])
+    npu.synchronize()
+    assert torch.equal(a, b)
+
+
+def test_pa_bad_inputs_name_the_argument():
+    q = torch.randn(2, 4, 8, dtype=torch.float16)
+    kc = torch.randn(4, 4, 2, 8, dtype=torch.float16)
+    out = torch.empty_like(q)
+    bt = torch.zeros(2, 2, dtype=torch.int32)
+    ok = torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="'block_table' must be int32"):
+        torch_npu._npu_paged_attention(q, kc, kc, 2, 4, 1.0, bt.long(), ok, out)
+    with pytest.raises(ValueError, match=r"'context_lens\[1\]' = 9 is outside \[0, 8\]"):
+        torch_npu._npu_paged_attention(q, kc, kc, 2, 4, 1.0, bt, torch.tensor([3, 9], dtype=torch.int32), out)
+    with pytest.raises(ValueError, match="'num_kv_heads' is 1 but key_cache has 2"):
+        torch_npu._npu_paged_attention(q, kc, kc, 1, 4, 1.0, bt, ok, out)
+    bad = torch.tensor([[0, 1], [7, 0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block id 7, outside"):
+        torch_npu._npu_paged_attention(q, kc, kc, 2, 4, 1.0, bad, ok, out)
+    npu.synchronize()  # the failed launch left the device usable
+
+
+def test_fia_bad_layout_and_heads():
+    q = torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="'input_layout' must be one of"):
+        torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=4, input_layout="NTD")
+    with pytest.raises(ValueError, match="'num_heads' is 3 but query has 4 heads"):
+        torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=3, input_layout="TND", actual_seq_lengths=[2])
