@@ -65,13 +65,17 @@ class Workload:
         self.rng.shuffle(self.free)
         self.running: list[Request] = []
         self._next = 0
+        self._target = self.max_batch
 
     def _admit(self) -> None:
         cfg = self.cfg
-        target = self.rng.randint(1, self.max_batch)
+        # the load drifts between near-idle and full so that every size is visited
+        if self.rng.random() < 0.1:
+            self._target = self.rng.choice([1, 2, 3, 4, self.max_batch // 2, self.max_batch])
+        target = max(1, min(self.max_batch, self._target))
         while len(self.running) < target:
             prompt = self.rng.randint(1, cfg.max_model_len // 3)
-            out = self.rng.randint(1, max(1, cfg.max_model_len // 4))
+            out = self.rng.randint(1, max(2, cfg.max_model_len // 8))
             if self.adversarial and self.rng.random() < 0.3:
                 prompt = self.rng.choice([1, cfg.max_model_len - out - 1])
             prompt = max(1, min(prompt, cfg.max_model_len - out - 1))

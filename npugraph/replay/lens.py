@@ -43,14 +43,18 @@ def pad_lens(
     """Pad ``R`` requests' lengths to ``batch`` requests and ``tokens`` query tokens."""
     r = len(kv_lens)
     kv = tuple(kv_lens) + (0,) * (batch - r)
-    if q_ends is None:
-        q = tuple(range(1, r + 1))
-    else:
-        q = tuple(q_ends)
+    q = tuple(range(1, r + 1)) if q_ends is None else tuple(q_ends)
     last = q[-1] if q else 0
     pad = batch - r
     if pad:
-        q = q + (last,) * (pad - 1) + (tokens,)
+        # Spread the padding tokens evenly over the padding requests (one each in
+        # plain decode), so a padded step has the same shapes however many are real.
+        per, extra = divmod(tokens - last, pad)
+        ends = []
+        for i in range(pad):
+            last += per + (1 if i >= pad - extra else 0)
+            ends.append(last)
+        q = q + tuple(ends)
     elif q and q[-1] != tokens:
         q = (*q[:-1], tokens)  # the last request absorbs padding tokens
     return StepLens(kv_lens=kv, q_ends=q, kv_lens_host=torch.tensor(kv, dtype=torch.int32))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
@@ -296,8 +297,11 @@ class ReplayUpdater:
                 begin(us, handles[i])
                 try:
                     kernels[i](**kw)
-                finally:
-                    end(us)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        end(us)  # close the update; the kernel's error is the one to report
+                    raise
+                end(us)
                 applied[i] = hv
                 if not pending[i]:
                     events[i].record(us)

@@ -143,6 +143,9 @@ def launch(op: SimOp, params: dict[str, Any]) -> None:
     op.check_workspace(params, where=f"launch of {op.qualname}")
     where = f"{op.qualname} on {stream!r}"
     st.enqueue(stream, rt.KernelWork(lambda: op.execute(params, where), where))
+    # Eager torch ops run on the host at once, and the next one may read this kernel's
+    # output: eager launches are not deferred, even in adversarial mode.
+    st.pump(drain=True)
 
 
 def _auto_capture(session: gr.CaptureSession, op: SimOp, params: dict[str, Any]) -> None:
