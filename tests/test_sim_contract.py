@@ -23,9 +23,7 @@ def _pa_setup(t=2, n=4, kvn=2, d=16, nb=8, bs=4, cols=4, dtype=torch.float16):
 
 
 def _pa(q, kc, vc, bt, lens, out, ws=None):
-    torch_npu._npu_paged_attention(
-        q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt, lens, out, workspace=ws
-    )
+    torch_npu._npu_paged_attention(q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt, lens, out, workspace=ws)
 
 
 def _capture_pa(q, kc, vc, bt, lens, out, ws):

@@ -168,7 +168,9 @@ def test_actual_seq_lengths_ignored_when_query_length_is_one():
     q = torch.randn(1, 4, 1, 8)
     k = torch.randn(1, 4, 5, 8)
     a, _ = torch_npu.npu_fused_infer_attention_score(q, k, k, num_heads=4, input_layout="BNSD", actual_seq_lengths=[29])
-    b, _ = torch_npu.npu_fused_infer_attention_score(q, k, k, num_heads=4, input_layout="BNSD", actual_seq_lengths=[100])
+    b, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, k, num_heads=4, input_layout="BNSD", actual_seq_lengths=[100]
+    )
     npu.synchronize()
     assert torch.equal(a, b)
 

@@ -33,17 +33,35 @@ def _ifa_update(with_reset: bool, s_kv: int = 1):
     query, key, value = _qkv(s_kv)
     kv_len, kv_len_new = [min(s_kv, 3)], [s_kv]
     res_src = torch_npu.npu_fused_infer_attention_score(
-        query, key, value, num_heads=32, input_layout="BNSD", scale=scale, pre_tokens=65535,
-        next_tokens=65535, softmax_lse_flag=False, actual_seq_lengths=length_new,
-        actual_seq_lengths_kv=kv_len_new)
+        query,
+        key,
+        value,
+        num_heads=32,
+        input_layout="BNSD",
+        scale=scale,
+        pre_tokens=65535,
+        next_tokens=65535,
+        softmax_lse_flag=False,
+        actual_seq_lengths=length_new,
+        actual_seq_lengths_kv=kv_len_new,
+    )
 
     g = npu.NPUGraph()
     event = npu.ExternalEvent()
     update_stream = npu.Stream()
     workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(
-        query, key, value, num_heads=32, input_layout="BNSD", scale=scale, pre_tokens=65535,
-        next_tokens=65535, softmax_lse_flag=False, actual_seq_lengths=length,
-        actual_seq_lengths_kv=kv_len)
+        query,
+        key,
+        value,
+        num_heads=32,
+        input_layout="BNSD",
+        scale=scale,
+        pre_tokens=65535,
+        next_tokens=65535,
+        softmax_lse_flag=False,
+        actual_seq_lengths=length,
+        actual_seq_lengths_kv=kv_len,
+    )
 
     with npu.graph(g):
         stream = npu.current_stream()
@@ -54,18 +72,39 @@ def _ifa_update(with_reset: bool, s_kv: int = 1):
             event.reset(stream)
         npu.graph_task_group_begin(stream)
         torch_npu.npu_fused_infer_attention_score.out(
-            query, key, value, num_heads=32, input_layout="BNSD", scale=scale, pre_tokens=65535,
-            workspace=workspace, next_tokens=65535, softmax_lse_flag=False,
-            actual_seq_lengths=length, actual_seq_lengths_kv=kv_len, out=[output, softmax_lse])
+            query,
+            key,
+            value,
+            num_heads=32,
+            input_layout="BNSD",
+            scale=scale,
+            pre_tokens=65535,
+            workspace=workspace,
+            next_tokens=65535,
+            softmax_lse_flag=False,
+            actual_seq_lengths=length,
+            actual_seq_lengths_kv=kv_len,
+            out=[output, softmax_lse],
+        )
         handle = npu.graph_task_group_end(stream)
 
     with npu.stream(update_stream):
         npu.graph_task_update_begin(update_stream, handle)
         torch_npu.npu_fused_infer_attention_score.out(
-            query, key, value, num_heads=32, input_layout="BNSD", scale=scale, pre_tokens=65535,
-            workspace=workspace, next_tokens=65535, softmax_lse_flag=False,
-            actual_seq_lengths=length_new, actual_seq_lengths_kv=kv_len_new,
-            out=[output, softmax_lse])
+            query,
+            key,
+            value,
+            num_heads=32,
+            input_layout="BNSD",
+            scale=scale,
+            pre_tokens=65535,
+            workspace=workspace,
+            next_tokens=65535,
+            softmax_lse_flag=False,
+            actual_seq_lengths=length_new,
+            actual_seq_lengths_kv=kv_len_new,
+            out=[output, softmax_lse],
+        )
         npu.graph_task_update_end(update_stream)
         event.record(update_stream)
 
@@ -94,19 +133,47 @@ def test_ifa_update_with_auto_dispatch_capture():
     scale = 1 / 0.0078125
     query, key, value = _qkv()
     res_src = torch_npu.npu_fused_infer_attention_score(
-        query, key, value, num_heads=32, input_layout="BNSD", scale=scale, pre_tokens=65535,
-        next_tokens=65535, softmax_lse_flag=False, actual_seq_lengths=length_new)
+        query,
+        key,
+        value,
+        num_heads=32,
+        input_layout="BNSD",
+        scale=scale,
+        pre_tokens=65535,
+        next_tokens=65535,
+        softmax_lse_flag=False,
+        actual_seq_lengths=length_new,
+    )
     g = npu.NPUGraph()
     workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(
-        query, key, value, num_heads=32, input_layout="BNSD", scale=scale, pre_tokens=65535,
-        next_tokens=65535, softmax_lse_flag=False, actual_seq_lengths=length)
+        query,
+        key,
+        value,
+        num_heads=32,
+        input_layout="BNSD",
+        scale=scale,
+        pre_tokens=65535,
+        next_tokens=65535,
+        softmax_lse_flag=False,
+        actual_seq_lengths=length,
+    )
     with npu.graph(g, auto_dispatch_capture=True):
         output = torch.empty(1, 32, 1, 128, dtype=torch.float16, device=DEVICE)
         softmax_lse = torch.empty(1, dtype=torch.float16, device=DEVICE)
         torch_npu.npu_fused_infer_attention_score.out(
-            query, key, value, num_heads=32, input_layout="BNSD", scale=scale, pre_tokens=65535,
-            workspace=workspace, next_tokens=65535, softmax_lse_flag=False,
-            actual_seq_lengths=length, out=[output, softmax_lse])
+            query,
+            key,
+            value,
+            num_heads=32,
+            input_layout="BNSD",
+            scale=scale,
+            pre_tokens=65535,
+            workspace=workspace,
+            next_tokens=65535,
+            softmax_lse_flag=False,
+            actual_seq_lengths=length,
+            out=[output, softmax_lse],
+        )
     g.update(cpu_update_input=[{"actual_seq_lengths": length_new}])
     g.replay()
     assert_equal(output.cpu(), res_src[0].cpu())
@@ -120,15 +187,33 @@ def test_ifa_update_with_non_out_and_auto_dispatch_capture():
     scale = 1 / 0.0078125
     query, key, value = _qkv()
     res_src = torch_npu.npu_fused_infer_attention_score(
-        query, key, value, num_heads=32, input_layout="BNSD", scale=scale, pre_tokens=65535,
-        next_tokens=65535, softmax_lse_flag=False, actual_seq_lengths=length_new)
+        query,
+        key,
+        value,
+        num_heads=32,
+        input_layout="BNSD",
+        scale=scale,
+        pre_tokens=65535,
+        next_tokens=65535,
+        softmax_lse_flag=False,
+        actual_seq_lengths=length_new,
+    )
     g = npu.NPUGraph()
     with npu.graph(g, auto_dispatch_capture=True):
         output = torch.empty(1, 32, 1, 128, dtype=torch.float16, device=DEVICE)
         softmax_lse = torch.empty(1, dtype=torch.float16, device=DEVICE)
         output, softmax_lse = torch_npu.npu_fused_infer_attention_score(
-            query, key, value, num_heads=32, input_layout="BNSD", scale=scale, pre_tokens=65535,
-            next_tokens=65535, softmax_lse_flag=False, actual_seq_lengths=length)
+            query,
+            key,
+            value,
+            num_heads=32,
+            input_layout="BNSD",
+            scale=scale,
+            pre_tokens=65535,
+            next_tokens=65535,
+            softmax_lse_flag=False,
+            actual_seq_lengths=length,
+        )
     g.update(cpu_update_input=[{"actual_seq_lengths": length_new}])
     g.replay()
     assert_equal(output.cpu(), res_src[0].cpu())
@@ -142,14 +227,32 @@ def test_npu_fused_infer_attention_score_v2():
     scale = 1 / 0.0078125
     query, key, value = _qkv()
     res_src = torch_npu.npu_fused_infer_attention_score_v2(
-        query, key, value, num_query_heads=32, input_layout="BNSD", softmax_scale=scale,
-        pre_tokens=65535, next_tokens=65535, return_softmax_lse=False, actual_seq_qlen=length_new)
+        query,
+        key,
+        value,
+        num_query_heads=32,
+        input_layout="BNSD",
+        softmax_scale=scale,
+        pre_tokens=65535,
+        next_tokens=65535,
+        return_softmax_lse=False,
+        actual_seq_qlen=length_new,
+    )
     g = npu.NPUGraph()
     event = npu.ExternalEvent()
     update_stream = npu.Stream()
     workspace = torch_npu._npu_fused_infer_attention_score_v2_get_max_workspace(
-        query, key, value, num_query_heads=32, input_layout="BNSD", softmax_scale=scale,
-        pre_tokens=65535, next_tokens=65535, return_softmax_lse=False, actual_seq_qlen=length)
+        query,
+        key,
+        value,
+        num_query_heads=32,
+        input_layout="BNSD",
+        softmax_scale=scale,
+        pre_tokens=65535,
+        next_tokens=65535,
+        return_softmax_lse=False,
+        actual_seq_qlen=length,
+    )
     with npu.graph(g):
         stream = npu.current_stream()
         output = torch.empty(1, 32, 1, 128, dtype=torch.float16, device=DEVICE)
@@ -158,16 +261,36 @@ def test_npu_fused_infer_attention_score_v2():
         event.reset(stream)
         npu.graph_task_group_begin(stream)
         torch_npu.npu_fused_infer_attention_score_v2.out(
-            query, key, value, num_query_heads=32, input_layout="BNSD", softmax_scale=scale,
-            pre_tokens=65535, workspace=workspace, next_tokens=65535, return_softmax_lse=False,
-            actual_seq_qlen=length, out=[output, softmax_lse])
+            query,
+            key,
+            value,
+            num_query_heads=32,
+            input_layout="BNSD",
+            softmax_scale=scale,
+            pre_tokens=65535,
+            workspace=workspace,
+            next_tokens=65535,
+            return_softmax_lse=False,
+            actual_seq_qlen=length,
+            out=[output, softmax_lse],
+        )
         handle = npu.graph_task_group_end(stream)
     with npu.stream(update_stream):
         npu.graph_task_update_begin(update_stream, handle)
         torch_npu.npu_fused_infer_attention_score_v2.out(
-            query, key, value, num_query_heads=32, input_layout="BNSD", softmax_scale=scale,
-            pre_tokens=65535, workspace=workspace, next_tokens=65535, return_softmax_lse=False,
-            actual_seq_qlen=length_new, out=[output, softmax_lse])
+            query,
+            key,
+            value,
+            num_query_heads=32,
+            input_layout="BNSD",
+            softmax_scale=scale,
+            pre_tokens=65535,
+            workspace=workspace,
+            next_tokens=65535,
+            return_softmax_lse=False,
+            actual_seq_qlen=length_new,
+            out=[output, softmax_lse],
+        )
         npu.graph_task_update_end(update_stream)
         event.record(update_stream)
     g.replay()
@@ -181,14 +304,28 @@ def test_ifa_update_with_4_in_1_helper():
     query, key, value = _qkv(s_kv=6)
     kv, kv_new = [2], [6]
     res_src = torch_npu.npu_fused_infer_attention_score(
-        query, key, value, num_heads=32, input_layout="BNSD", scale=scale,
-        softmax_lse_flag=False, actual_seq_lengths_kv=kv_new)
+        query,
+        key,
+        value,
+        num_heads=32,
+        input_layout="BNSD",
+        scale=scale,
+        softmax_lse_flag=False,
+        actual_seq_lengths_kv=kv_new,
+    )
     g = npu.NPUGraph()
     event = npu.ExternalEvent()
     update_stream = npu.Stream()
     workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(
-        query, key, value, num_heads=32, input_layout="BNSD", scale=scale,
-        softmax_lse_flag=False, actual_seq_lengths_kv=kv)
+        query,
+        key,
+        value,
+        num_heads=32,
+        input_layout="BNSD",
+        scale=scale,
+        softmax_lse_flag=False,
+        actual_seq_lengths_kv=kv,
+    )
     with npu.graph(g):
         stream = npu.current_stream()
         output = torch.empty(1, 32, 1, 128, dtype=torch.float16, device=DEVICE)
@@ -197,13 +334,33 @@ def test_ifa_update_with_4_in_1_helper():
         event.reset(stream)
         npu.graph_task_group_begin(stream)
         torch_npu.npu_fused_infer_attention_score.out(
-            query, key, value, num_heads=32, input_layout="BNSD", scale=scale, workspace=workspace,
-            softmax_lse_flag=False, actual_seq_lengths_kv=kv, out=[output, softmax_lse])
+            query,
+            key,
+            value,
+            num_heads=32,
+            input_layout="BNSD",
+            scale=scale,
+            workspace=workspace,
+            softmax_lse_flag=False,
+            actual_seq_lengths_kv=kv,
+            out=[output, softmax_lse],
+        )
         handle = npu.graph_task_group_end(stream)
     torch_npu._C._npu_fused_infer_attention_score_out_graph(
-        update_stream, handle, event, query, key, value, num_heads=32, input_layout="BNSD",
-        scale=scale, workspace=workspace, softmax_lse_flag=False, actual_seq_lengths_kv=kv_new,
-        out=[output, softmax_lse])
+        update_stream,
+        handle,
+        event,
+        query,
+        key,
+        value,
+        num_heads=32,
+        input_layout="BNSD",
+        scale=scale,
+        workspace=workspace,
+        softmax_lse_flag=False,
+        actual_seq_lengths_kv=kv_new,
+        out=[output, softmax_lse],
+    )
     g.replay()
     assert_equal(output.cpu(), res_src[0].cpu())
 
@@ -223,9 +380,16 @@ def test_pa_auto_dispatch_update_against_golden():
     g = npu.NPUGraph()
     with npu.graph(g, auto_dispatch_capture=True):
         torch_npu._npu_paged_attention(
-            query=query, key_cache=key_cache, value_cache=value_cache, num_kv_heads=kv_heads,
-            num_heads=num_heads, scale_value=scale, block_table=block_table,
-            context_lens=context_lens, out=output)
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            num_kv_heads=kv_heads,
+            num_heads=num_heads,
+            scale_value=scale,
+            block_table=block_table,
+            context_lens=context_lens,
+            out=output,
+        )
     g.update(cpu_update_input=[{"context_lens": new_lens}])
     g.replay()
     npu.synchronize()

@@ -1,0 +1,243 @@
+"""Runtime behaviour: errors, atomicity, ordering, call counts, references."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from unittest import mock
+
+import pytest
+import torch
+
+from npugraph import AttentionMetadata, Runtime, sim
+from npugraph.errors import (
+    CaptureFailed,
+    GraphDeadlock,
+    MetadataError,
+    NotReplayableError,
+    UnknownKeyError,
+    UpdateFailed,
+)
+from npugraph.models import Decoder, DecoderConfig, Workload
+from npugraph.models.engine import DecodeEngine
+from npugraph.replay import updater as updater_mod
+
+from .helpers import build
+
+
+def _batch(cfg, size, seed=0, steps=3):
+    wl = Workload(cfg, [size], seed=seed, max_batch=size)
+    b = None
+    for b in wl.steps(steps):
+        pass
+    return b
+
+
+def _inputs(b):
+    return {"input_ids": b.input_ids, "positions": b.positions, "slot_mapping": b.slot_mapping}
+
+
+def test_uncaptured_key_lists_the_captured_keys():
+    cfg, rt, _, eng = build(sizes=[2, 8])
+    with pytest.raises(
+        UnknownKeyError, match=r"no graph captured for key 4 in namespace 'main'; captured keys: \[2, 8\]"
+    ):
+        rt.replay(4)
+
+
+def test_missing_layer_is_named():
+    cfg, rt, _, eng = build(sizes=[4], layers=3)
+    b = _batch(cfg, 4)
+    meta = {f"main.layers.{i}.attn": b.meta for i in (0, 2)}
+    with pytest.raises(
+        MetadataError, match=r"no entry for layer 'main.layers.1.attn' nor for its KV-cache group 'default'"
+    ):
+        rt.update(4, meta)
+    with pytest.raises(NotReplayableError, match=r"main/4 is not replayable"):
+        rt.replay(4)
+
+
+def test_metadata_resolved_by_layer_name_not_order():
+    cfg, rt, _, eng = build(sizes=[4], layers=3)
+    b = _batch(cfg, 4)
+    ref = eng.eager(b).clone()
+    names = [f"main.layers.{i}.attn" for i in (2, 0, 1)]  # not capture order
+    out = rt.step(4, {n: b.meta for n in names}, inputs=_inputs(b))
+    rt.synchronize()
+    assert torch.equal(out[: b.num_reqs], ref)
+
+
+def test_lengths_over_max_model_len_and_bad_block_ids_are_refused():
+    cfg, rt, _, eng = build(sizes=[4])
+    b = _batch(cfg, 4)
+    too_long = AttentionMetadata(
+        seq_lens=torch.tensor([cfg.max_model_len + 1], dtype=torch.int32), block_table=b.meta.block_table[:1]
+    )
+    with pytest.raises(
+        MetadataError, match=r"main/4 layer 'main.layers.0.attn': seq_lens\[0\] = 257 exceeds max_model_len=256"
+    ):
+        rt.update(4, {"default": too_long})
+    bt = b.meta.block_table.clone()
+    bt[0, 0] = cfg.num_blocks + 5
+    with pytest.raises(
+        MetadataError, match=r"block_table\[0, 0\] = 165 is not a block id of the KV cache \(0 <= id < 160\)"
+    ):
+        rt.update(4, {"default": AttentionMetadata(seq_lens=b.meta.seq_lens, block_table=bt)})
+    too_many = AttentionMetadata(
+        seq_lens=torch.ones(5, dtype=torch.int32), block_table=torch.ones(5, 16, dtype=torch.int32)
+    )
+    with pytest.raises(MetadataError, match="5 requests do not fit the captured batch of 4"):
+        rt.update(4, {"default": too_many})
+    # the runtime stays usable
+    ref = eng.eager(b).clone()
+    assert torch.equal(eng.step(b), ref)
+
+
+class _FailsWhileCapturing(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        if sim.npu.is_current_stream_capturing():
+            raise RuntimeError("boom")
+        return self.inner(x)
+
+
+def test_exception_during_capture_registers_nothing():
+    cfg = DecoderConfig(layers=3, num_blocks=64, max_model_len=128)
+    rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    model = Decoder(cfg, rt)
+    eng = DecodeEngine(rt, model, [2])
+    layer = model.layers[1]
+    inner = layer.o
+    layer.o = _FailsWhileCapturing(inner)
+    with pytest.raises(
+        CaptureFailed, match=r"capture of main/2 \(capture\) failed in layer 'main.layers.1.attn': RuntimeError: boom"
+    ):
+        eng.capture()
+    assert rt.manager.keys() == []
+    assert not sim.npu.is_current_stream_capturing()
+    layer.o = inner
+    eng.capture()  # the same key captures fine afterwards
+    assert rt.manager.keys() == [2]
+
+
+def test_failed_capture_names_key_and_layer():
+    cfg = DecoderConfig(layers=2, num_blocks=64, max_model_len=128)
+    rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    model = Decoder(cfg, rt)
+    eng = DecodeEngine(rt, model, [2])
+    model.layers[1].attn.num_kv_heads = 3  # wrong head count: the kernel refuses it
+    with pytest.raises(
+        CaptureFailed, match=r"capture of main/2 \(warmup\) failed in layer 'main.layers.1.attn'"
+    ) as info:
+        eng.capture()
+    assert "num_key_value_heads" in str(info.value) and "Nothing was registered" in str(info.value)
+    assert rt.manager.keys() == []
+
+
+def test_half_way_update_failure_blocks_replay_until_a_full_update():
+    cfg, rt, _, eng = build(sizes=[4], layers=4, validate=False)
+    b = _batch(cfg, 4)
+    ref = eng.eager(b).clone()
+    bad = AttentionMetadata(seq_lens=torch.full((4,), 9999, dtype=torch.int32), block_table=b.meta.block_table)
+    meta = {f"main.layers.{i}.attn": (b.meta if i < 2 else bad) for i in range(4)}
+    with pytest.raises(UpdateFailed, match=r"update of main/4 failed: ValueError: .*context_lens"):
+        rt.update(4, meta)
+    with pytest.raises(NotReplayableError, match="main/4 is not replayable"):
+        rt.replay(4)
+    assert torch.equal(eng.step(b), ref), "a complete update makes it replayable again"
+
+
+def test_missing_event_record_is_a_deadlock_naming_namespace_key_and_layer():
+    _, rt, _, _ = build(sizes=[2], layers=2)
+    rt.replay(2)  # replay-first, and the update never comes
+    with pytest.raises(GraphDeadlock, match=r"namespace 'main', key 2, layer 'main.layers.0.attn'"):
+        rt.synchronize()
+
+
+def test_steady_state_device_calls_per_layer():
+    cfg, rt, _, eng = build(sizes=[4, 8], layers=3)
+    wl = Workload(cfg, [4, 8], seed=2)
+    steps = list(wl.steps(12))
+    for b in steps[:2]:
+        eng.step(b)
+    counters = sim.counters()
+    for b in steps[2:]:
+        entry = rt.manager.entry("main", b.size)
+        before = dict(counters)
+        rt.step(b.size, {"default": b.meta}, inputs=_inputs(b))
+        delta = {k: counters[k] - before.get(k, 0) for k in counters}
+        n = len(entry.tasks)
+        op = "op:_npu_paged_attention" if entry.choice.kernel == "pa" else "op:npu_fused_infer_attention_score"
+        assert delta.get("update_begin") == n and delta.get("update_end") == n
+        assert delta.get(op) == n and delta.get("event_record") == n
+        assert delta.get("workspace_query", 0) == 0, "no workspace query per step"
+        assert delta.get("synchronize", 0) == 0, "no host synchronize per step"
+        assert delta.get("replay") == 1
+        rt.synchronize()
+
+
+def test_unchanged_lengths_skip_the_reissue_but_record_events():
+    cfg, rt, _, eng = build(sizes=[4], layers=3)
+    b = _batch(cfg, 4)
+    ref = eng.eager(b).clone()
+    assert torch.equal(eng.step(b), ref)
+    counters = sim.counters()
+    before = dict(counters)
+    assert torch.equal(eng.step(b), ref)
+    assert counters["update_begin"] == before["update_begin"], "nothing re-issued"
+    assert counters["event_record"] == before["event_record"] + 3, "events still recorded"
+
+
+def test_each_distinct_metadata_is_converted_once_per_step():
+    cfg, rt, _, eng = build(sizes=[4], layers=4)
+    b = _batch(cfg, 4)
+    with mock.patch.object(updater_mod, "convert", wraps=updater_mod.convert) as spy:
+        rt.update(4, {f"main.layers.{i}.attn": b.meta for i in range(4)})
+        assert spy.call_count == 1
+        rt.replay(4)
+        rt.synchronize()
+        rt.update(4, {"default": b.meta})
+        assert spy.call_count == 2
+
+
+def test_no_strong_reference_to_model_tensors():
+    cfg, rt, model, eng = build(sizes=[2], layers=2)
+    cache = weakref.ref(model.layers[0].k_cache)
+    entry = rt.manager.entry("main", 2)
+    assert entry.tasks[0].tensor("key_cache") is model.layers[0].k_cache
+    rt.manager.reset()  # the graph (the only owner besides the model) is freed
+    del entry, model, eng
+    gc.collect()
+    assert cache() is None, "the runtime must not keep model tensors alive"
+
+
+def test_update_waits_for_the_previous_replay_without_host_sync():
+    """Two steps issued back to back while the device is held: no race, right output."""
+    cfg, rt, _, eng = build(sizes=[4], layers=2)
+    wl = Workload(cfg, [4], seed=9, max_batch=4)
+    b1, b2 = list(wl.steps(2))
+    npu = sim.npu
+    main = npu.Stream()
+    hold = npu.ExternalEvent()
+    ref1 = eng.eager(b1).clone()
+    eng.buffers["input_ids"][:4].copy_(b1.input_ids)
+    eng.buffers["positions"][:4].copy_(b1.positions)
+    eng.buffers["slot_mapping"][:4].copy_(b1.slot_mapping)
+    bt = eng.block_table[:4]
+    bt.copy_(b1.padded_meta.block_table)
+    m1 = AttentionMetadata(seq_lens=b1.meta.seq_lens, block_table=bt[: b1.num_reqs])
+    lens2 = b1.meta.seq_lens + 1
+    m2 = AttentionMetadata(seq_lens=lens2, block_table=bt[: b1.num_reqs])
+    syncs = sim.counters()["synchronize"]
+    with npu.stream(main):
+        hold.wait(main)  # the device is busy: the first replay stays queued
+        rt.update(4, {"default": m1})
+        out = rt.replay(4)
+        rt.update(4, {"default": m2})  # must not overtake the queued replay
+        assert sim.counters()["synchronize"] == syncs, "no host synchronize on the step path"
+        hold.record(npu.Stream())
+        rt.synchronize()
+    assert torch.equal(out[: b1.num_reqs], ref1)
