@@ -67,6 +67,15 @@ class Runtime:
         )
         self.order = order
         self.validate = validate
+        if policy is not None:
+            self.set_policy(policy)
+
+    def set_policy(self, policy: Any) -> None:
+        """Use ``policy`` for graphs captured from now on (checked against this device)."""
+        check = getattr(policy, "check_device", None)
+        if check is not None:
+            check(self.device.name)
+        self.manager.policy = policy
 
     @property
     def max_model_len(self) -> int:
@@ -159,7 +168,7 @@ class Runtime:
         """
         entry = self.manager.entry(namespace, key)
         if inputs:
-            self._copy_inputs(entry, inputs, pad_values or {})
+            self.copy_inputs(entry, inputs, pad_values)
         if self.order == "update-first":
             self.update(key, metadata, namespace=namespace)
             return self.replay(key, namespace=namespace)
@@ -167,7 +176,14 @@ class Runtime:
         self.update(key, metadata, namespace=namespace)
         return out
 
-    def _copy_inputs(self, entry: GraphEntry, inputs: Mapping[str, torch.Tensor], pads: Mapping[str, float]) -> None:
+    def copy_inputs(
+        self,
+        entry: GraphEntry,
+        inputs: Mapping[str, torch.Tensor],
+        pad_values: Mapping[str, float] | None = None,
+    ) -> None:
+        """Copy ``inputs`` into ``entry``'s static input buffers, padding the rest."""
+        pads = pad_values or {}
         for name, src in inputs.items():
             ref = entry.static_inputs.get(name)
             dst = ref() if ref is not None else None

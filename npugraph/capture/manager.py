@@ -122,6 +122,7 @@ class _Context:
     choice: KernelChoice | None = None
     workspace: torch.Tensor | None = None
     workspace_bytes: int = 0
+    required: dict[str, int] = attrs.field(factory=dict)
     tasks: list[TaskRecord] = attrs.field(factory=list)
     layer: str | None = None
     seen: set[str] = attrs.field(factory=set)
@@ -168,6 +169,7 @@ class CaptureManager:
         self._stream: Any = None
         self._ctx: _Context | None = None
         self._event_index: dict[int, TaskRecord] = {}
+        self.configured: dict[str, list[Hashable]] = {}
         self._task_entry: dict[int, GraphEntry] = {}
 
     # --- what clients see ------------------------------------------------------------
@@ -230,7 +232,7 @@ class CaptureManager:
                 event=event,
                 args={k: _weak(v) for k, v in kwargs.items()},
                 host_at_capture={k: _host_repr(kwargs[k]) for k in spec.host_args},
-                workspace_bytes=ctx.workspace_bytes,
+                workspace_bytes=ctx.required.get(layer, ctx.workspace_bytes),
             )
         )
 
@@ -332,6 +334,8 @@ class CaptureManager:
         bar is shown when the manager was created with ``progress=True``.
         """
         order = sorted(keys, key=size or (lambda k: k), reverse=True)  # type: ignore[arg-type,return-value]
+        known = set(self.configured.get(namespace, [])) | set(order)
+        self.configured[namespace] = sorted(known, key=size or (lambda k: k))  # type: ignore[arg-type,return-value]
         it: Iterable[Hashable] = order
         if self.progress:
             from tqdm import tqdm
@@ -347,7 +351,7 @@ class CaptureManager:
         seen: dict[tuple[Any, ...], int] = {}
         best = 0
         lens = _capture_lens(ctx.tokens, ctx.calls[0][2])
-        for _, _, call in ctx.calls:
+        for layer, _, call in ctx.calls:
             shape = (
                 tuple(call.query.shape),
                 tuple(call.key_cache.shape),
@@ -358,6 +362,7 @@ class CaptureManager:
             if shape not in seen:
                 seen[shape] = spec.workspace_bytes(self.device, spec.arguments(call, lens, None), ctx.max_model_len)
             best = max(best, seen[shape])
+            ctx.required[layer] = seen[shape]
         ctx.workspace_bytes = best
         ctx.workspace = torch.empty(best, dtype=torch.uint8) if best else None
 

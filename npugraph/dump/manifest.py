@@ -94,6 +94,9 @@ def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) ->
                         "args": {k: _arg(v, k in t.spec.host_args) for k, v in kw.items()},
                         "host_at_capture": {k: list(v) for k, v in t.host_at_capture.items()},
                         "workspace_required": t.workspace_bytes,
+                        "num_reqs": None
+                        if last is None or t.group not in last.groups
+                        else last.groups[t.group].num_reqs,
                         "last_update": None if host_now is None else {"step": last.step, "host": host_now},  # type: ignore[union-attr]
                     }
                 )
@@ -123,6 +126,8 @@ def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) ->
             totals["workspace_bytes"] += e.workspace_bytes
         keys.sort(key=lambda k: int(k["tokens"]))  # type: ignore[call-overload]
         namespaces[ns] = {"keys": keys}
+        if ns in manager.configured:
+            namespaces[ns]["configured_sizes"] = [k for k in manager.configured[ns] if isinstance(k, int)]
     pool = manager._pool
     if pool is not None and manager.device.is_sim:
         totals["pool_bytes"] = int(manager.device.ops.pool_bytes(pool))

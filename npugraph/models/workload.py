@@ -65,14 +65,18 @@ class Workload:
         self.rng.shuffle(self.free)
         self.running: list[Request] = []
         self._next = 0
-        self._target = self.max_batch
+        self._target = self.rng.choice(self._targets())
 
     def _admit(self) -> None:
         cfg = self.cfg
         # the load drifts between near-idle and full so that every size is visited
-        if self.rng.random() < 0.1:
-            self._target = self.rng.choice([1, 2, 3, 4, self.max_batch // 2, self.max_batch])
+        if self.rng.random() < 0.15:
+            self._target = self.rng.choice(self._targets())
         target = max(1, min(self.max_batch, self._target))
+        while len(self.running) > target and self.rng.random() < 0.5:
+            # preemption: the scheduler evicts a request and frees its blocks
+            victim = self.running.pop(self.rng.randrange(len(self.running)))
+            self.free.extend(victim.blocks)
         while len(self.running) < target:
             prompt = self.rng.randint(1, cfg.max_model_len // 3)
             out = self.rng.randint(1, max(2, cfg.max_model_len // 8))
@@ -85,6 +89,9 @@ class Workload:
             blocks = [self.free.pop() for _ in range(need)]
             self.running.append(Request(self._next, prompt, out, blocks, self.rng.randrange(cfg.vocab_size)))
             self._next += 1
+
+    def _targets(self) -> list[int]:
+        return [1, 2, 3, 4, max(1, self.max_batch // 4), max(1, self.max_batch // 2), self.max_batch]
 
     def _retire(self) -> None:
         keep = []

@@ -42,12 +42,14 @@ class StepLens:
 
     ``kv_lens``: key length per request (padding requests: 0);
     ``q_ends``: cumulative query-token ends per request (last = tokens);
-    ``kv_lens_host``: ``kv_lens`` as a CPU int32 tensor (PA's form).
+    ``kv_lens_host``: ``kv_lens`` as a CPU int32 tensor (PA's form);
+    ``num_reqs``: how many leading requests are real (the rest are padding).
     """
 
     kv_lens: tuple[int, ...]
     q_ends: tuple[int, ...]
     kv_lens_host: torch.Tensor
+    num_reqs: int = 0
 
 
 @attrs.frozen(kw_only=True)

@@ -57,7 +57,7 @@ def pad_lens(
         q = q + tuple(ends)
     elif q and q[-1] != tokens:
         q = (*q[:-1], tokens)  # the last request absorbs padding tokens
-    return StepLens(kv_lens=kv, q_ends=q, kv_lens_host=torch.tensor(kv, dtype=torch.int32))
+    return StepLens(kv_lens=kv, q_ends=q, kv_lens_host=torch.tensor(kv, dtype=torch.int32), num_reqs=r)
 
 
 def convert(
@@ -113,14 +113,21 @@ def convert(
                 f"blocks of {block_size} tokens the block table holds"
             )
         if meta.block_table.device.type == "cpu":
-            need = (meta.seq_lens.long() + block_size - 1) // block_size
-            ids = meta.block_table[:r]
-            used = torch.arange(ids.shape[1]).unsqueeze(0) < need.unsqueeze(1)
-            bad = used & ((ids < 0) | (ids >= num_blocks))
-            if bool(bad.any()):
-                i, j = (int(x) for x in bad.nonzero()[0])
-                raise MetadataError(
-                    f"{where}: block_table[{i}, {j}] = {int(ids[i, j])} is not a block id of "
-                    f"the KV cache (0 <= id < {num_blocks})"
-                )
+            _check_block_ids(meta.block_table, kv, block_size, num_blocks, where)
     return pad_lens(kv, q_ends, batch, tokens)
+
+
+def _check_block_ids(table: torch.Tensor, kv: list[int], block_size: int, num_blocks: int, where: str) -> None:
+    """Every block a request uses (the first ceil(len / block_size) columns) must exist."""
+    r = len(kv)
+    need = torch.tensor([-(-x // block_size) for x in kv])
+    ids = table[:r]
+    used = torch.arange(ids.shape[1]) < need.unsqueeze(1)
+    lo, hi = torch.where(used, ids, 0).aminmax()
+    if int(lo) >= 0 and int(hi) < num_blocks:
+        return
+    bad = used & ((ids < 0) | (ids >= num_blocks))
+    i, j = (int(x) for x in bad.nonzero()[0])
+    raise MetadataError(
+        f"{where}: block_table[{i}, {j}] = {int(ids[i, j])} is not a block id of the KV cache (0 <= id < {num_blocks})"
+    )

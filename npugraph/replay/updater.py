@@ -17,7 +17,7 @@ from npugraph.errors import (
     NpuGraphError,
     UpdateFailed,
 )
-from npugraph.ops.base import OpSpec, StepLens
+from npugraph.ops.base import OpSpec
 from npugraph.replay.lens import AttentionMetadata, convert
 
 __all__ = ["ReplayUpdater", "UpdatePlan"]
@@ -42,6 +42,11 @@ class UpdatePlan:
     fused: tuple[bool, ...]
     block_tables: tuple[Any, ...]
     geometry: tuple[tuple[int, int, int], ...]  # (block_size, num_blocks, table columns)
+    spec_set: tuple[OpSpec, ...]  # the distinct specs of the graph
+    spec_names: tuple[str, ...]
+    statics: tuple[dict[str, Any], ...]  # non-tensor kernel arguments
+    tensor_refs: tuple[tuple[tuple[str, Any], ...], ...]  # (name, weakref) per task
+    list_refs: tuple[tuple[tuple[str, tuple[Any, ...]], ...], ...]  # tensor lists (FIA out)
 
 
 @attrs.define
@@ -118,7 +123,19 @@ class ReplayUpdater:
 
     def _build_plan(self, entry: GraphEntry) -> UpdatePlan:
         fused, geometry, tables = [], [], []
+        statics, trefs, lrefs = [], [], []
         for t in entry.tasks:
+            st, tr, lr = {}, [], []
+            for name, v in t.args.items():
+                if isinstance(v, weakref.ref):
+                    tr.append((name, v))
+                elif isinstance(v, list) and v and isinstance(v[0], weakref.ref):
+                    lr.append((name, tuple(v)))
+                else:
+                    st[name] = v
+            statics.append(st)
+            trefs.append(tuple(tr))
+            lrefs.append(tuple(lr))
             bt = t.tensor("block_table")
             kc = t.tensor("key_cache")
             if kc is None:
@@ -137,10 +154,15 @@ class ReplayUpdater:
             handles=tuple(t.handle for t in entry.tasks),
             events=tuple(t.event for t in entry.tasks),
             specs=tuple(t.spec for t in entry.tasks),
+            spec_set=tuple({t.spec.name: t.spec for t in entry.tasks}.values()),
+            spec_names=tuple(t.spec.name for t in entry.tasks),
             kernels=tuple(t.spec.kernel_fn(self.device) for t in entry.tasks),
             fused=tuple(fused),
             block_tables=tuple(tables),
             geometry=tuple(geometry),
+            statics=tuple(statics),
+            tensor_refs=tuple(trefs),
+            list_refs=tuple(lrefs),
         )
 
     # --- update ----------------------------------------------------------------------
@@ -191,56 +213,50 @@ class ReplayUpdater:
     ) -> tuple[list[dict[str, Any]], dict[tuple[int, int], tuple[Any, AttentionMetadata]]]:
         """Resolve, validate and convert metadata; no device call happens here."""
         get = metadata.get
-        converted: dict[int, StepLens] = {}
-        host_of: dict[tuple[int, str], dict[str, Any]] = {}
-        copies: dict[tuple[int, int], tuple[Any, AttentionMetadata]] = {}
-        host: list[dict[str, Any]] = []
-        for i, layer in enumerate(plan.layers):
-            meta = get(layer)
-            group = plan.groups[i]
-            if meta is None:
-                meta = get(group)
-                if meta is None:
-                    raise MetadataError(
-                        f"{entry.namespace}/{entry.key!r}: the step's metadata has no entry for "
-                        f"layer {layer!r} nor for its KV-cache group {group!r} (it has "
-                        f"{sorted(metadata)[:6]}...); pass metadata for every captured layer"
-                    )
-            mid = id(meta)
-            lens = converted.get(mid)
-            if lens is None:
-                bs, nblocks, cols = plan.geometry[i]
-                lens = convert(
-                    meta,
-                    batch=entry.batch,
-                    tokens=entry.tokens,
-                    max_model_len=self.manager.max_model_len,
-                    block_size=bs,
-                    num_blocks=nblocks,
-                    capacity_blocks=cols,
-                    where=f"{entry.namespace}/{entry.key!r} layer {layer!r}",
-                    validate=self.validate,
+        metas = [get(layer) for layer in plan.layers]
+        if None in metas:  # fall back to the KV-cache group name
+            metas = [m if m is not None else get(g) for m, g in zip(metas, plan.groups)]
+            if None in metas:
+                i = metas.index(None)
+                raise MetadataError(
+                    f"{entry.namespace}/{entry.key!r}: the step's metadata has no entry for "
+                    f"layer {plan.layers[i]!r} nor for its KV-cache group {plan.groups[i]!r} (it "
+                    f"has {sorted(metadata)[:6]}...); pass metadata for every captured layer"
                 )
-                prev = entry.last_lens.get(group)
-                if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
-                    lens = prev  # unchanged: identity lets tasks skip the re-issue
-                else:
-                    entry.last_lens[group] = lens
-                converted[mid] = lens
-                copies[(id(plan.block_tables[i]), mid)] = (plan.block_tables[i], meta)
-            spec = plan.specs[i]
-            hk = (id(lens), spec.name)
-            hv = host_of.get(hk)
-            if hv is None:
+        copies: dict[tuple[int, int], tuple[Any, AttentionMetadata]] = {}
+        host_by: dict[tuple[int, str], dict[str, Any]] = {}
+        distinct: dict[int, AttentionMetadata] = {id(m): m for m in metas if m is not None}
+        for meta in distinct.values():  # each distinct object once
+            i = metas.index(meta)
+            group = plan.groups[i]
+            bs, nblocks, cols = plan.geometry[i]
+            lens = convert(
+                meta,
+                batch=entry.batch,
+                tokens=entry.tokens,
+                max_model_len=self.manager.max_model_len,
+                block_size=bs,
+                num_blocks=nblocks,
+                capacity_blocks=cols,
+                where=f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}",
+                validate=self.validate,
+            )
+            prev = entry.last_lens.get(group)
+            if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
+                lens = prev  # unchanged: identity lets tasks skip the re-issue
+            else:
+                entry.last_lens[group] = lens
+            copies[(id(plan.block_tables[i]), id(meta))] = (plan.block_tables[i], meta)
+            for spec in plan.spec_set:
                 cached = entry.last_host.get((group, spec.name))
                 if cached is not None and cached[0] is lens:
                     hv = cached[1]
                 else:
                     hv = spec.host_values(lens)
                     entry.last_host[(group, spec.name)] = (lens, hv)
-                host_of[hk] = hv
-            host.append(hv)
-        return host, copies
+                host_by[(id(meta), spec.name)] = hv
+        names = plan.spec_names
+        return [host_by[(id(m), n)] for m, n in zip(metas, names)], copies
 
     def _issue(
         self,
@@ -270,16 +286,20 @@ class ReplayUpdater:
             applied = entry.applied
             pending = entry.event_pending
             skip = self.skip_unchanged
-            tasks = entry.tasks
             handles, events, kernels, fused = plan.handles, plan.events, plan.kernels, plan.fused
-            for i in range(len(tasks)):
+            statics, trefs, lrefs = plan.statics, plan.tensor_refs, plan.list_refs
+            for i in range(len(handles)):
                 hv = host[i]
                 if skip and applied[i] is hv:
                     if not pending[i]:
                         events[i].record(us)
                         pending[i] = True
                     continue
-                kw = tasks[i].kwargs()
+                kw = statics[i].copy()
+                for name, ref in trefs[i]:
+                    kw[name] = ref()
+                for name, refs in lrefs[i]:
+                    kw[name] = [r() for r in refs]
                 kw.update(hv)
                 if fused[i] and not pending[i]:
                     fused_fn(

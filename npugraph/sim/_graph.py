@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -76,7 +77,9 @@ class _OpNode:
         return True
 
     def run(self) -> None:
+        t0 = time.perf_counter()
         res = self.func(*self.args, **self.kwargs)
+        rt.get_state().device_clock += time.perf_counter() - t0
         if not self.fresh:
             return
         outs = res if isinstance(res, (tuple, list)) else (res,)
@@ -748,7 +751,7 @@ def graph_task_update_end(stream: rt.Stream) -> None:
         )
 
 
-def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any]) -> None:
+def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any], info: dict[str, Any]) -> None:
     """Check the op issued inside an update against the captured one and queue the rewrite."""
     handle = stream._updating
     group: TaskGroup = handle._group
@@ -769,7 +772,7 @@ def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any]) -> None:
         if name in op.host_args:
             continue
         _check_same(where, name, task.params.get(name), value)
-    op.check_workspace(params, where=where)
+    op.check_workspace(params, where, info)
     host = {k: params[k] for k in op.host_args}
     rt.get_state().enqueue(stream, _TaskUpdate(group, host))
 

@@ -12,6 +12,7 @@ shapes on the host, then does what the device would in the current state:
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -71,11 +72,11 @@ class SimOp:
             return self._max_workspace(params, self._check(params))
         return self.workspace_bytes(_max_params(self, params))
 
-    def check_workspace(self, params: dict[str, Any], where: str) -> None:
+    def check_workspace(self, params: dict[str, Any], where: str, info: dict[str, Any] | None = None) -> None:
         ws = params.get("workspace")
         if ws is None:
             return
-        need = self.workspace_bytes(params)
+        need = self._workspace(params, info if info is not None else self._check(params))
         have = ws.numel() * ws.element_size()
         if have < need:
             lens = {k: _brief_host(params.get(k)) for k in self.host_args}
@@ -88,8 +89,12 @@ class SimOp:
 
     def execute(self, params: dict[str, Any], where: str) -> None:
         info = self._check(params)
-        self.check_workspace(params, where)
+        self.check_workspace(params, where, info)
+        st = rt.get_state()
+        t0 = time.perf_counter()
         self._compute(params, info)
+        model = st.config.kernel_time_model
+        st.device_clock += model(self.name, params) if model is not None else time.perf_counter() - t0
 
 
 def _brief_host(v: Any) -> Any:
@@ -122,10 +127,10 @@ def launch(op: SimOp, params: dict[str, Any]) -> None:
     st.counters["op:" + op.name] += 1
     for name in op.host_args:
         params[name] = _host_copy(name, params.get(name))
-    op.check(params)
+    info = op.check(params)
     stream = st.current_stream
     if stream._updating is not None:
-        gr.issue_update(stream, op, params)
+        gr.issue_update(stream, op, params, info)
         return
     session = st.capture
     if session is not None:
@@ -137,10 +142,10 @@ def launch(op: SimOp, params: dict[str, Any]) -> None:
         if session.auto and op.auto and session.open_group is None:
             _auto_capture(session, op, params)
             return
-        op.check_workspace(params, where=f"capture of {op.qualname}")
+        op.check_workspace(params, f"capture of {op.qualname}", info)
         session.record_kernel(op, params)
         return
-    op.check_workspace(params, where=f"launch of {op.qualname}")
+    op.check_workspace(params, f"launch of {op.qualname}", info)
     where = f"{op.qualname} on {stream!r}"
     st.enqueue(stream, rt.KernelWork(lambda: op.execute(params, where), where))
     # Eager torch ops run on the host at once, and the next one may read this kernel's
@@ -748,7 +753,8 @@ def _fia_out(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwar
     if not isinstance(outs, (list, tuple)) or len(outs) != 2:
         raise ValueError("out must have 2 tensors (attention_out, softmax_lse)")
     p["out"] = list(outs)
-    _check_out_shapes(_FIA_OUT, p)
+    if rt.get_state().current_stream._updating is None:  # an update compares with the captured outs
+        _check_out_shapes(_FIA_OUT, p)
     launch(_FIA_OUT, p)
     return outs[0], outs[1]
 
@@ -903,11 +909,18 @@ def _npu_fused_infer_attention_score_out_graph(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The 4-in-1 fast path: update begin + FIA ``.out`` + update end + event record."""
-    with rt.use_stream(update_stream):
+    st = rt.get_state()
+    prev = st.current_stream
+    st.current_stream = update_stream
+    try:
         gr.graph_task_update_begin(update_stream, handle)
         try:
             res = _fia_out(query, key, value, **kwargs)
-        finally:
-            gr.graph_task_update_end(update_stream)
+        except BaseException:
+            update_stream._updating = None
+            raise
+        gr.graph_task_update_end(update_stream)
         event.record(update_stream)
+    finally:
+        st.current_stream = prev
     return res

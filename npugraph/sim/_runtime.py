@@ -90,7 +90,8 @@ class SimConfig:
 
     adversarial_seed: int | None = None
     cost_model: HostCostModel | None = None
-    kernel_time_model: Any = None  # callable(op_name, params) -> seconds; see policy
+    # f(op_name, params) -> seconds of device time per kernel; None: the kernel's wall time
+    kernel_time_model: Any = None
 
 
 class _Work(Protocol):
@@ -123,6 +124,7 @@ class SimState:
         self.pools: dict[tuple[int, int], int] = {}
         self.auto_update_stream: Stream | None = None
         self.device_index = 0
+        self.device_clock = 0.0  # seconds of simulated device time (Event.elapsed_time)
         self._costs = config.cost_model
 
     # --- host cost and call counting -------------------------------------------------
@@ -379,7 +381,7 @@ class _EventRecord:
 
     def step(self, max_nodes: int) -> bool:
         self.event._completed = max(self.event._completed, self.seq)
-        self.event._time = time.perf_counter()
+        self.event._time = get_state().device_clock
         return True
 
     def describe(self) -> dict[str, Any]:

@@ -1,0 +1,266 @@
+"""Benchmarks of the per-step update path: npugraph vs today's algorithm vs the floor.
+
+Three implementations update the same captured graph, interleaved step by step so
+that machine drift cancels:
+
+* **npugraph** — :meth:`ReplayUpdater.update`;
+* **baseline** — the algorithm engines use today (vllm-ascend's ``update_*_params``):
+  host-synchronize before every replay; walk the metadata dict in capture order; per
+  layer unpack a positional argument tuple, look the layer's metadata up, convert its
+  lengths to a Python list, query the PA workspace before every PA layer; update
+  begin, re-issue the op, update end, record the event;
+* **floor** — only the device calls an update needs (begin, op, end, record per
+  layer), hand-unrolled with every argument precomputed.
+
+Each runs with the simulator's host-cost model off (pure framework overhead) and on
+(``HostCostModel.atlas_a2``: the cost structure measured on Atlas A2).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from npugraph import sim
+from npugraph.policy.fixed import FixedPolicy
+from npugraph.replay.lens import AttentionMetadata
+from npugraph.runtime import Runtime
+
+__all__ = ["bench_update", "run_bench", "bench_capture", "bench_replay_vs_eager"]
+
+_MAX_MODEL_LEN = 2048
+
+
+def _setup(layers: int, size: int, kernel: str, cost: bool) -> tuple[Runtime, Any, torch.Tensor]:
+    from npugraph.models.stack import AttentionStack
+
+    sim.configure(cost_model=sim.HostCostModel.atlas_a2() if cost else None)
+    rt = Runtime("sim", max_model_len=_MAX_MODEL_LEN, policy=FixedPolicy(kernel))
+    stack = AttentionStack(rt, layers=layers)
+    cols = _MAX_MODEL_LEN // stack.block_size
+    table = torch.randint(0, stack.num_blocks, (size, cols), dtype=torch.int32)
+    q = torch.randn(size, stack.heads, stack.head_size).to(stack.dtype)
+    meta = AttentionMetadata(seq_lens=torch.ones(size, dtype=torch.int32), block_table=table)
+    rt.capture(stack, q, meta, key=size)
+    return rt, stack, table
+
+
+def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[[torch.Tensor], None]]:
+    """The three update implementations, each taking this step's seq_lens."""
+    entry = rt.manager.entry("main", size)
+    dev = rt.device
+    npu, ops = dev.npu, dev.ops
+    us = rt.updater.stream
+    layers = list(entry.layers)
+    spec = entry.tasks[0].spec
+    # vllm-ascend keeps a positional tuple per layer and parallel lists of handles/events
+    attn_params = [tuple(t.kwargs().values()) for t in entry.tasks]
+    names = list(entry.tasks[0].args.keys())
+    handles = [t.handle for t in entry.tasks]
+    events = [t.event for t in entry.tasks]
+    kernel = spec.kernel_fn(dev)
+    is_pa = spec.name == "pa"
+
+    def npugraph(lens: torch.Tensor) -> None:
+        rt.updater.update("main", size, {"default": AttentionMetadata(seq_lens=lens, block_table=table)})
+
+    def baseline(lens: torch.Tensor) -> None:
+        npu.synchronize()  # before every replay (vllm-ascend PR #4233)
+        metadata = {name: AttentionMetadata(seq_lens=lens, block_table=table) for name in layers}
+        with npu.stream(us):
+            for (_name, meta), params, handle, event in zip(metadata.items(), attn_params, handles, events):
+                kw = dict(zip(names, params))
+                seq = meta.seq_lens.tolist()
+                if is_pa:
+                    kw["context_lens"] = torch.tensor(seq, dtype=torch.int32)
+                    q_args = {k: v for k, v in kw.items() if k != "workspace"}
+                    # re-queried before every layer (PR #3986); the captured buffer is kept
+                    ops._npu_paged_attention_get_workspace(**q_args)
+                else:
+                    kw["actual_seq_lengths"] = list(range(1, len(seq) + 1))
+                    kw["actual_seq_lengths_kv"] = seq
+                npu.graph_task_update_begin(us, handle)
+                kernel(**kw)
+                npu.graph_task_update_end(us)
+                event.record(us)
+
+    floor_args: list[dict[str, Any]] = []
+
+    def prepare_floor(lens: torch.Tensor) -> None:
+        floor_args.clear()
+        host = spec.host_values(_lens(lens, size))
+        for t in entry.tasks:
+            kw = t.kwargs()
+            kw.update(host)
+            floor_args.append(kw)
+
+    def floor(lens: torch.Tensor) -> None:
+        begin, end = npu.graph_task_update_begin, npu.graph_task_update_end
+        with npu.stream(us):
+            for i in range(len(floor_args)):
+                begin(us, handles[i])
+                kernel(**floor_args[i])
+                end(us)
+                events[i].record(us)
+
+    floor.prepare = prepare_floor  # type: ignore[attr-defined]
+    return {"npugraph": npugraph, "baseline": baseline, "floor": floor}
+
+
+def _lens(lens: torch.Tensor, size: int) -> Any:
+    from npugraph.replay.lens import pad_lens
+
+    return pad_lens(lens.tolist(), None, size, size)
+
+
+def bench_update(
+    layers: int, size: int, kernel: str, cost: bool, *, repeats: int = 15, warmup: int = 3, seed: int = 0
+) -> dict[str, Any]:
+    """Median per-step update cost (us) of the three implementations for one configuration."""
+    rt, _, table = _setup(layers, size, kernel, cost)
+    methods = _methods(rt, size, table)
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    calls: dict[str, dict[str, int]] = {}
+    counters = sim.counters()
+    order = list(methods)
+    for i in range(warmup + repeats):
+        rng.shuffle(order)  # interleaved, in a fresh order each round
+        for name in order:
+            lens = torch.tensor([rng.randint(1, _MAX_MODEL_LEN) for _ in range(size)], dtype=torch.int32)
+            fn = methods[name]
+            prep = getattr(fn, "prepare", None)
+            if prep is not None:
+                prep(lens)
+            before = dict(counters)
+            t0 = time.perf_counter()
+            fn(lens)
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[name].append(dt * 1e6)
+                calls[name] = {k: counters[k] - before.get(k, 0) for k in counters if counters[k] - before.get(k, 0)}
+            # untimed: replay so that the graph consumes this update's events
+            if name == "npugraph":
+                rt.updater.replay("main", size)
+            else:
+                rt.manager.entry("main", size).graph.replay()
+            rt.device.npu.synchronize()
+    row: dict[str, Any] = {
+        "layers": layers,
+        "size": size,
+        "kernel": kernel,
+        "cost_model": "a2" if cost else "off",
+    }
+    for name in methods:
+        ts = sorted(times[name])
+        row[f"{name}_us"] = statistics.median(ts)
+        row[f"{name}_spread_us"] = [ts[len(ts) // 4], ts[(3 * len(ts)) // 4]]
+    row["calls"] = {name: sum(calls[name].values()) for name in methods}
+    row["calls_detail"] = calls
+    sim.configure()
+    return row
+
+
+def _summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for cm in ("off", "a2"):
+        sel = [r for r in rows if r["cost_model"] == cm and r["layers"] >= 32]
+        if not sel:
+            continue
+        out[cm] = {
+            "ratio_vs_baseline_median": statistics.median(r["npugraph_us"] / r["baseline_us"] for r in sel),
+            "overhead_vs_floor_median": statistics.median(r["npugraph_us"] / r["floor_us"] for r in sel),
+        }
+        for k in ("pa", "fia"):
+            ks = [r for r in sel if r["kernel"] == k]
+            if ks:
+                out[cm][f"ratio_vs_baseline_median_{k}"] = statistics.median(
+                    r["npugraph_us"] / r["baseline_us"] for r in ks
+                )
+    return out
+
+
+def run_bench(
+    *,
+    layers: Sequence[int] = (8, 32, 64),
+    sizes: Sequence[int] = (1, 8, 32),
+    kernels: Sequence[str] = ("pa", "fia"),
+    cost_models: Sequence[bool] = (False, True),
+    repeats: int = 15,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Every configuration of :func:`bench_update`; rows plus the summary ratios."""
+    rows = []
+    for cost in cost_models:
+        for n in layers:
+            for s in sizes:
+                for k in kernels:
+                    row = bench_update(n, s, k, cost, repeats=repeats)
+                    rows.append(row)
+                    if progress is not None:
+                        progress(row)
+    return {"rows": rows, "summary": _summary(rows)}
+
+
+def bench_capture(sizes_counts: Sequence[int] = (8, 32, 67), layers: Sequence[int] = (8, 32)) -> list[dict[str, Any]]:
+    """Wall time and pool memory to capture S sizes x L attention layers."""
+    from npugraph.models.stack import AttentionStack
+
+    rows = []
+    for n in layers:
+        for s in sizes_counts:
+            sim.configure()
+            rt = Runtime("sim", max_model_len=_MAX_MODEL_LEN)
+            stack = AttentionStack(rt, layers=n)
+            keys = list(range(1, s + 1))
+            cols = _MAX_MODEL_LEN // stack.block_size
+            table = torch.zeros(max(keys), cols, dtype=torch.int32)
+            q = torch.randn(max(keys), stack.heads, stack.head_size).to(stack.dtype)
+
+            def make(k: Any, q: torch.Tensor = q, table: torch.Tensor = table, stack: Any = stack) -> tuple:
+                meta = AttentionMetadata(seq_lens=torch.ones(k, dtype=torch.int32), block_table=table[:k])
+                return stack, (q[:k], meta), {}
+
+            t0 = time.perf_counter()
+            rt.manager.capture_all(keys, make)
+            dt = time.perf_counter() - t0
+            rows.append(
+                {
+                    "sizes": s,
+                    "layers": n,
+                    "seconds": dt,
+                    "pool_bytes": sim.pool_bytes(rt.manager.pool),
+                    "workspace_bytes": sum(e.workspace_bytes for e in rt.manager.entries()),
+                }
+            )
+    sim.configure()
+    return rows
+
+
+def bench_replay_vs_eager(steps: int = 40, layers: int = 8) -> dict[str, Any]:
+    """Decoder step time, replayed vs eager, on the simulator (a sanity line, not a claim)."""
+    from npugraph.models import Decoder, DecoderConfig, Workload
+    from npugraph.models.engine import DecodeEngine
+
+    sim.configure()
+    cfg = DecoderConfig(layers=layers)
+    rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    eng = DecodeEngine(rt, Decoder(cfg, rt), [1, 2, 4, 8, 16, 32])
+    eng.capture()
+    eager, replay = [], []
+    for b in Workload(cfg, eng.sizes, seed=0).steps(steps):
+        t0 = time.perf_counter()
+        eng.eager(b)
+        t1 = time.perf_counter()
+        eng.step(b)
+        t2 = time.perf_counter()
+        eager.append(t1 - t0)
+        replay.append(t2 - t1)
+    sim.configure()
+    e, r = statistics.median(eager) * 1e6, statistics.median(replay) * 1e6
+    return {"eager_us_median": e, "replay_us_median": r, "replay_over_eager": r / e}
