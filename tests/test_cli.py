@@ -1,0 +1,120 @@
+"""The command line: arguments, exit codes, JSON outputs (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from npugraph.cli import main
+
+
+def test_demo_json_and_manifest(tmp_path, capsys):
+    js, dump = tmp_path / "demo.json", tmp_path / "manifest.json"
+    code = main(
+        [
+            "demo",
+            "--layers",
+            "2",
+            "--sizes",
+            "1,2,4",
+            "--steps",
+            "20",
+            "--max-model-len",
+            "128",
+            "--num-blocks",
+            "64",
+            "--no-progress",
+            "--json",
+            str(js),
+            "--dump",
+            str(dump),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "20 steps, 0 mismatches" in out
+    doc = json.loads(js.read_text())
+    for field in (
+        "device",
+        "layers",
+        "capture_sizes",
+        "steps",
+        "mismatches",
+        "kernel_by_size",
+        "update_us_median",
+        "replay_us_median",
+    ):
+        assert field in doc
+    assert doc["device"] == "sim" and doc["layers"] == 2 and doc["capture_sizes"] == [1, 2, 4]
+    assert doc["kernel_by_size"] == {"1": "pa", "2": "pa", "4": "pa"}
+    assert json.loads(dump.read_text())["totals"]["graphs"] == 3
+    assert main(["dump", "validate", str(dump)]) == 0
+
+
+def test_demo_replay_first_adversarial_and_policy_flag(capsys):
+    code = main(
+        [
+            "demo",
+            "--layers",
+            "2",
+            "--sizes",
+            "2,8",
+            "--steps",
+            "15",
+            "--max-model-len",
+            "128",
+            "--num-blocks",
+            "64",
+            "--no-progress",
+            "--order",
+            "replay-first",
+            "--adversarial",
+            "7",
+            "--policy",
+            "pa-sizes=8",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "15 steps, 0 mismatches" in out
+    assert " 8     pa" in out and " 2    fia" in out
+
+
+@pytest.mark.parametrize("argv", [["demo", "--sizes", "0,2"], ["demo", "--sizes", "a"], ["bogus"], []])
+def test_bad_arguments_exit_2(argv):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+
+
+def test_demo_on_npu_without_torch_npu_says_what_is_missing(capsys):
+    from npugraph.errors import DeviceUnavailable
+
+    with pytest.raises(DeviceUnavailable, match="torch_npu and the CANN toolkit.*device='sim'"):
+        main(["demo", "--device", "npu", "--steps", "1"])
+
+
+def test_bench_json_schema(tmp_path):
+    path = tmp_path / "bench.json"
+    code = main(
+        ["bench", "--layers", "2,32", "--sizes", "1", "--cost-model", "off", "--repeats", "2", "--json", str(path)]
+    )
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert len(doc["rows"]) == 4  # 2 layer counts x 1 size x 2 kernels
+    for row in doc["rows"]:
+        assert {"layers", "size", "kernel", "cost_model", "npugraph_us", "baseline_us", "floor_us", "calls"} <= set(row)
+        assert row["cost_model"] == "off" and set(row["calls"]) == {"npugraph", "baseline", "floor"}
+        assert row["calls"]["npugraph"] == row["calls"]["floor"] == 5 * row["layers"]
+    s = doc["summary"]["off"]
+    assert {"ratio_vs_baseline_median", "overhead_vs_floor_median"} <= set(s)
+
+
+def test_policy_measure_and_show(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    assert (
+        main(["policy", "measure", "--sizes", "1,2", "--repeats", "2", "--max-model-len", "64", "--out", str(path)])
+        == 0
+    )
+    assert main(["policy", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "policy for 4 heads" in out and "measured: PA" in out

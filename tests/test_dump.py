@@ -1,0 +1,164 @@
+"""Capture manifests, validation, diff, DOT output, and post-mortems."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pydot
+import pytest
+import torch
+
+from npugraph import AttentionMetadata, sim
+from npugraph.cli import main
+from npugraph.dump.cli import inspect, to_dot
+from npugraph.dump.manifest import SCHEMA_VERSION, load_manifest
+from npugraph.dump.validate import diff_manifests, validate_manifest
+from npugraph.errors import GraphDeadlock, MetadataError
+
+from .helpers import build, run
+
+
+@pytest.fixture
+def captured():
+    cfg, rt, model, eng = build(sizes=[1, 4, 8], layers=3)
+    run(eng, cfg, 12, seed=2)
+    return cfg, rt, model, eng
+
+
+def test_manifest_matches_the_capture_field_by_field(captured, tmp_path):
+    cfg, rt, model, eng = captured
+    path = tmp_path / "m.json"
+    rt.save_manifest(str(path))
+    doc = load_manifest(str(path))
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["device"] == "sim"
+    assert doc["max_model_len"] == cfg.max_model_len
+    keys = doc["namespaces"]["main"]["keys"]
+    assert [k["tokens"] for k in keys] == [1, 4, 8]
+    assert doc["namespaces"]["main"]["configured_sizes"] == [1, 4, 8]
+    assert doc["totals"]["graphs"] == 3 and doc["totals"]["tasks"] == 9
+    assert doc["totals"]["pool_bytes"] == sim.pool_bytes(rt.manager.pool) > 0
+    for k in keys:
+        entry = rt.manager.entry("main", k["tokens"])
+        assert k["kernel"] == entry.choice.kernel and k["kernel_reason"] == entry.choice.reason
+        assert k["workspace"]["bytes"] == entry.workspace_bytes
+        assert k["workspace"]["shared_by"] == [0, 1, 2]
+        assert k["replays"] == entry.replays and k["steps"] == entry.steps
+        assert k["pool"] == list(entry.pool)
+        for t, rec in zip(k["tasks"], entry.tasks):
+            assert t["layer"] == rec.layer and t["op"] == rec.spec.name
+            assert t["task_group"] == rec.handle._group.group_id and t["event"] == rec.event.event_id
+            kc = rec.tensor("key_cache") if rec.spec.name == "pa" else rec.tensor("key")
+            arg = t["args"]["key_cache" if rec.spec.name == "pa" else "key"]
+            assert arg["shape"] == list(kc.shape) and arg["address"] == kc.data_ptr()
+            assert arg["dtype"] == "bfloat16" and arg["bytes"] == kc.numel() * kc.element_size()
+            host = t["host_at_capture"]
+            assert host == {k2: list(v) for k2, v in rec.host_at_capture.items()}
+            if entry.steps:
+                assert t["last_update"]["step"] == entry.steps
+                lens = entry.last_lens["default"]
+                got = t["last_update"]["host"].get("context_lens") or t["last_update"]["host"]["actual_seq_lengths_kv"]
+                assert got == list(lens.kv_lens)
+        if entry.steps:
+            assert k["trace"] and k["trace"][-1]["step"] == entry.steps
+
+
+def test_validate_passes_on_a_healthy_capture(captured):
+    assert validate_manifest(captured[1].manifest()) == []
+
+
+def _broken(doc, how):
+    d = copy.deepcopy(doc)
+    keys = d["namespaces"]["main"]["keys"]
+    if how == "layers":
+        keys[1]["tasks"][0]["layer"] = keys[1]["tasks"][1]["layer"]
+    elif how == "handles":
+        keys[1]["tasks"][1]["task_group"] = keys[0]["tasks"][0]["task_group"]
+    elif how == "events":
+        keys[2]["tasks"][0]["event"] = keys[2]["tasks"][2]["event"]
+    elif how == "lengths":
+        t = keys[0]["tasks"][0]
+        name = next(iter(t["host_at_capture"]))
+        t["host_at_capture"][name] = [d["max_model_len"] + 1]
+    elif how == "workspace":
+        keys[2]["tasks"][1]["workspace_required"] = 10**12
+    elif how == "padding":
+        rec = next(k for k in keys if k["trace"])["trace"][-1]
+        g = rec["groups"]["default"]
+        g["num_reqs"] = 0
+        g["kv_lens"] = [5] * len(g["kv_lens"])
+    elif how == "sorted":
+        keys.reverse()
+    elif how == "coverage":
+        d["namespaces"]["main"]["configured_sizes"] = [1, 2, 4, 8]
+    return d
+
+
+@pytest.mark.parametrize(
+    ("how", "rule"),
+    [
+        ("layers", "one-task-per-layer"),
+        ("handles", "unique-handles"),
+        ("events", "unique-events"),
+        ("lengths", "lengths"),
+        ("workspace", "workspace"),
+        ("padding", "padding-zero"),
+        ("sorted", "keys-sorted"),
+        ("coverage", "keys-cover-sizes"),
+    ],
+)
+def test_validate_reports_each_broken_rule(captured, how, rule, tmp_path):
+    doc = _broken(captured[1].manifest(), how)
+    violations = validate_manifest(doc)
+    assert rule in {v.rule for v in violations}, violations
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    assert main(["dump", "validate", str(path)]) == 1
+
+
+def test_diff_finds_a_changed_kernel_and_a_changed_shape(captured, tmp_path):
+    a = captured[1].manifest()
+    b = copy.deepcopy(a)
+    kb = b["namespaces"]["main"]["keys"]
+    kb[0]["kernel"] = "fia"
+    kb[1]["tasks"][2]["args"]["query"]["shape"] = [4, 4, 128]
+    lines = diff_manifests(a, b)
+    assert any("main/1: kernel pa -> fia" in x for x in lines)
+    assert any("main/4 task 2" in x and "query" in x and "128" in x for x in lines)
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    assert main(["dump", "diff", str(pa), str(pb)]) == 1
+    assert main(["dump", "diff", str(pa), str(pa)]) == 0
+
+
+def test_dot_output_parses(captured):
+    dot = to_dot(captured[1].manifest(), "4")
+    graphs = pydot.graph_from_dot_data(dot)
+    assert graphs and len(graphs[0].get_subgraphs()) == 4  # update stream + 3 task groups
+    assert "wait event" in dot and "task group #" in dot
+
+
+def test_deadlock_writes_a_postmortem_that_inspect_reads(tmp_path, capsys):
+    cfg, rt, model, eng = build(sizes=[2], layers=2, postmortem_dir=str(tmp_path))
+    rt.replay(2)  # the update never comes
+    with pytest.raises(GraphDeadlock) as info:
+        rt.synchronize()
+    path = info.value.postmortem
+    assert path is not None and path in str(info.value)
+    doc = load_manifest(path)
+    assert doc["error"]["type"] == "GraphDeadlock"
+    text = inspect(doc, None)
+    assert "POST-MORTEM: GraphDeadlock" in text and "main.layers.0.attn" in text
+    assert main(["dump", "inspect", path, "--key", "2"]) == 0
+    assert "main.layers.1.attn" in capsys.readouterr().out
+
+
+def test_failed_update_writes_a_postmortem(tmp_path):
+    cfg, rt, model, eng = build(sizes=[2], layers=2, postmortem_dir=str(tmp_path))
+    bad = AttentionMetadata(
+        seq_lens=torch.tensor([10**6], dtype=torch.int32), block_table=torch.zeros(1, 16, dtype=torch.int32)
+    )
+    with pytest.raises(MetadataError, match="post-mortem written to") as info:
+        rt.update(2, {"default": bad})
+    assert load_manifest(info.value.postmortem)["error"]["type"] == "MetadataError"
