@@ -67,6 +67,7 @@ class Runtime:
         )
         self.order = order
         self.validate = validate
+        self._namespaces: dict[str, int] = {}
         if policy is not None:
             self.set_policy(policy)
 
@@ -129,6 +130,7 @@ class Runtime:
         namespace: str = "main",
         tokens: int | None = None,
         static_inputs: Mapping[str, torch.Tensor] | None = None,
+        require_attention: bool = True,
         **kwargs: Any,
     ) -> Any:
         """Capture ``fn(*args, **kwargs)`` for ``key``; see :meth:`CaptureManager.capture`."""
@@ -139,8 +141,15 @@ class Runtime:
             namespace=namespace,
             tokens=tokens,
             static_inputs=static_inputs,
+            require_attention=require_attention,
             **kwargs,
         )
+
+    def unique_namespace(self, prefix: str) -> str:
+        """A namespace name not used yet by this runtime (``prefix.0``, ``prefix.1``, ...)."""
+        n = self._namespaces.get(prefix, 0)
+        self._namespaces[prefix] = n + 1
+        return f"{prefix}.{n}"
 
     def update(self, key: Hashable, metadata: Mapping[str, AttentionMetadata], *, namespace: str = "main") -> None:
         """Write the step's metadata into the graph of ``key`` (no host synchronize)."""

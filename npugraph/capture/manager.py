@@ -245,12 +245,15 @@ class CaptureManager:
         namespace: str = "main",
         tokens: int | None = None,
         static_inputs: Mapping[str, torch.Tensor] | None = None,
+        require_attention: bool = True,
         **kwargs: Any,
     ) -> Any:
         """Capture ``fn(*args, **kwargs)`` as the graph of ``(namespace, key)``; return its outputs.
 
         ``tokens`` is the graph's padded token count (default: ``key`` if it is an
         int).  ``static_inputs`` names the buffers a step copies new inputs into.
+        ``require_attention=False`` allows graphs without attention (vLLM's
+        PIECEWISE pieces), which then need no update.
         """
         if (namespace, key) in self._entries:
             raise CaptureFailed(
@@ -272,13 +275,16 @@ class CaptureManager:
         try:
             fn(*args, **kwargs)  # warm-up, eager
             npu.synchronize()
-            if not ctx.calls:
+            if not ctx.calls and require_attention:
                 raise CaptureFailed(
                     f"capture of {namespace}/{key!r}: the callable made no attention call "
                     "through the runtime; nothing would be updated"
                 )
-            ctx.choice = self.policy.choose(namespace, key, ctx.tokens, [c for _, _, c in ctx.calls])
-            self._size_workspace(ctx)
+            if ctx.calls:
+                ctx.choice = self.policy.choose(namespace, key, ctx.tokens, [c for _, _, c in ctx.calls])
+                self._size_workspace(ctx)
+            else:
+                ctx.choice = KernelChoice(kernel="none", reason="no attention in this graph")
             ctx.calls.clear()  # drop the warm-up's tensors
             ctx.phase = Phase.CAPTURE
             ctx.layer = None

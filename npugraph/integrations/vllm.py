@@ -1,0 +1,369 @@
+"""npugraph as vLLM's static graph wrapper and per-step updater (ACL graph mode).
+
+Install without patching vLLM: the ``vllm.general_plugins`` entry point
+``npugraph = npugraph.integrations.vllm:register`` runs :func:`register` in every vLLM
+process.  With ``NPUGRAPH_ENABLE=1`` it makes the platform's
+``get_static_graph_wrapper_cls()`` return :class:`NpuGraphWrapper` and, when
+vllm-ascend is installed, replaces its graph wrapper and parameter-update functions
+(see :func:`install`).  On a platform without NPU graphs it leaves vLLM untouched and
+says so once in the log (``NPUGRAPH_DEVICE=sim`` forces the simulator, for testing).
+
+The attention metadata contract (what a backend must put in
+``forward_context.attn_metadata[layer_name]`` each step): either an
+:class:`npugraph.AttentionMetadata`, or any object with
+
+* ``seq_lens_list`` (list[int]) or ``seq_lens_cpu`` / ``seq_lens`` (CPU int tensor [R]),
+  the key length of each request including this step's tokens;
+* ``block_tables`` / ``block_table`` / ``block_table_tensor`` ([R, cols] int32);
+* optionally ``query_start_loc_cpu`` / ``query_start_loc`` (CPU int [R + 1]).
+
+Layers of one KV-cache group may share one metadata object; it is converted once
+per step.  :class:`npugraph.attention.DecodeAttention` is the reference client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from npugraph.capture.manager import strong_tree
+from npugraph.errors import NpuGraphError
+from npugraph.replay.lens import AttentionMetadata
+from npugraph.runtime import Runtime
+
+__all__ = [
+    "NpuGraphWrapper",
+    "attach_runtime",
+    "install",
+    "register",
+    "runtime_for",
+    "to_attention_metadata",
+    "uninstall",
+]
+
+logger = logging.getLogger("npugraph.vllm")
+
+ENV_ENABLE = "NPUGRAPH_ENABLE"
+ENV_DEVICE = "NPUGRAPH_DEVICE"
+WRAPPER_PATH = "npugraph.integrations.vllm.NpuGraphWrapper"
+_RUNTIME_ATTR = "_npugraph_runtime"
+
+
+def attach_runtime(vllm_config: Any, runtime: Runtime) -> Runtime:
+    """Make every wrapper built for ``vllm_config`` use ``runtime``."""
+    setattr(vllm_config, _RUNTIME_ATTR, runtime)
+    return runtime
+
+
+def runtime_for(vllm_config: Any) -> Runtime:
+    """The runtime of ``vllm_config`` (created on first use: one per engine config)."""
+    rt = getattr(vllm_config, _RUNTIME_ATTR, None)
+    if rt is None:
+        model = getattr(vllm_config, "model_config", None)
+        if model is None:
+            raise NpuGraphError(
+                "npugraph needs max_model_len: the VllmConfig has no model_config; call "
+                "npugraph.integrations.vllm.attach_runtime(vllm_config, Runtime(...)) first"
+            )
+        device = os.environ.get(ENV_DEVICE) or ("npu" if _platform_has_npu_graphs() else "sim")
+        rt = attach_runtime(vllm_config, Runtime(device, max_model_len=int(model.max_model_len)))
+    return rt
+
+
+def to_attention_metadata(obj: Any) -> AttentionMetadata:
+    """Read the contract's fields from a backend's metadata object (see the module doc)."""
+    if isinstance(obj, AttentionMetadata):
+        return obj
+    seq = getattr(obj, "seq_lens_list", None)
+    if seq is not None:
+        seq_lens = torch.tensor(seq, dtype=torch.int32)
+    else:
+        seq_lens = _first_attr(obj, ("seq_lens_cpu", "seq_lens"))
+        if seq_lens is None:
+            raise NpuGraphError(
+                f"{type(obj).__name__} has no seq_lens_list / seq_lens_cpu / seq_lens; an attention "
+                "backend must provide the per-request key lengths on the host"
+            )
+        seq_lens = seq_lens.to(torch.int32)
+    table = _first_attr(obj, ("block_tables", "block_table", "block_table_tensor"))
+    if table is None:
+        raise NpuGraphError(f"{type(obj).__name__} has no block_tables / block_table attribute")
+    qsl = _first_attr(obj, ("query_start_loc_cpu", "query_start_loc"))
+    return AttentionMetadata(seq_lens=seq_lens, block_table=table, query_start_loc=qsl)
+
+
+def _first_attr(obj: Any, names: tuple[str, ...]) -> Any:
+    for n in names:
+        v = getattr(obj, n, None)
+        if v is not None:
+            return v
+    return None
+
+
+def _step_metadata(attn_metadata: Any) -> Mapping[str, AttentionMetadata]:
+    """Map ``forward_context.attn_metadata`` to per-layer npugraph metadata (each object once)."""
+    if isinstance(attn_metadata, list):
+        if len(attn_metadata) != 1:
+            raise NpuGraphError(
+                f"micro-batched attention metadata ({len(attn_metadata)} dicts) reached a FULL "
+                "graph; npugraph captures one graph per micro-batch forward context, give each "
+                "its own dict"
+            )
+        attn_metadata = attn_metadata[0]
+    if not isinstance(attn_metadata, Mapping):
+        raise NpuGraphError(
+            "forward_context.attn_metadata must be a dict keyed by attention layer name, got "
+            f"{type(attn_metadata).__name__}"
+        )
+    converted: dict[int, AttentionMetadata] = {}
+    out: dict[str, AttentionMetadata] = {}
+    for name, obj in attn_metadata.items():
+        m = converted.get(id(obj))
+        if m is None:
+            m = converted[id(obj)] = to_attention_metadata(obj)
+        out[name] = m
+    return out
+
+
+@contextlib.contextmanager
+def _gc_disabled(enabled: bool) -> Iterator[None]:
+    """Skip ``gc.collect`` during capture (vLLM's ``gc_disable`` option)."""
+    if not enabled:
+        yield
+        return
+    real = gc.collect
+    gc.collect = lambda *a, **k: 0  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        gc.collect = real
+
+
+def _inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tuple[str, int]]:
+    out = [(f"args[{i}]", a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    out += [(k, v.data_ptr()) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    return out
+
+
+class NpuGraphWrapper:
+    """Capture and replay a runnable per ``BatchDescriptor`` through npugraph (vLLM's wrapper).
+
+    Workflow of each call:
+
+    1. no forward context, or its ``cudagraph_runtime_mode`` is NONE or not this
+       wrapper's mode → call the runnable (pass-through);
+    2. first call for the context's ``batch_descriptor`` → capture it through the
+       runtime's :class:`~npugraph.capture.CaptureManager` into the shared pool
+       (warm-up, kernel choice, capture) and return the outputs;
+    3. later calls → in FULL mode, update the graph's attention tasks from
+       ``forward_context.attn_metadata`` (on the runtime's update stream, after the
+       previous replay, no host synchronize), then replay; return the outputs.
+
+    It does not copy inputs: as in vLLM, the model runner passes persistent buffers
+    whose addresses must not change.  With ``check_addresses`` (default: when
+    debug logging is on) that is verified on every replay, keyword arguments included.
+    FULL graphs live in ``namespace`` (default ``"main"``; a draft model passes
+    ``namespace="draft"``); each PIECEWISE wrapper gets its own namespace.
+    """
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        vllm_config: Any,
+        runtime_mode: Any,
+        cudagraph_options: Any = None,
+        *,
+        runtime: Runtime | None = None,
+        namespace: str | None = None,
+        check_addresses: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        from vllm.config import CUDAGraphMode
+
+        if runtime_mode == CUDAGraphMode.NONE:
+            raise ValueError("NpuGraphWrapper needs runtime_mode FULL or PIECEWISE, not NONE")
+        self.runnable = runnable
+        self.vllm_config = vllm_config
+        self.runtime_mode = runtime_mode
+        self.runtime = runtime if runtime is not None else runtime_for(vllm_config)
+        if cudagraph_options is None:
+            from vllm.compilation.cuda_graph import CUDAGraphOptions
+
+            cudagraph_options = CUDAGraphOptions()
+        self.cudagraph_options = cudagraph_options
+        base = namespace or "main"
+        self._full = runtime_mode == CUDAGraphMode.FULL
+        self.namespace = base if self._full else self.runtime.unique_namespace(f"{base}.piecewise")
+        self.check_addresses = logger.isEnabledFor(logging.DEBUG) if check_addresses is None else check_addresses
+        self._addresses: dict[Any, list[tuple[str, int]]] = {}
+        self._strong: dict[Any, Any] = {}
+        self._captured: set[Any] = set()
+
+    def __getattr__(self, key: str) -> Any:
+        runnable = self.__dict__.get("runnable")
+        if runnable is not None and hasattr(runnable, key):
+            return getattr(runnable, key)
+        raise AttributeError(f"neither NpuGraphWrapper nor its runnable {runnable!r} has attribute {key!r}")
+
+    def unwrap(self) -> Callable[..., Any]:
+        """The innermost runnable (wrappers nest: FULL around PIECEWISE)."""
+        r = self.runnable
+        return r.unwrap() if hasattr(r, "unwrap") else r
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return self.runnable(*args, **kwargs)
+        ctx = get_forward_context()
+        mode = ctx.cudagraph_runtime_mode
+        if mode == CUDAGraphMode.NONE or mode != self.runtime_mode:
+            return self.runnable(*args, **kwargs)
+        key = ctx.batch_descriptor
+        if key is None:
+            raise NpuGraphError(f"{self.runtime_mode.name} step without a batch_descriptor in the forward context")
+        if key not in self._captured:
+            out = self._capture(key, args, kwargs)
+            self._captured.add(key)
+            return out
+        if self.check_addresses:
+            self._check_addresses(key, args, kwargs)
+        if self._full and self.runtime.manager.entry(self.namespace, key).tasks:
+            self.runtime.update(key, _step_metadata(ctx.attn_metadata), namespace=self.namespace)
+        return self.runtime.replay(key, namespace=self.namespace)
+
+    def _capture(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        opts = self.cudagraph_options
+        if opts.debug_log_enable:
+            logger.debug("npugraph: capturing %s graph %s/%s", self.runtime_mode.name, self.namespace, key)
+        self._addresses[key] = _inputs(args, kwargs)
+        with _gc_disabled(opts.gc_disable):
+            out = self.runtime.capture(
+                self.runnable,
+                *args,
+                key=key,
+                namespace=self.namespace,
+                tokens=int(key.num_tokens),
+                require_attention=self._full,
+                **kwargs,
+            )
+        if not opts.weak_ref_output:
+            self._strong[key] = out  # the caller asked the wrapper to own the outputs
+        return strong_tree(self.runtime.manager.entry(self.namespace, key).outputs)
+
+    def _check_addresses(self, key: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        expected = self._addresses.get(key, [])
+        got = _inputs(args, kwargs)
+        if got == expected:
+            return
+        exp, now = dict(expected), dict(got)
+        for name in list(exp) + [n for n in now if n not in exp]:
+            if exp.get(name) != now.get(name):
+                e, g = exp.get(name), now.get(name)
+                raise NpuGraphError(
+                    f"input address check for {self.namespace}/{key}: argument {name!r} moved "
+                    f"(expected {e:#x} at capture, got {g:#x})"
+                    if e is not None and g is not None
+                    else f"input address check for {self.namespace}/{key}: tensor argument {name!r} "
+                    f"{'is missing' if g is None else 'was not there at capture'}"
+                )
+
+
+# --- installation ---------------------------------------------------------------------
+
+
+def _platform_has_npu_graphs(platform: Any = None) -> bool:
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    return str(getattr(platform, "device_type", "")) == "npu" or str(getattr(platform, "device_name", "")) == "npu"
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info(message)
+
+
+def install(platform: Any = None) -> None:
+    """Make vLLM (and vllm-ascend, if installed) use npugraph's wrapper and updater.
+
+    Replaced names, and why it is safe:
+
+    * ``<platform class>.get_static_graph_wrapper_cls`` → returns
+      ``npugraph.integrations.vllm.NpuGraphWrapper``: vLLM resolves the wrapper
+      class through it by name each time it builds one;
+    * vllm-ascend ``vllm_ascend.compilation.acl_graph.ACLGraphWrapper`` (and the
+      alias in ``vllm_ascend.worker.model_runner_v1``) → :class:`NpuGraphWrapper`,
+      which has the same constructor and call contract;
+    * vllm-ascend ``update_attn_params`` / ``update_mla_attn_params`` /
+      ``update_draft_graph_params`` → no-ops: npugraph's wrapper updates the graph
+      itself before each FULL replay, and a second update would record each event
+      twice (a lost record, then a hang).
+
+    Every original is kept on the patched object (``_npugraph_original_*``) and
+    restored by :func:`uninstall`.
+    """
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    cls = type(platform)
+    if not hasattr(cls, "_npugraph_original_wrapper_cls"):
+        cls._npugraph_original_wrapper_cls = cls.__dict__.get("get_static_graph_wrapper_cls")
+        cls.get_static_graph_wrapper_cls = classmethod(lambda c: WRAPPER_PATH)
+    for module_name, names in (
+        ("vllm_ascend.compilation.acl_graph", ("ACLGraphWrapper",)),
+        ("vllm_ascend.worker.model_runner_v1", ("ACLGraphWrapper",)),
+    ):
+        _patch(module_name, names, NpuGraphWrapper)
+    for module_name in ("vllm_ascend.compilation.acl_graph", "vllm_ascend.worker.model_runner_v1"):
+        _patch(module_name, ("update_attn_params", "update_mla_attn_params", "update_draft_graph_params"), _noop)
+    _log_once(f"npugraph: installed as the graph wrapper of {cls.__name__}")
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    """Replaces vllm-ascend's per-step update: npugraph's wrapper already updated the graph."""
+
+
+def _patch(module_name: str, names: tuple[str, ...], value: Any) -> None:
+    try:
+        module = __import__(module_name, fromlist=["_"])
+    except Exception:  # vllm-ascend absent (or broken): nothing to replace
+        return
+    for name in names:
+        if hasattr(module, name) and not hasattr(module, f"_npugraph_original_{name}"):
+            setattr(module, f"_npugraph_original_{name}", getattr(module, name))
+            setattr(module, name, value)
+
+
+def uninstall(platform: Any = None) -> None:
+    """Undo :func:`install` on ``platform`` (tests, or switching back at runtime)."""
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    cls = type(platform)
+    if hasattr(cls, "_npugraph_original_wrapper_cls"):
+        original = cls._npugraph_original_wrapper_cls
+        del cls.get_static_graph_wrapper_cls
+        if original is not None:
+            cls.get_static_graph_wrapper_cls = original
+        del cls._npugraph_original_wrapper_cls
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: install npugraph when ``NPUGRAPH_ENABLE=1``."""
+    if os.environ.get(ENV_ENABLE, "").lower() not in ("1", "true", "yes", "on"):
+        return
+    from vllm.platforms import current_platform
+
+    if os.environ.get(ENV_DEVICE) is None and not _platform_has_npu_graphs(current_platform):
+        _log_once(
+            f"npugraph: platform {type(current_platform).__name__} has no NPU graphs; vLLM left "
+            f"untouched (set {ENV_DEVICE}=sim to use npugraph's simulator)"
+        )
+        return
+    install(current_platform)
