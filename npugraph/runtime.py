@@ -116,7 +116,7 @@ class Runtime:
             validate=self.validate,
         )
         choice = self.manager.kernel_for(namespace, tokens)
-        if choice is None:
+        if choice is None or choice.kernel not in SPECS:
             choice = self.manager.policy.choose(namespace, tokens, tokens, [call])
         spec = SPECS[choice.kernel]
         spec.launch(self.device, spec.arguments(call, lens, None))

@@ -782,13 +782,14 @@ def _npu_fused_infer_attention_score_get_max_workspace(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
 ) -> torch.Tensor:
     """Return a workspace large enough for every length these shapes allow."""
-    st = rt.get_state()
-    st.charge("workspace_query")
-    p = _fia_params(query, key, value, **kwargs)
-    for name in _FIA.host_args:
+    return _max_workspace(_FIA, _fia_params(query, key, value, **kwargs))
+
+
+def _max_workspace(op: SimOp, p: dict[str, Any]) -> torch.Tensor:
+    rt.get_state().charge("workspace_query")
+    for name in op.host_args:
         p[name] = _host_copy(name, p.get(name))
-    size = _FIA.max_workspace_bytes(p)
-    return torch.empty(size, dtype=torch.uint8)
+    return torch.empty(op.max_workspace_bytes(p), dtype=torch.uint8)
 
 
 # --- FIA v2 --------------------------------------------------------------------------
@@ -890,13 +891,7 @@ def _npu_fused_infer_attention_score_v2_get_max_workspace(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
 ) -> torch.Tensor:
     """FIA v2's maximum workspace for these shapes."""
-    st = rt.get_state()
-    st.charge("workspace_query")
-    p = _v2_params(query, key, value, **kwargs)
-    for name in _V2.host_args:
-        p[name] = _host_copy(name, p.get(name))
-    size = _V2.max_workspace_bytes(p)
-    return torch.empty(size, dtype=torch.uint8)
+    return _max_workspace(_V2, _v2_params(query, key, value, **kwargs))
 
 
 def _npu_fused_infer_attention_score_out_graph(
