@@ -44,7 +44,7 @@ class Runtime:
         policy: Any = None,
         validate: bool = True,
         skip_unchanged: bool = True,
-        fused_update: bool = True,
+        fused_update: bool | None = None,
         order: str = "update-first",
         progress: bool = False,
         postmortem_dir: str | None = None,
@@ -194,8 +194,7 @@ class Runtime:
         """Copy ``inputs`` into ``entry``'s static input buffers, padding the rest."""
         pads = pad_values or {}
         for name, src in inputs.items():
-            ref = entry.static_inputs.get(name)
-            dst = ref() if ref is not None else None
+            dst = entry.static_inputs.get(name)
             if dst is None:
                 raise NpuGraphError(
                     f"{entry.namespace}/{entry.key!r}: no static input named {name!r} was "

@@ -314,7 +314,8 @@ class CaptureManager:
             workspace=ctx.workspace,
             workspace_bytes=ctx.workspace_bytes,
             outputs=_weak_tree(outputs),
-            static_inputs={k: weakref.ref(v) for k, v in (static_inputs or {}).items()},
+            # the engine's own input buffers (not model tensors): held for copy_inputs
+            static_inputs=dict(static_inputs or {}),
             capture_seconds=time.perf_counter() - t0,
             pool=self.pool,
             applied=[None] * len(ctx.tasks),

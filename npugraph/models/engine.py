@@ -38,7 +38,6 @@ class DecodeEngine:
             "slot_mapping": torch.zeros(n, dtype=torch.int64),
         }
         self.block_table = torch.zeros(n, cfg.max_blocks_per_seq, dtype=torch.int32)
-        self._views: dict[int, dict[str, torch.Tensor]] = {}
 
     def capture(self) -> None:
         """Capture every size, largest first."""
@@ -46,7 +45,6 @@ class DecodeEngine:
         def make(size: object) -> tuple:
             assert isinstance(size, int)
             views = {k: v[:size] for k, v in self.buffers.items()}
-            self._views[size] = views  # the engine owns its buffers' views
             meta = AttentionMetadata(seq_lens=torch.ones(size, dtype=torch.int32), block_table=self.block_table[:size])
             args = (views["input_ids"], views["positions"], views["slot_mapping"], meta)
             return self.model, args, {"static_inputs": views}

@@ -77,8 +77,10 @@ class ReplayUpdater:
        ``graph_task_update_begin/end`` and records each task's ``ExternalEvent``;
     3. :meth:`replay` — enqueues the graph on the current stream.
 
-    A graph whose update failed (bad metadata, device error) refuses to replay until a
-    complete update succeeds.  The updater never captures and never synchronizes.
+    FIA tasks are updated through the device's 4-in-1 ``_npu_fused_infer_attention_score_out_graph``
+    where it has one (``fused_update``; default: on hardware).  A graph whose update
+    failed (bad metadata, device error) refuses to replay until a complete update
+    succeeds.  The updater never captures and never synchronizes.
     """
 
     def __init__(
@@ -87,13 +89,17 @@ class ReplayUpdater:
         *,
         validate: bool = True,
         skip_unchanged: bool = True,
-        fused_update: bool = True,
+        fused_update: bool | None = None,
         on_error: Callable[[NpuGraphError, GraphEntry | None], None] | None = None,
     ) -> None:
         self.manager = manager
         self.device = manager.device
         self.validate = validate
         self.skip_unchanged = skip_unchanged
+        if fused_update is None:
+            # The 4-in-1 pays off where it is C++ without the GIL (hardware); the
+            # simulator's is the same Python calls, so it is used there only on request.
+            fused_update = not self.device.is_sim
         self._fused = self.device.fused_fia_update if fused_update else None
         self._stream: Any = None
         self._plans: dict[int, UpdatePlan] = {}
