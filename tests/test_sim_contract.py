@@ -441,3 +441,21 @@ def test_auto_dispatch_skips_undeclared_keys_with_a_warning():
     g.replay()
     npu.synchronize()
     assert torch.equal(outs[0], before), "a misspelt key changes nothing"
+
+
+def test_adversarial_mode_defers_work_until_a_synchronize():
+    """Seeded adversarial scheduling leaves queued work pending; synchronize drains it."""
+    deferred = 0
+    for seed in range(20):
+        torch_npu.configure(adversarial_seed=seed)
+        x = torch.zeros(1)
+        g = npu.NPUGraph()
+        with npu.graph(g):
+            x.add_(1)
+            x.add_(1)
+        g.replay()
+        if x.item() != 2.0:
+            deferred += 1
+        npu.synchronize()
+        assert x.item() == 2.0
+    assert deferred > 0, "some seeds must defer the replay"

@@ -256,3 +256,42 @@ def test_plugin_entry_point_is_discovered_and_installs_on_request(monkeypatch, c
 def test_metadata_without_lengths_is_refused_clearly():
     with pytest.raises(NpuGraphError, match="must provide the per-request key lengths"):
         integ.to_attention_metadata(object())
+
+
+def test_draft_model_has_its_own_namespace_and_shares_the_update_stream():
+    runner = Runner()
+    cfg = DecoderConfig(layers=2, num_blocks=96, max_model_len=128, seed=1)
+    draft = Decoder(cfg, runner.rt, namespace="draft")
+    draft_model = VllmDecoder(draft)
+    draft_wrapper = integ.NpuGraphWrapper(draft_model, runner.vllm_config, CUDAGraphMode.FULL, namespace="draft")
+    draft_layers = [layer.attn.layer_name for layer in draft.layers]
+    runner.capture()
+
+    def forward_draft(mode, bd, meta):
+        t = bd.num_tokens
+        with set_forward_context(
+            {n: meta for n in draft_layers},
+            runner.vllm_config,
+            num_tokens=t,
+            cudagraph_runtime_mode=mode,
+            batch_descriptor=bd,
+        ):
+            return draft_wrapper(runner.ids[:t], runner.pos[:t], slot_mapping=runner.slots[:t])
+
+    for mode, descs in runner.dispatcher.get_capture_descs():
+        for bd in descs:
+            t = bd.num_tokens
+            forward_draft(
+                mode, bd, AttentionMetadata(seq_lens=torch.ones(t, dtype=torch.int32), block_table=runner.table[:t])
+            )
+    assert runner.rt.manager.namespaces() == ["draft", "main"]
+    for batch in _batches(runner, 10, seed=7):
+        mode, bd, out = runner.step(batch)  # main model
+        assert torch.equal(out, runner.eager(batch, bd.num_tokens))
+        d = forward_draft(mode, bd, batch.meta)  # then the draft step, same update stream
+        runner.rt.synchronize()
+        t = bd.num_tokens
+        meta = AttentionMetadata(seq_lens=batch.padded_meta.seq_lens[:t], block_table=batch.padded_meta.block_table[:t])
+        ref = draft(batch.input_ids[:t], batch.positions[:t], batch.slot_mapping[:t], meta)
+        assert torch.equal(d[: batch.num_reqs], ref[: batch.num_reqs])
+    assert {e.namespace for e in runner.rt.manager.entries() if e.replays} == {"main", "draft"}
