@@ -133,6 +133,8 @@ class ReplayUpdater:
         for t in entry.tasks:
             st, tr, lr = {}, [], []
             for name, v in t.args.items():
+                if name in t.spec.host_args:
+                    continue  # written every step from the metadata
                 if isinstance(v, weakref.ref):
                     tr.append((name, v))
                 elif isinstance(v, list) and v and isinstance(v[0], weakref.ref):
