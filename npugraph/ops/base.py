@@ -42,13 +42,12 @@ class StepLens:
 
     ``kv_lens``: key length per request (padding requests: 0);
     ``q_ends``: cumulative query-token ends per request (last = tokens);
-    ``kv_lens_host``: ``kv_lens`` as a CPU int32 tensor (PA's form);
     ``num_reqs``: how many leading requests are real (the rest are padding).
+    Each kernel's spec turns these into its own host form (``OpSpec.host_values``).
     """
 
     kv_lens: tuple[int, ...]
     q_ends: tuple[int, ...]
-    kv_lens_host: torch.Tensor
     num_reqs: int = 0
 
 

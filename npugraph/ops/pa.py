@@ -23,14 +23,15 @@ def _arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor | No
         "num_heads": call.num_heads,
         "scale_value": call.scale,
         "block_table": call.block_table,
-        "context_lens": lens.kv_lens_host,
+        "context_lens": torch.tensor(lens.kv_lens, dtype=torch.int32),
         "out": call.out,
         "workspace": workspace,
     }
 
 
 def _host_values(lens: StepLens) -> dict[str, Any]:
-    return {"context_lens": lens.kv_lens_host}
+    # PA takes the lengths as a CPU int32 tensor (cloned by the kernel at call time)
+    return {"context_lens": torch.tensor(lens.kv_lens, dtype=torch.int32)}
 
 
 def _probe_lengths(max_len: int, block_size: int) -> list[int]:

@@ -57,7 +57,7 @@ def pad_lens(
         q = q + tuple(ends)
     elif q and q[-1] != tokens:
         q = (*q[:-1], tokens)  # the last request absorbs padding tokens
-    return StepLens(kv_lens=kv, q_ends=q, kv_lens_host=torch.tensor(kv, dtype=torch.int32), num_reqs=r)
+    return StepLens(kv_lens=kv, q_ends=q, num_reqs=r)
 
 
 def convert(
