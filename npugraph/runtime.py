@@ -49,6 +49,8 @@ class Runtime:
         progress: bool = False,
         postmortem_dir: str | None = None,
         trace_depth: int = 16,
+        eager_fallback: Callable[[Hashable, Mapping[str, AttentionMetadata], Mapping[str, torch.Tensor]], Any]
+        | None = None,
     ) -> None:
         if order not in ("update-first", "replay-first"):
             raise ValueError(f"order must be 'update-first' or 'replay-first', got {order!r}")
@@ -67,6 +69,7 @@ class Runtime:
         )
         self.order = order
         self.validate = validate
+        self.eager_fallback = eager_fallback
         self._namespaces: dict[str, int] = {}
         if policy is not None:
             self.set_policy(policy)
@@ -173,8 +176,12 @@ class Runtime:
         """Copy ``inputs`` into the captured buffers, update, replay; return the outputs.
 
         Each input's first dimension may be shorter than the captured buffer; the rest
-        is filled with ``pad_values[name]`` (default 0).
+        is filled with ``pad_values[name]`` (default 0).  A key that was never
+        captured raises :class:`~npugraph.errors.UnknownKeyError` listing the captured
+        keys, or runs ``eager_fallback(key, metadata, inputs)`` when one was configured.
         """
+        if self.eager_fallback is not None and not self.manager.has(namespace, key):
+            return self.eager_fallback(key, metadata, inputs or {})
         entry = self.manager.entry(namespace, key)
         if inputs:
             self.copy_inputs(entry, inputs, pad_values)

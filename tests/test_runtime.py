@@ -45,6 +45,21 @@ def test_uncaptured_key_lists_the_captured_keys():
         rt.replay(4)
 
 
+def test_uncaptured_key_runs_the_eager_fallback_when_configured():
+    cfg, rt, model, eng = build(sizes=[2, 8])
+    b = _batch(cfg, 4)
+    seen = []
+
+    def fallback(key, metadata, inputs):
+        seen.append(key)
+        return model(inputs["input_ids"], inputs["positions"], inputs["slot_mapping"], b.padded_meta)
+
+    rt.eager_fallback = fallback
+    out = rt.step(4, {"default": b.meta}, inputs=_inputs(b))
+    assert seen == [4] and out.shape[0] == 4
+    assert rt.step(2, {"default": _batch(cfg, 2).meta}) is not None  # captured keys still replay
+
+
 def test_missing_layer_is_named():
     cfg, rt, _, eng = build(sizes=[4], layers=3)
     b = _batch(cfg, 4)

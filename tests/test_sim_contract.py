@@ -329,6 +329,7 @@ def test_wait_never_recorded_is_a_deadlock_naming_graph_and_event():
         npu.synchronize()
     msg = str(info.value)
     assert f"graph #{g.graph_id}" in msg and f"ExternalEvent #{ev.event_id}" in msg
+    assert "<sim.npu.Stream default>" in msg, "names the stream"
     assert "task group" in msg and "never recorded" in msg
     assert info.value.blocked[0]["event"] is ev
 
@@ -337,7 +338,10 @@ def test_lost_record_raises_race():
     ev = npu.ExternalEvent()
     us = npu.Stream()
     ev.record(us)
-    with pytest.raises(torch_npu.RaceError, match="record is lost"):
+    with pytest.raises(
+        torch_npu.RaceError,
+        match=r"recorded on <sim.npu.Stream stream#\d+> while its flag was already set: this record is lost",
+    ):
         ev.record(us)
 
 

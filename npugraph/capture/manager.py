@@ -385,6 +385,10 @@ class CaptureManager:
             )
         return entry
 
+    def has(self, namespace: str, key: Hashable) -> bool:
+        """Whether ``(namespace, key)`` has a captured graph."""
+        return (namespace, key) in self._entries
+
     def entries(self, namespace: str | None = None) -> list[GraphEntry]:
         return [e for (ns, _), e in self._entries.items() if namespace in (None, ns)]
 

@@ -135,16 +135,17 @@ class _ExtWaitNode:
 
 
 class _ExtRecordNode:
-    __slots__ = ("event",)
+    __slots__ = ("event", "graph")
 
-    def __init__(self, event: rt.ExternalEvent) -> None:
+    def __init__(self, event: rt.ExternalEvent, graph: NPUGraph) -> None:
         self.event = event
+        self.graph = graph
 
     def ready(self) -> bool:
         return True
 
     def run(self) -> None:
-        rt.fire_external_record(self.event)
+        rt.fire_external_record(self.event, where=f"by a replay of {self.graph!r}")
 
     def describe(self) -> str:
         return f"record of {rt.external_event_name(self.event)}"
@@ -349,7 +350,7 @@ class CaptureSession:
             self.last_wait = node
             self.append(node)
         else:
-            self.append(_ExtRecordNode(event))
+            self.append(_ExtRecordNode(event, self.graph))
 
     def record_aten(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func in _HOST_READ_OPS:

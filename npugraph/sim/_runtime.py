@@ -187,7 +187,7 @@ class SimState:
         blocked = [s._queue[0].describe() | {"stream": s} for s in self.active]
         lines = [f"{what} would block forever: the device is deadlocked."]
         for info in blocked:
-            lines.append("  - " + info["text"])
+            lines.append(f"  - {info['stream']!r}: {info['text']}")
         lines.append(
             "Every ExternalEvent a graph waits on must be recorded (after "
             "graph_task_update_end) before the graph can run past that wait."
@@ -351,7 +351,7 @@ class ExternalEvent:
         if st.capture is not None and st.capture.stream is stream:
             st.capture.record_external(self, wait=False)
             return
-        st.enqueue(stream, _ExternalRecord(self))
+        st.enqueue(stream, _ExternalRecord(self, stream))
 
     def wait(self, stream: Stream) -> None:
         st = get_state()
@@ -407,25 +407,26 @@ def external_event_name(event: ExternalEvent) -> str:
 
 
 class _ExternalRecord:
-    def __init__(self, event: ExternalEvent) -> None:
+    def __init__(self, event: ExternalEvent, stream: Stream) -> None:
         self.event = event
+        self.stream = stream
 
     def ready(self) -> bool:
         return True
 
     def step(self, max_nodes: int) -> bool:
-        fire_external_record(self.event)
+        fire_external_record(self.event, where=f"on {self.stream!r}")
         return True
 
     def describe(self) -> dict[str, Any]:
         return {"text": f"record of {external_event_name(self.event)}", "event": self.event}
 
 
-def fire_external_record(event: ExternalEvent) -> None:
+def fire_external_record(event: ExternalEvent, where: str = "") -> None:
     """Set the flag; a record that lands while it is already set is lost."""
     if event._flag:
         raise RaceError(
-            f"{external_event_name(event)} was recorded while its flag was already set: "
+            f"{external_event_name(event)} was recorded {where} while its flag was already set: "
             "this record is lost, and the next replay waiting on it would hang. Record each "
             "task's event exactly once per replay (after its update), and order the update "
             "stream after the previous replay.",
