@@ -23,16 +23,21 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def attention_shape_args(p: argparse.ArgumentParser) -> None:
+    """Device, sizes and attention shapes: shared by ``demo`` and ``policy measure``."""
     p.add_argument("--device", default="sim", choices=["sim", "npu"], help="simulator (default) or a real Ascend NPU")
-    p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    p.add_argument("--sizes", type=_sizes, default=[1, 2, 4, 8, 16, 32], help="capture sizes (default 1,2,4,8,16,32)")
     p.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads, GQA (default 2)")
     p.add_argument("--head-size", type=int, default=64, help="head size; PA supports 64 and 128 (default 64)")
     p.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens (default 16)")
-    p.add_argument("--num-blocks", type=int, default=512, help="KV-cache blocks per layer (default 512)")
     p.add_argument("--max-model-len", type=int, default=512, help="longest sequence (default 512)")
-    p.add_argument("--sizes", type=_sizes, default=[1, 2, 4, 8, 16, 32], help="capture sizes (default 1,2,4,8,16,32)")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    attention_shape_args(p)
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    p.add_argument("--num-blocks", type=int, default=512, help="KV-cache blocks per layer (default 512)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and workload (default 0)")
     p.add_argument(
         "--policy",

@@ -13,18 +13,12 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 
 
 def add_parser(sub: Any) -> None:
-    from npugraph.cli import _sizes
+    from npugraph.cli import attention_shape_args
 
     p = sub.add_parser("policy", help="measure, save and show the PA/FIA choice per size")
     ps = p.add_subparsers(dest="policy_command", required=True)
     m = ps.add_parser("measure", help="time PA and FIA per size and write a policy file")
-    m.add_argument("--device", default="sim", choices=["sim", "npu"])
-    m.add_argument("--sizes", type=_sizes, default=[1, 2, 4, 8, 16, 32])
-    m.add_argument("--heads", type=int, default=4)
-    m.add_argument("--kv-heads", type=int, default=2)
-    m.add_argument("--head-size", type=int, default=64)
-    m.add_argument("--block-size", type=int, default=16)
-    m.add_argument("--max-model-len", type=int, default=512)
+    attention_shape_args(m)
     m.add_argument("--dtype", choices=sorted(_DTYPES), default="float16")
     m.add_argument("--repeats", type=int, default=7)
     m.add_argument("--margin", type=float, default=0.05, help="relative near-tie band that keeps the default")
