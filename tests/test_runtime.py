@@ -22,7 +22,7 @@ from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.replay import updater as updater_mod
 
-from .helpers import build
+from .helpers import build, run
 
 
 def _batch(cfg, size, seed=0, steps=3):
@@ -220,6 +220,7 @@ def test_each_distinct_metadata_is_converted_once_per_step():
 
 def test_no_strong_reference_to_model_tensors():
     cfg, rt, model, eng = build(sizes=[2], layers=2)
+    run(eng, cfg, 5)  # update plans and traces exist too
     cache = weakref.ref(model.layers[0].k_cache)
     entry = rt.manager.entry("main", 2)
     assert entry.tasks[0].tensor("key_cache") is model.layers[0].k_cache

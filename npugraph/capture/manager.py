@@ -78,7 +78,7 @@ class TaskRecord:
         return _strong(self.args.get(name))
 
 
-@attrs.define(kw_only=True)
+@attrs.define(kw_only=True, eq=False)  # identity: the updater keys its plans by entry
 class GraphEntry:
     """Everything known about one captured graph (mutable per-step state included)."""
 

@@ -37,7 +37,6 @@ class UpdatePlan:
     groups: tuple[str, ...]
     handles: tuple[Any, ...]
     events: tuple[Any, ...]
-    specs: tuple[OpSpec, ...]
     kernels: tuple[Callable[..., Any], ...]
     fused: tuple[bool, ...]
     block_tables: tuple[Any, ...]
@@ -102,7 +101,9 @@ class ReplayUpdater:
             fused_update = not self.device.is_sim
         self._fused = self.device.fused_fia_update if fused_update else None
         self._stream: Any = None
-        self._plans: dict[int, UpdatePlan] = {}
+        # dropped with the entry: a plan holds task-group handles, which must not
+        # outlive the graph the manager released
+        self._plans: weakref.WeakKeyDictionary[GraphEntry, UpdatePlan] = weakref.WeakKeyDictionary()
         self._steps: dict[str, _NamespaceSteps] = {}
         self._on_error = on_error
 
@@ -122,9 +123,9 @@ class ReplayUpdater:
 
     def plan(self, entry: GraphEntry) -> UpdatePlan:
         """The update plan of ``entry`` (built on first use)."""
-        plan = self._plans.get(id(entry.graph))
+        plan = self._plans.get(entry)
         if plan is None:
-            plan = self._plans[id(entry.graph)] = self._build_plan(entry)
+            plan = self._plans[entry] = self._build_plan(entry)
         return plan
 
     def _build_plan(self, entry: GraphEntry) -> UpdatePlan:
@@ -161,7 +162,6 @@ class ReplayUpdater:
             groups=tuple(t.group for t in entry.tasks),
             handles=tuple(t.handle for t in entry.tasks),
             events=tuple(t.event for t in entry.tasks),
-            specs=tuple(t.spec for t in entry.tasks),
             spec_set=tuple({t.spec.name: t.spec for t in entry.tasks}.values()),
             spec_names=tuple(t.spec.name for t in entry.tasks),
             kernels=tuple(t.spec.kernel_fn(self.device) for t in entry.tasks),
