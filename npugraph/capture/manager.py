@@ -206,6 +206,7 @@ class CaptureManager:
                 )
             ctx.seen.add(layer)
             ctx.calls.append((layer, group, call))
+            # The kernel is chosen from all the calls after warm-up; FIA runs every shape.
             spec = SPECS["fia"]
             spec.launch(self.device, spec.arguments(call, lens, None))
             return
