@@ -257,3 +257,21 @@ def test_update_waits_for_the_previous_replay_without_host_sync():
         hold.record(npu.Stream())
         rt.synchronize()
     assert torch.equal(out[: b1.num_reqs], ref1)
+
+
+def test_pa_workspace_covers_every_length_not_one_fake_length():
+    from npugraph.models.stack import AttentionStack
+    from npugraph.sim.kernels import pa_workspace_bytes
+
+    rt = Runtime("sim", max_model_len=4096)
+    stack = AttentionStack(rt, layers=2, heads=4, kv_heads=1, head_size=64, block_size=128, num_blocks=32)
+    table = torch.zeros(2, 32, dtype=torch.int32)
+    for key in (2, 1):
+        meta = AttentionMetadata(seq_lens=torch.ones(key, dtype=torch.int32), block_table=table[:key])
+        rt.capture(stack, torch.zeros(key, 4, 64, dtype=torch.float16), meta, key=key)
+        entry = rt.manager.entry("main", key)
+        assert entry.choice.kernel == "pa"
+        need = [pa_workspace_bytes(key, 4, 1, 64, n) for n in range(1, 4097)]
+        assert entry.workspace_bytes >= max(need), "every length up to max_model_len fits"
+        one_fake = pa_workspace_bytes(key, 4, 1, 64, 4096)
+        assert one_fake < max(need), "sizing with one long fake length would be too small"

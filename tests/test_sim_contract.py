@@ -463,3 +463,15 @@ def test_adversarial_mode_defers_work_until_a_synchronize():
         npu.synchronize()
         assert x.item() == 2.0
     assert deferred > 0, "some seeds must defer the replay"
+
+
+def test_update_to_shorter_lengths_can_outgrow_a_workspace_sized_for_long_ones():
+    """vllm-ascend PR #3986: a workspace sized with one long fake length is too small later."""
+    q, kc, vc, bt, out = _pa_setup(t=1, n=4, kvn=1, cols=8, bs=256, nb=8)
+    long_ = torch.tensor([2048], dtype=torch.int32)
+    args = (q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt)
+    ws = torch_npu._npu_paged_attention_get_workspace(*args, long_, out)
+    g, ev, h = _capture_pa(q, kc, vc, bt, long_, out, ws)
+    us = npu.Stream()
+    with pytest.raises(torch_npu.WorkspaceTooSmall, match="torch_npu does not size-check"):
+        _update_pa(us, h, ev, q, kc, vc, bt, torch.tensor([16], dtype=torch.int32), out, ws)
