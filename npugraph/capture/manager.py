@@ -429,7 +429,7 @@ def _host_repr(v: Any) -> Any:
 def _batch_of(tasks: Sequence[TaskRecord]) -> int:
     if not tasks:
         return 0
-    bt = tasks[0].tensor("block_table")
+    bt = tasks[0].tensor(tasks[0].spec.refreshed_buffers[0])
     return int(bt.shape[0]) if bt is not None else 0
 
 

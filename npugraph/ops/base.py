@@ -57,7 +57,10 @@ class OpSpec:
 
     * ``kernel`` / ``overload``: the torch_npu-shaped entry point (``ops.<kernel>.<overload>``);
     * ``host_args``: host-side arguments rewritten by a task update each step;
-    * ``refreshed_buffers``: device arguments whose contents the runtime refreshes by copy;
+    * ``refreshed_buffers``: device arguments whose contents the runtime refreshes by copy
+      (the block table, from each step's metadata);
+    * ``cache_arg``: the argument holding the paged key cache (its block geometry
+      bounds the lengths and block ids an update may write);
     * ``arguments(call, lens, workspace)``: the kernel's keyword arguments;
     * ``host_values(lens)``: the ``host_args`` for a step;
     * ``workspace_bytes(device, kwargs, max_model_len)``: one workspace for every length
@@ -71,6 +74,7 @@ class OpSpec:
     overload: str | None
     host_args: tuple[str, ...]
     refreshed_buffers: tuple[str, ...]
+    cache_arg: str
     arguments: Callable[[AttentionCall, StepLens, torch.Tensor | None], dict[str, Any]]
     host_values: Callable[[StepLens], dict[str, Any]]
     workspace_bytes: Callable[[Any, dict[str, Any], int], int]

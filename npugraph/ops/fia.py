@@ -69,6 +69,7 @@ FIA = OpSpec(
     overload="out",
     host_args=("actual_seq_lengths", "actual_seq_lengths_kv"),
     refreshed_buffers=("block_table",),
+    cache_arg="key",
     arguments=_arguments,
     host_values=_host_values,
     workspace_bytes=_workspace_bytes,

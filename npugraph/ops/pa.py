@@ -87,6 +87,7 @@ PA = OpSpec(
     overload=None,
     host_args=("context_lens",),
     refreshed_buffers=("block_table",),
+    cache_arg="key_cache",
     arguments=_arguments,
     host_values=_host_values,
     workspace_bytes=_workspace_bytes,

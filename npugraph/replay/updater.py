@@ -145,10 +145,9 @@ class ReplayUpdater:
             statics.append(st)
             trefs.append(tuple(tr))
             lrefs.append(tuple(lr))
-            bt = t.tensor("block_table")
-            kc = t.tensor("key_cache")
-            if kc is None:
-                kc = t.tensor("key")
+            (table_arg,) = t.spec.refreshed_buffers  # the block table, refreshed by copy
+            bt = t.tensor(table_arg)
+            kc = t.tensor(t.spec.cache_arg)
             if bt is None or kc is None:
                 raise NpuGraphError(
                     f"{entry.namespace}/{entry.key!r} layer {t.layer!r}: a captured tensor was "

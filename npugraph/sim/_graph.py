@@ -597,6 +597,9 @@ class NPUGraph:
             elif isinstance(n, KernelTask):
                 entry["op"] = n.op.qualname
                 entry["task_group"] = n.group.group_id if n.group else None
+                if n.group is not None:
+                    entry["updates"] = n.group.updates
+                    entry["executions"] = n.group.executions
                 entry["host_args"] = {k: _jsonable(n.params.get(k)) for k in n.op.host_args}
             else:
                 entry["event"] = n.event.event_id
