@@ -450,7 +450,7 @@ def test_auto_dispatch_skips_undeclared_keys_with_a_warning():
 def test_adversarial_mode_defers_work_until_a_synchronize():
     """Seeded adversarial scheduling leaves queued work pending; synchronize drains it."""
     deferred = 0
-    for seed in range(20):
+    for seed in range(6):
         torch_npu.configure(adversarial_seed=seed)
         x = torch.zeros(1)
         g = npu.NPUGraph()
