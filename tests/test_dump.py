@@ -38,6 +38,7 @@ def test_manifest_matches_the_capture_field_by_field(captured, tmp_path):
     assert doc["namespaces"]["main"]["configured_sizes"] == [1, 4, 8]
     assert doc["totals"]["graphs"] == 3 and doc["totals"]["tasks"] == 9
     assert doc["totals"]["pool_bytes"] == sim.pool_bytes(rt.manager.pool) > 0
+    assert doc["totals"]["output_bytes"] == sum(k["output_bytes"] for k in doc["namespaces"]["main"]["keys"])
     for k in keys:
         entry = rt.manager.entry("main", k["tokens"])
         assert k["kernel"] == entry.choice.kernel and k["kernel_reason"] == entry.choice.reason
@@ -45,6 +46,8 @@ def test_manifest_matches_the_capture_field_by_field(captured, tmp_path):
         assert k["workspace"]["shared_by"] == [0, 1, 2]
         assert k["replays"] == entry.replays and k["steps"] == entry.steps
         assert k["pool"] == list(entry.pool)
+        logits = rt.manager.entry("main", k["tokens"]).outputs()
+        assert k["output_bytes"] == logits.untyped_storage().nbytes() > 0
         for t, rec in zip(k["tasks"], entry.tasks):
             assert t["layer"] == rec.layer and t["op"] == rec.spec.name
             assert t["task_group"] == rec.handle._group.group_id and t["event"] == rec.event.event_id

@@ -3,11 +3,11 @@
 Schema (``schema_version`` 1)::
 
   {"schema_version": 1, "device": str, "max_model_len": int,
-   "totals": {"graphs", "tasks", "workspace_bytes", "pool_bytes"},
+   "totals": {"graphs", "tasks", "workspace_bytes", "pool_bytes", "output_bytes"},
    "namespaces": {ns: {"keys": [
        {"key": repr, "tokens": int, "batch": int, "capture_seconds": float,
         "pool": [int, int], "kernel": "pa"|"fia", "kernel_reason": str,
-        "workspace": {"bytes": int, "shared_by": [task indices]},
+        "workspace": {"bytes": int, "shared_by": [task indices]}, "output_bytes": int,
         "replays": int, "steps": int, "replayable": bool,
         "tasks": [{"index", "layer", "group", "op", "task_group", "event",
                    "args": {name: {"kind": "tensor", "shape", "dtype", "device",
@@ -24,6 +24,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from npugraph.capture.manager import strong_tree
 
 if TYPE_CHECKING:
     from npugraph.capture.manager import CaptureManager
@@ -65,10 +67,21 @@ def _obj_id(obj: Any) -> int:
     return id(obj)
 
 
+def _tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors in a (nested) output structure: memory the outputs pin."""
+    if isinstance(tree, torch.Tensor):
+        return tree.untyped_storage().nbytes()
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(x) for x in tree)
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(x) for x in tree.values())
+    return 0
+
+
 def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) -> dict[str, Any]:
     """Describe every captured graph of ``manager`` (and its recent updates)."""
     namespaces: dict[str, Any] = {}
-    totals = {"graphs": 0, "tasks": 0, "workspace_bytes": 0, "pool_bytes": 0}
+    totals = {"graphs": 0, "tasks": 0, "workspace_bytes": 0, "pool_bytes": 0, "output_bytes": 0}
     for ns in manager.namespaces():
         keys = []
         for e in manager.entries(ns):
@@ -101,6 +114,7 @@ def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) ->
                     }
                 )
             recs = trace.records(ns, e.key) if trace is not None else []
+            out_bytes = _tensor_bytes(strong_tree(e.outputs))
             keys.append(
                 {
                     "key": repr(e.key),
@@ -114,6 +128,7 @@ def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) ->
                         "bytes": e.workspace_bytes,
                         "shared_by": [t.index for t in e.tasks],
                     },
+                    "output_bytes": out_bytes,
                     "replays": e.replays,
                     "steps": e.steps,
                     "replayable": e.replayable,
@@ -124,6 +139,7 @@ def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) ->
             totals["graphs"] += 1
             totals["tasks"] += len(e.tasks)
             totals["workspace_bytes"] += e.workspace_bytes
+            totals["output_bytes"] += out_bytes
         keys.sort(key=lambda k: int(k["tokens"]))  # type: ignore[call-overload]
         namespaces[ns] = {"keys": keys}
         if ns in manager.configured:
