@@ -204,6 +204,8 @@ def test_unchanged_lengths_skip_the_reissue_but_record_events():
     assert torch.equal(eng.step(b), ref)
     assert counters["update_begin"] == before["update_begin"], "nothing re-issued"
     assert counters["event_record"] == before["event_record"] + 3, "events still recorded"
+    recs = rt.trace.records("main", 4)
+    assert [r.reissued for r in recs[-2:]] == [3, 0]
 
 
 def test_each_distinct_metadata_is_converted_once_per_step():

@@ -103,6 +103,7 @@ class GraphEntry:
     last_host: dict[Any, tuple[StepLens, dict[str, Any]]] = attrs.field(factory=dict)
     steps: int = 0
     replays: int = 0
+    last_reissued: int = 0
     trace: Any = None
     last_update: Any = None
 

@@ -22,13 +22,15 @@ __all__ = ["UpdateRecord", "UpdateTrace", "PostMortem"]
 
 @attrs.frozen(kw_only=True)
 class UpdateRecord:
-    """One applied update: the step number, when, and the lengths per KV-cache group."""
+    """One applied update: the step number, when, the lengths per KV-cache group, and how
+    many tasks were re-issued (the others had unchanged lengths and only recorded events)."""
 
     step: int
     namespace: str
     key: Any
     time: float
     groups: dict[str, StepLens]
+    reissued: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -36,6 +38,7 @@ class UpdateRecord:
             "namespace": self.namespace,
             "key": repr(self.key),
             "time": self.time,
+            "reissued": self.reissued,
             "groups": {g: {"kv_lens": list(sl.kv_lens), "q_ends": list(sl.q_ends)} for g, sl in self.groups.items()},
         }
 
@@ -63,6 +66,7 @@ class UpdateTrace:
             key=entry.key,
             time=time.time(),
             groups=dict(entry.last_lens),
+            reissued=entry.last_reissued,
         )
         ring.append(rec)
         entry.last_update = rec

@@ -194,7 +194,7 @@ class ReplayUpdater:
             self._report(exc, entry)
             raise
         try:
-            self._issue(entry, plan, host, copies)
+            entry.last_reissued = self._issue(entry, plan, host, copies)
         except NpuGraphError as exc:
             self._report(exc, entry)
             raise
@@ -271,9 +271,11 @@ class ReplayUpdater:
         plan: UpdatePlan,
         host: list[dict[str, Any]],
         copies: dict[tuple[int, int], tuple[Any, AttentionMetadata]],
-    ) -> None:
+    ) -> int:
+        """Issue the step's device work; return how many tasks were re-issued."""
         npu = self.device.npu
         us = self.stream
+        skipped = 0
         steps = self._ns(entry.namespace)
         if steps.step > 0:
             # Order after the previous replay: it must consume the previous step's
@@ -298,6 +300,7 @@ class ReplayUpdater:
             for i in range(len(handles)):
                 hv = host[i]
                 if skip and applied[i] is hv:
+                    skipped += 1
                     if not pending[i]:
                         events[i].record(us)
                         pending[i] = True
@@ -337,6 +340,7 @@ class ReplayUpdater:
             # The replay already queued consumes these events.
             entry.replay_waiting = False
             pending[:] = [False] * len(pending)
+        return len(host) - skipped
 
     # --- replay ----------------------------------------------------------------------
     def replay(self, namespace: str, key: Hashable) -> None:
