@@ -83,7 +83,10 @@ def inspect(doc: dict[str, Any], key: str | None = None) -> str:
             lines.append("  recent updates:")
             for rec in k["trace"]:
                 for g, lens in rec["groups"].items():
-                    lines.append(f"    step {rec['step']} group {g}: kv_lens {lens['kv_lens'][:12]}")
+                    lines.append(
+                        f"    step {rec['step']} group {g}: kv_lens {lens['kv_lens'][:12]}, "
+                        f"{rec.get('reissued', '?')} tasks re-issued"
+                    )
         return "\n".join(lines)
     for ns, nsdoc in doc["namespaces"].items():
         lines.append(f"namespace {ns}:")
