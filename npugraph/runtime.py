@@ -12,7 +12,7 @@ from npugraph.device import Device, load_device
 from npugraph.errors import GraphDeadlock, GraphRace, NpuGraphError
 from npugraph.ops import SPECS, AttentionCall
 from npugraph.replay.lens import AttentionMetadata, convert, pad_lens
-from npugraph.replay.updater import ReplayUpdater, describe_device_error
+from npugraph.replay.updater import ReplayUpdater, StepMetadata, describe_device_error
 
 __all__ = ["Runtime"]
 
@@ -49,8 +49,7 @@ class Runtime:
         progress: bool = False,
         postmortem_dir: str | None = None,
         trace_depth: int = 16,
-        eager_fallback: Callable[[Hashable, Mapping[str, AttentionMetadata], Mapping[str, torch.Tensor]], Any]
-        | None = None,
+        eager_fallback: Callable[[Hashable, StepMetadata, Mapping[str, torch.Tensor]], Any] | None = None,
     ) -> None:
         if order not in ("update-first", "replay-first"):
             raise ValueError(f"order must be 'update-first' or 'replay-first', got {order!r}")
@@ -94,8 +93,13 @@ class Runtime:
         *,
         namespace: str = "main",
         group: str = "default",
+        ubatch: int = 0,
     ) -> None:
-        """Run one decode-attention call: eagerly, or recorded when capturing."""
+        """Run one decode-attention call: eagerly, or recorded when capturing.
+
+        ``ubatch`` is the micro-batch index when one forward runs several micro-batches
+        through the same layers (their step metadata is then a list, one per micro-batch).
+        """
         tokens = int(call.query.shape[0])
         batch = int(call.block_table.shape[0])
         if self.manager.phase is not Phase.IDLE:
@@ -105,7 +109,7 @@ class Runtime:
                 batch,
                 tokens,
             )
-            self.manager.attention(layer, group, call, lens)
+            self.manager.attention(layer, group, call, lens, ubatch)
             return
         lens = convert(
             meta,
@@ -154,8 +158,12 @@ class Runtime:
         self._namespaces[prefix] = n + 1
         return f"{prefix}.{n}"
 
-    def update(self, key: Hashable, metadata: Mapping[str, AttentionMetadata], *, namespace: str = "main") -> None:
-        """Write the step's metadata into the graph of ``key`` (no host synchronize)."""
+    def update(self, key: Hashable, metadata: StepMetadata, *, namespace: str = "main") -> None:
+        """Write the step's metadata into the graph of ``key`` (no host synchronize).
+
+        ``metadata``: layer or KV-cache-group name → :class:`AttentionMetadata`, or a
+        list of such mappings, one per micro-batch.
+        """
         self.updater.update(namespace, key, metadata)
         self.trace.note(self.manager.entry(namespace, key), self.updater)
 
@@ -167,7 +175,7 @@ class Runtime:
     def step(
         self,
         key: Hashable,
-        metadata: Mapping[str, AttentionMetadata],
+        metadata: StepMetadata,
         inputs: Mapping[str, torch.Tensor] | None = None,
         *,
         namespace: str = "main",

@@ -295,3 +295,16 @@ def test_draft_model_has_its_own_namespace_and_shares_the_update_stream():
         ref = draft(batch.input_ids[:t], batch.positions[:t], batch.slot_mapping[:t], meta)
         assert torch.equal(d[: batch.num_reqs], ref[: batch.num_reqs])
     assert {e.namespace for e in runner.rt.manager.entries() if e.replays} == {"main", "draft"}
+
+
+def test_micro_batched_metadata_becomes_one_mapping_per_micro_batch():
+    meta = AttentionMetadata(
+        seq_lens=torch.tensor([3, 4], dtype=torch.int32), block_table=torch.zeros(2, 4, dtype=torch.int32)
+    )
+    shared = _AscendLikeMetadata(meta)
+    out = integ._step_metadata([{"l0": shared, "l1": shared}, {"l0": meta}])
+    assert isinstance(out, list) and len(out) == 2
+    assert out[0]["l0"] is out[0]["l1"], "a shared object is converted once"
+    assert out[0]["l0"].seq_lens.tolist() == [3, 4] and out[1]["l0"] is meta
+    with pytest.raises(NpuGraphError, match="must be a dict keyed by attention layer name"):
+        integ._step_metadata([meta])

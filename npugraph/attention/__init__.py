@@ -48,8 +48,12 @@ class DecodeAttention:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
+        ubatch: int = 0,
     ) -> torch.Tensor:
-        """Attend ``query [T, N, D]`` to the cached keys; return ``[T, N, Dv]``."""
+        """Attend ``query [T, N, D]`` to the cached keys; return ``[T, N, Dv]``.
+
+        ``ubatch``: the micro-batch index when one forward runs several through this layer.
+        """
         out = query.new_empty(query.shape[:-1] + value_cache.shape[-1:])
         call = AttentionCall(
             query=query,
@@ -61,5 +65,5 @@ class DecodeAttention:
             num_kv_heads=self.num_kv_heads,
             scale=self.scale,
         )
-        self.runtime.attention(self.layer_name, call, meta, namespace=self.namespace, group=self.group)
+        self.runtime.attention(self.layer_name, call, meta, namespace=self.namespace, group=self.group, ubatch=ubatch)
         return out

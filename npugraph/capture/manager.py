@@ -68,6 +68,13 @@ class TaskRecord:
     args: Mapping[str, Any]
     host_at_capture: Mapping[str, Any]
     workspace_bytes: int
+    ubatch: int = 0  # micro-batch index (0 unless one forward runs several)
+
+    @property
+    def slot(self) -> str:
+        """The name this task's step lengths are tracked under: its KV-cache group,
+        qualified by the micro-batch when there are several."""
+        return self.group if self.ubatch == 0 else f"{self.group}#ubatch{self.ubatch}"
 
     def kwargs(self) -> dict[str, Any]:
         """The kernel's arguments with live tensors (raises if one was freed)."""
@@ -119,14 +126,14 @@ class _Context:
     phase: Phase
     tokens: int
     max_model_len: int
-    calls: list[tuple[str, str, AttentionCall]] = attrs.field(factory=list)
+    calls: list[tuple[tuple[int, str], str, AttentionCall]] = attrs.field(factory=list)
     choice: KernelChoice | None = None
     workspace: torch.Tensor | None = None
     workspace_bytes: int = 0
-    required: dict[str, int] = attrs.field(factory=dict)
+    required: dict[tuple[int, str], int] = attrs.field(factory=dict)
     tasks: list[TaskRecord] = attrs.field(factory=list)
     layer: str | None = None
-    seen: set[str] = attrs.field(factory=set)
+    seen: set[tuple[int, str]] = attrs.field(factory=set)
 
 
 class CaptureManager:
@@ -193,20 +200,25 @@ class CaptureManager:
         entry = self._entries.get((namespace, key))
         return entry.choice if entry is not None else None
 
-    def attention(self, layer: str, group: str, call: AttentionCall, lens: StepLens) -> None:
-        """Run, note or record one attention call, depending on the phase."""
+    def attention(self, layer: str, group: str, call: AttentionCall, lens: StepLens, ubatch: int = 0) -> None:
+        """Run, note or record one attention call, depending on the phase.
+
+        ``ubatch`` tells apart the calls of one layer in the micro-batches of one
+        forward (vLLM's dual-batch overlap); their metadata then comes as a list.
+        """
         ctx = self._ctx
         if ctx is None:
             raise RuntimeError("CaptureManager.attention called outside warm-up or capture")
         ctx.layer = layer
         if ctx.phase is Phase.WARMUP:
-            if layer in ctx.seen:
+            if (ubatch, layer) in ctx.seen:
                 raise CaptureFailed(
                     f"capture of {ctx.namespace}/{ctx.key!r}: layer {layer!r} was called twice "
-                    "in one forward; give every attention layer a unique name"
+                    f"in micro-batch {ubatch} of one forward; give every attention layer a unique "
+                    "name, and each micro-batch its own ubatch index"
                 )
-            ctx.seen.add(layer)
-            ctx.calls.append((layer, group, call))
+            ctx.seen.add((ubatch, layer))
+            ctx.calls.append(((ubatch, layer), group, call))
             # The kernel is chosen from all the calls after warm-up; FIA runs every shape.
             spec = SPECS["fia"]
             spec.launch(self.device, spec.arguments(call, lens, None))
@@ -228,13 +240,14 @@ class CaptureManager:
             TaskRecord(
                 index=len(ctx.tasks),
                 layer=layer,
+                ubatch=ubatch,
                 group=group,
                 spec=spec,
                 handle=handle,
                 event=event,
                 args={k: _weak(v) for k, v in kwargs.items()},
                 host_at_capture={k: _host_repr(kwargs[k]) for k in spec.host_args},
-                workspace_bytes=ctx.required.get(layer, ctx.workspace_bytes),
+                workspace_bytes=ctx.required.get((ubatch, layer), ctx.workspace_bytes),
             )
         )
 
@@ -359,7 +372,6 @@ class CaptureManager:
         spec = SPECS[ctx.choice.kernel]
         seen: dict[tuple[Any, ...], int] = {}
         best = 0
-        lens = _capture_lens(ctx.tokens, ctx.calls[0][2])
         for layer, _, call in ctx.calls:
             shape = (
                 tuple(call.query.shape),
@@ -369,6 +381,7 @@ class CaptureManager:
                 call.query.dtype,
             )
             if shape not in seen:
+                lens = _capture_lens(call)
                 seen[shape] = spec.workspace_bytes(self.device, spec.arguments(call, lens, None), ctx.max_model_len)
             best = max(best, seen[shape])
             ctx.required[layer] = seen[shape]
@@ -455,8 +468,8 @@ def strong_tree(v: Any) -> Any:
     return v
 
 
-def _capture_lens(tokens: int, call: AttentionCall) -> StepLens:
+def _capture_lens(call: AttentionCall) -> StepLens:
     from npugraph.replay.lens import pad_lens
 
     batch = int(call.block_table.shape[0])
-    return pad_lens((1,) * batch, None, batch, tokens)
+    return pad_lens((1,) * batch, None, batch, int(call.query.shape[0]))

@@ -90,16 +90,17 @@ def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) ->
                 kw = t.kwargs()
                 last = e.last_update
                 host_now = None
-                if last is not None and t.group in last.groups:
+                if last is not None and t.slot in last.groups:
                     host_now = {
                         k: list(v) if isinstance(v, tuple) else [int(x) for x in v.tolist()]
-                        for k, v in t.spec.host_values(last.groups[t.group]).items()
+                        for k, v in t.spec.host_values(last.groups[t.slot]).items()
                     }
                 tasks.append(
                     {
                         "index": t.index,
                         "layer": t.layer,
                         "group": t.group,
+                        "ubatch": t.ubatch,
                         "op": t.spec.name,
                         "kernel": t.spec.kernel + (f".{t.spec.overload}" if t.spec.overload else ""),
                         "task_group": _obj_id(t.handle),
@@ -107,9 +108,7 @@ def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) ->
                         "args": {k: _arg(v, k in t.spec.host_args) for k, v in kw.items()},
                         "host_at_capture": {k: list(v) for k, v in t.host_at_capture.items()},
                         "workspace_required": t.workspace_bytes,
-                        "num_reqs": None
-                        if last is None or t.group not in last.groups
-                        else last.groups[t.group].num_reqs,
+                        "num_reqs": None if last is None or t.slot not in last.groups else last.groups[t.slot].num_reqs,
                         "last_update": None if host_now is None else {"step": last.step, "host": host_now},  # type: ignore[union-attr]
                     }
                 )

@@ -59,7 +59,7 @@ def validate_manifest(doc: dict[str, Any]) -> list[Violation]:
         layer_order = None
         for k in keys:
             where = f"{ns}/{k['key']}"
-            layers = [t["layer"] for t in k["tasks"]]
+            layers = [(t.get("ubatch", 0), t["layer"]) for t in k["tasks"]]
             if len(set(layers)) != len(layers):
                 dup = sorted({x for x in layers if layers.count(x) > 1})
                 out.append(

@@ -36,6 +36,7 @@ import torch
 from npugraph.capture.manager import strong_tree
 from npugraph.errors import NpuGraphError
 from npugraph.replay.lens import AttentionMetadata
+from npugraph.replay.updater import StepMetadata
 from npugraph.runtime import Runtime
 
 __all__ = [
@@ -107,29 +108,31 @@ def _first_attr(obj: Any, names: tuple[str, ...]) -> Any:
     return None
 
 
-def _step_metadata(attn_metadata: Any) -> Mapping[str, AttentionMetadata]:
-    """Map ``forward_context.attn_metadata`` to per-layer npugraph metadata (each object once)."""
-    if isinstance(attn_metadata, list):
-        if len(attn_metadata) != 1:
-            raise NpuGraphError(
-                f"micro-batched attention metadata ({len(attn_metadata)} dicts) reached a FULL "
-                "graph; npugraph captures one graph per micro-batch forward context, give each "
-                "its own dict"
-            )
-        attn_metadata = attn_metadata[0]
-    if not isinstance(attn_metadata, Mapping):
-        raise NpuGraphError(
-            "forward_context.attn_metadata must be a dict keyed by attention layer name, got "
-            f"{type(attn_metadata).__name__}"
-        )
+def _step_metadata(attn_metadata: Any) -> StepMetadata:
+    """Map ``forward_context.attn_metadata`` to npugraph's step metadata.
+
+    A dict keyed by layer name gives a dict; a list of such dicts (micro-batching)
+    gives a list, one per micro-batch. Each distinct metadata object is converted once.
+    """
     converted: dict[int, AttentionMetadata] = {}
-    out: dict[str, AttentionMetadata] = {}
-    for name, obj in attn_metadata.items():
-        m = converted.get(id(obj))
-        if m is None:
-            m = converted[id(obj)] = to_attention_metadata(obj)
-        out[name] = m
-    return out
+
+    def one(d: Any) -> dict[str, AttentionMetadata]:
+        if not isinstance(d, Mapping):
+            raise NpuGraphError(
+                "forward_context.attn_metadata must be a dict keyed by attention layer name (or a list "
+                f"of such dicts with micro-batching), got {type(d).__name__}"
+            )
+        out: dict[str, AttentionMetadata] = {}
+        for name, obj in d.items():
+            m = converted.get(id(obj))
+            if m is None:
+                m = converted[id(obj)] = to_attention_metadata(obj)
+            out[name] = m
+        return out
+
+    if isinstance(attn_metadata, list):
+        return [one(d) for d in attn_metadata]
+    return one(attn_metadata)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -20,7 +20,10 @@ from npugraph.errors import (
 from npugraph.ops.base import OpSpec
 from npugraph.replay.lens import AttentionMetadata, convert
 
-__all__ = ["ReplayUpdater", "UpdatePlan"]
+__all__ = ["ReplayUpdater", "StepMetadata", "UpdatePlan"]
+
+# Layer or KV-cache-group name -> metadata; a list of those with micro-batching.
+StepMetadata = Mapping[str, AttentionMetadata] | Sequence[Mapping[str, AttentionMetadata]]
 
 
 @attrs.frozen(kw_only=True)
@@ -35,12 +38,15 @@ class UpdatePlan:
 
     layers: tuple[str, ...]
     groups: tuple[str, ...]
+    ubatches: tuple[int, ...]
+    slots: tuple[str, ...]  # where each task's lengths are tracked (group, per micro-batch)
     handles: tuple[Any, ...]
     events: tuple[Any, ...]
     kernels: tuple[Callable[..., Any], ...]
     fused: tuple[bool, ...]
     block_tables: tuple[Any, ...]
-    geometry: tuple[tuple[int, int, int], ...]  # (block_size, num_blocks, table columns)
+    # (block_size, num_blocks, table columns, batch rows, query tokens) of each task
+    geometry: tuple[tuple[int, int, int, int, int], ...]
     spec_set: tuple[OpSpec, ...]  # the distinct specs of the graph
     spec_names: tuple[str, ...]
     statics: tuple[dict[str, Any], ...]  # non-tensor kernel arguments
@@ -153,12 +159,16 @@ class ReplayUpdater:
                     f"{entry.namespace}/{entry.key!r} layer {t.layer!r}: a captured tensor was "
                     "freed; the graph cannot be updated"
                 )
-            geometry.append((int(kc.shape[1]), int(kc.shape[0]), int(bt.shape[1])))
+            q = t.tensor("query")
+            tokens = int(q.shape[0]) if q is not None else entry.tokens
+            geometry.append((int(kc.shape[1]), int(kc.shape[0]), int(bt.shape[1]), int(bt.shape[0]), tokens))
             tables.append(weakref.ref(bt))
             fused.append(bool(t.spec.fused_update and self._fused is not None))
         return UpdatePlan(
             layers=tuple(t.layer for t in entry.tasks),
             groups=tuple(t.group for t in entry.tasks),
+            ubatches=tuple(t.ubatch for t in entry.tasks),
+            slots=tuple(t.slot for t in entry.tasks),
             handles=tuple(t.handle for t in entry.tasks),
             events=tuple(t.event for t in entry.tasks),
             spec_set=tuple({t.spec.name: t.spec for t in entry.tasks}.values()),
@@ -177,13 +187,14 @@ class ReplayUpdater:
         self,
         namespace: str,
         key: Hashable,
-        metadata: Mapping[str, AttentionMetadata],
+        metadata: StepMetadata,
     ) -> None:
         """Write this step's metadata into the graph of ``(namespace, key)``.
 
         ``metadata`` maps attention layer names, or KV-cache group names shared by
-        many layers, to :class:`AttentionMetadata`.  Each task is resolved by its own
-        layer name first, then by its group; never by iteration order.
+        many layers, to :class:`AttentionMetadata` — or is a list of such mappings,
+        one per micro-batch.  Each task is resolved by its own layer name first, then
+        by its group; never by iteration order.
         """
         entry = self.manager.entry(namespace, key)
         plan = self.plan(entry)
@@ -216,31 +227,21 @@ class ReplayUpdater:
         steps.advance_if_complete()
 
     def _prepare(
-        self, entry: GraphEntry, plan: UpdatePlan, metadata: Mapping[str, AttentionMetadata]
+        self, entry: GraphEntry, plan: UpdatePlan, metadata: StepMetadata
     ) -> tuple[list[dict[str, Any]], dict[tuple[int, int], tuple[Any, AttentionMetadata]]]:
         """Resolve, validate and convert metadata; no device call happens here."""
-        get = metadata.get
-        metas = [get(layer) for layer in plan.layers]
-        if None in metas:  # fall back to the KV-cache group name
-            metas = [m if m is not None else get(g) for m, g in zip(metas, plan.groups)]
-            if None in metas:
-                i = metas.index(None)
-                raise MetadataError(
-                    f"{entry.namespace}/{entry.key!r}: the step's metadata has no entry for "
-                    f"layer {plan.layers[i]!r} nor for its KV-cache group {plan.groups[i]!r} (it "
-                    f"has {sorted(metadata)[:6]}...); pass metadata for every captured layer"
-                )
+        metas = _resolve(entry, plan, metadata)
         copies: dict[tuple[int, int], tuple[Any, AttentionMetadata]] = {}
         host_by: dict[tuple[int, str], dict[str, Any]] = {}
         distinct: dict[int, AttentionMetadata] = {id(m): m for m in metas if m is not None}
         for meta in distinct.values():  # each distinct object once
             i = metas.index(meta)
-            group = plan.groups[i]
-            bs, nblocks, cols = plan.geometry[i]
+            group = plan.slots[i]
+            bs, nblocks, cols, batch, tokens = plan.geometry[i]
             lens = convert(
                 meta,
-                batch=entry.batch,
-                tokens=entry.tokens,
+                batch=batch,
+                tokens=tokens,
                 max_model_len=self.manager.max_model_len,
                 block_size=bs,
                 num_blocks=nblocks,
@@ -405,3 +406,30 @@ def describe_device_error(manager: CaptureManager, exc: BaseException, entry: Gr
                 lines.append(f"namespace {entry.namespace!r}, key {entry.key!r}, layer {t.layer!r}")
     where = "; ".join(lines) if lines else "no captured task matched"
     return f"{where}: {exc}"
+
+
+def _resolve(entry: GraphEntry, plan: UpdatePlan, metadata: StepMetadata) -> list[AttentionMetadata]:
+    """The metadata of every task: by layer name, then by KV-cache group, per micro-batch."""
+    if isinstance(metadata, Mapping):
+        get = metadata.get
+        metas = [get(layer) for layer in plan.layers]
+        if None in metas:  # fall back to the KV-cache group name
+            metas = [m if m is not None else get(g) for m, g in zip(metas, plan.groups)]
+    else:
+        per = list(metadata)
+        if max(plan.ubatches, default=0) >= len(per):
+            raise MetadataError(
+                f"{entry.namespace}/{entry.key!r}: the graph has {max(plan.ubatches) + 1} micro-batches "
+                f"but the step's metadata lists {len(per)}"
+            )
+        metas = [per[u].get(layer) or per[u].get(g) for u, layer, g in zip(plan.ubatches, plan.layers, plan.groups)]
+    if None in metas:
+        i = metas.index(None)
+        where = f" of micro-batch {plan.ubatches[i]}" if not isinstance(metadata, Mapping) else ""
+        keys = sorted(metadata if isinstance(metadata, Mapping) else metadata[plan.ubatches[i]])
+        raise MetadataError(
+            f"{entry.namespace}/{entry.key!r}: the step's metadata{where} has no entry for layer "
+            f"{plan.layers[i]!r} nor for its KV-cache group {plan.groups[i]!r} (it has {keys[:6]}...); "
+            "pass metadata for every captured layer"
+        )
+    return metas  # type: ignore[return-value]
