@@ -32,8 +32,8 @@ demo: $(STAMP)
 	$(BIN)/npugraph demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check npugraph tests
-	$(BIN)/ruff format --check npugraph tests
+	$(BIN)/ruff check npugraph tests examples
+	$(BIN)/ruff format --check npugraph tests examples
 	$(BIN)/mypy npugraph
 
 test: $(STAMP) $(VLLM_STAMP)
