@@ -54,7 +54,7 @@ class Runtime:
         if order not in ("update-first", "replay-first"):
             raise ValueError(f"order must be 'update-first' or 'replay-first', got {order!r}")
         self.device = load_device(device)
-        self.manager = CaptureManager(self.device, max_model_len=max_model_len, policy=policy, progress=progress)
+        self.manager = CaptureManager(self.device, max_model_len=max_model_len, progress=progress)
         from npugraph.dump.trace import PostMortem, UpdateTrace
 
         self.trace = UpdateTrace(depth=trace_depth)
