@@ -41,10 +41,6 @@ class Device:
         c = getattr(self.ops, "_C", None)
         return getattr(c, "_npu_fused_infer_attention_score_out_graph", None)
 
-    def counters(self) -> Any:
-        """Device-call counters (simulator only; ``None`` on hardware)."""
-        return self.ops.counters() if self.is_sim else None
-
 
 def load_device(kind: str | Device = "sim") -> Device:
     """Return the device adapter for ``kind``: ``"sim"`` or ``"npu"``."""

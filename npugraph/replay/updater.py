@@ -210,7 +210,7 @@ class ReplayUpdater:
             self._report(exc, entry)
             raise
         except self.device.race_errors as exc:
-            err: NpuGraphError = GraphRace(self._describe_device_error(exc, entry))
+            err: NpuGraphError = GraphRace(describe_device_error(self.manager, exc, entry))
             self._report(err, entry)
             raise err from exc
         except Exception as exc:
@@ -380,9 +380,6 @@ class ReplayUpdater:
     def _report(self, err: NpuGraphError, entry: GraphEntry | None) -> None:
         if self._on_error is not None:
             self._on_error(err, entry)
-
-    def _describe_device_error(self, exc: BaseException, entry: GraphEntry | None) -> str:
-        return describe_device_error(self.manager, exc, entry)
 
 
 def describe_device_error(manager: CaptureManager, exc: BaseException, entry: GraphEntry | None = None) -> str:
