@@ -27,8 +27,12 @@ from typing import Any
 import torch
 
 from npugraph import sim
-from npugraph.policy.fixed import FixedPolicy
-from npugraph.replay.lens import AttentionMetadata
+from npugraph.models import Decoder, DecoderConfig, Workload
+from npugraph.models.engine import DecodeEngine
+from npugraph.models.stack import AttentionStack
+from npugraph.ops import pad_lens
+from npugraph.policy import FixedPolicy
+from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
 
 __all__ = ["bench_update", "run_bench", "bench_capture", "bench_replay_vs_eager"]
@@ -36,9 +40,9 @@ __all__ = ["bench_update", "run_bench", "bench_capture", "bench_replay_vs_eager"
 _MAX_MODEL_LEN = 2048
 
 
-def _setup(layers: int, size: int, kernel: str, cost: bool) -> tuple[Runtime, Any, torch.Tensor]:
-    from npugraph.models.stack import AttentionStack
-
+def _setup(layers: int, size: int, kernel: str, cost: bool) -> tuple[Runtime, Any, torch.Tensor, torch.Tensor]:
+    """A captured attention stack; returns the runtime, the stack, and the graph's block-table
+    and query buffers (the caller keeps them alive: the graph reads them)."""
     sim.configure(cost_model=sim.HostCostModel.atlas_a2() if cost else None)
     rt = Runtime("sim", max_model_len=_MAX_MODEL_LEN, policy=FixedPolicy(kernel))
     stack = AttentionStack(rt, layers=layers)
@@ -47,7 +51,7 @@ def _setup(layers: int, size: int, kernel: str, cost: bool) -> tuple[Runtime, An
     q = torch.randn(size, stack.heads, stack.head_size).to(stack.dtype)
     meta = AttentionMetadata(seq_lens=torch.ones(size, dtype=torch.int32), block_table=table)
     rt.capture(stack, q, meta, key=size)
-    return rt, stack, table
+    return rt, stack, table, q
 
 
 def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[[torch.Tensor], None]]:
@@ -113,8 +117,6 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[
 
 
 def _lens(lens: torch.Tensor, size: int) -> Any:
-    from npugraph.replay.lens import pad_lens
-
     return pad_lens(lens.tolist(), None, size, size)
 
 
@@ -122,7 +124,7 @@ def bench_update(
     layers: int, size: int, kernel: str, cost: bool, *, repeats: int = 15, warmup: int = 3, seed: int = 0
 ) -> dict[str, Any]:
     """Median per-step update cost (us) of the three implementations for one configuration."""
-    rt, _, table = _setup(layers, size, kernel, cost)
+    rt, _, table, _query = _setup(layers, size, kernel, cost)
     methods = _methods(rt, size, table)
     rng = random.Random(seed)
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -209,8 +211,6 @@ def run_bench(
 
 def bench_capture(sizes_counts: Sequence[int] = (8, 32, 67), layers: Sequence[int] = (8, 32)) -> list[dict[str, Any]]:
     """Wall time and pool memory to capture S sizes x L attention layers."""
-    from npugraph.models.stack import AttentionStack
-
     rows = []
     for n in layers:
         for s in sizes_counts:
@@ -244,9 +244,6 @@ def bench_capture(sizes_counts: Sequence[int] = (8, 32, 67), layers: Sequence[in
 
 def bench_replay_vs_eager(steps: int = 40, layers: int = 8) -> dict[str, Any]:
     """Decoder step time, replayed vs eager, on the simulator (a sanity line, not a claim)."""
-    from npugraph.models import Decoder, DecoderConfig, Workload
-    from npugraph.models.engine import DecodeEngine
-
     sim.configure()
     cfg = DecoderConfig(layers=layers)
     rt = Runtime("sim", max_model_len=cfg.max_model_len)

@@ -1,16 +1,60 @@
-"""``npugraph`` command line: demo, bench, dump tooling and kernel-policy measurement."""
+"""``npugraph`` command line: demo, selftest, bench, dump tooling and kernel-policy measurement.
+
+Every npugraph error ends the command with one line on stderr and exit status 2;
+``demo`` exits 1 on a mismatch, ``selftest`` on a failed check.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main"]
+import torch
+from tqdm import tqdm
+
+from npugraph import __version__, bench, sim
+from npugraph.device import load_device
+from npugraph.dump import cli as dump_cli
+from npugraph.errors import NpuGraphError
+from npugraph.files import FileError, check_writable, write_text
+from npugraph.measure import measure_policy
+from npugraph.models import Decoder, DecoderConfig, Workload
+from npugraph.models.engine import DecodeEngine
+from npugraph.policy import KernelPolicy, StaticPolicy, load_policy
+from npugraph.runtime import Runtime
+from npugraph.selftest import CheckResult, run_selftest, versions
+
+__all__ = ["main", "build_parser"]
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_DEFAULT_DTYPE = "bfloat16"  # the demo decoder's; `policy measure` defaults to it too
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from exc
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _fraction(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {x}")
+    return x
 
 
 def _sizes(text: str) -> list[int]:
@@ -23,21 +67,36 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _out_path(text: str) -> str:
+    """An output file: checked before minutes of work, never a symlink."""
+    try:
+        return check_writable(text)
+    except FileError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _in_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
 def attention_shape_args(p: argparse.ArgumentParser) -> None:
     """Device, sizes and attention shapes: shared by ``demo`` and ``policy measure``."""
     p.add_argument("--device", default="sim", choices=["sim", "npu"], help="simulator (default) or a real Ascend NPU")
     p.add_argument("--sizes", type=_sizes, default=[1, 2, 4, 8, 16, 32], help="capture sizes (default 1,2,4,8,16,32)")
-    p.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
-    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads, GQA (default 2)")
-    p.add_argument("--head-size", type=int, default=64, help="head size; PA supports 64 and 128 (default 64)")
-    p.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens (default 16)")
-    p.add_argument("--max-model-len", type=int, default=512, help="longest sequence (default 512)")
+    p.add_argument("--heads", type=_positive, default=4, help="query heads (default 4)")
+    p.add_argument("--kv-heads", type=_positive, default=2, help="key/value heads, GQA (default 2)")
+    p.add_argument("--head-size", type=_positive, default=64, help="head size; PA supports 64 and 128 (default 64)")
+    p.add_argument("--block-size", type=_positive, default=16, help="KV-cache block size in tokens (default 16)")
+    p.add_argument("--max-model-len", type=_positive, default=512, help="longest sequence (default 512)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=_DEFAULT_DTYPE, help=f"(default {_DEFAULT_DTYPE})")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     attention_shape_args(p)
-    p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
-    p.add_argument("--num-blocks", type=int, default=512, help="KV-cache blocks per layer (default 512)")
+    p.add_argument("--layers", type=_positive, default=8, help="decoder layers (default 8)")
+    p.add_argument("--num-blocks", type=_positive, default=512, help="KV-cache blocks per layer (default 512)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and workload (default 0)")
     p.add_argument(
         "--policy",
@@ -47,24 +106,22 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _policy(spec: str | None) -> Any:
-    from npugraph.policy import StaticPolicy, load_policy
-
+def _policy(spec: str | None) -> KernelPolicy | None:
     if spec is None:
         return None
     if spec.startswith("pa-sizes="):
         listed = spec.partition("=")[2]
-        return StaticPolicy(frozenset(_sizes(listed)) if listed else frozenset())  # type: ignore[arg-type]
+        try:
+            return StaticPolicy(_sizes(listed) if listed else [])
+        except argparse.ArgumentTypeError as exc:
+            raise NpuGraphError(f"--policy {spec!r}: {exc}") from exc
     return load_policy(spec)
 
 
-def _build(args: argparse.Namespace, runtime_kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
-    import torch
-
-    from npugraph import Runtime
-    from npugraph.models import Decoder, DecoderConfig
-    from npugraph.models.engine import DecodeEngine
-
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Capture the decoder, decode under continuous batching, check every step against eager."""
+    if args.device == "sim":
+        sim.configure(adversarial_seed=args.adversarial)
     torch.manual_seed(args.seed)
     cfg = DecoderConfig(
         layers=args.layers,
@@ -74,60 +131,52 @@ def _build(args: argparse.Namespace, runtime_kwargs: dict[str, Any]) -> tuple[An
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
+        dtype=_DTYPES[args.dtype],
         seed=args.seed,
     )
-    rt = Runtime(args.device, max_model_len=cfg.max_model_len, **runtime_kwargs)
+    rt = Runtime(
+        args.device,
+        max_model_len=cfg.max_model_len,
+        order=args.order,
+        progress=not args.no_progress,
+        postmortem_dir=args.postmortem_dir,
+    )
     policy = _policy(args.policy)
     if policy is not None:
         rt.set_policy(policy)
     engine = DecodeEngine(rt, Decoder(cfg, rt), args.sizes)
-    return cfg, rt, engine
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Capture the decoder, decode under continuous batching, check every step against eager."""
-    import torch
-
-    from npugraph import sim
-    from npugraph.models import Workload
-
-    if args.device == "sim":
-        sim.configure(adversarial_seed=args.adversarial)
-    cfg, rt, engine = _build(
-        args,
-        {"order": args.order, "progress": not args.no_progress, "postmortem_dir": args.postmortem_dir},
-    )
     t0 = time.perf_counter()
     engine.capture()
     capture_s = time.perf_counter() - t0
-    upd: dict[int, list[float]] = {s: [] for s in engine.sizes}
-    rep: dict[int, list[float]] = {s: [] for s in engine.sizes}
+    # Host time of each call; on the simulator the device work runs inside whichever
+    # call unblocks it (the update, in replay-first order), so read "total us" first.
+    times: dict[int, dict[str, list[float]]] = {s: {"update": [], "replay": [], "total": []} for s in engine.sizes}
     mismatches = 0
     first_bad = None
-    wl = Workload(cfg, engine.sizes, seed=args.seed, adversarial=args.adversarial is not None)
-    for i, batch in enumerate(wl.steps(args.steps)):
+    wl = Workload(cfg, engine.sizes, seed=args.seed, adversarial=args.adversarial is not None, device=rt.device.memory)
+    steps = tqdm(wl.steps(args.steps), total=args.steps, desc="decoding", unit="step", disable=args.no_progress)
+    for i, batch in enumerate(steps):
         ref = engine.eager(batch).clone()
         inputs = {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": batch.slot_mapping}
-        entry = rt.manager.entry("main", batch.size)
-        rt.copy_inputs(entry, inputs)
+        rt.copy_inputs(rt.manager.entry("main", batch.size), inputs)
+        t = times[batch.size]
+        t1 = time.perf_counter()
         if args.order == "update-first":
-            t1 = time.perf_counter()
             rt.update(batch.size, {"default": batch.meta})
             t2 = time.perf_counter()
             out = rt.replay(batch.size)
-            rt.synchronize()
             t3 = time.perf_counter()
-            upd[batch.size].append(t2 - t1)
-            rep[batch.size].append(t3 - t2)
+            t["update"].append(t2 - t1)
+            t["replay"].append(t3 - t2)
         else:
-            t1 = time.perf_counter()
             out = rt.replay(batch.size)
             t2 = time.perf_counter()
             rt.update(batch.size, {"default": batch.meta})
-            rt.synchronize()
             t3 = time.perf_counter()
-            rep[batch.size].append(t2 - t1)
-            upd[batch.size].append(t3 - t2)
+            t["replay"].append(t2 - t1)
+            t["update"].append(t3 - t2)
+        rt.synchronize()
+        t["total"].append(time.perf_counter() - t1)
         got = out[: batch.num_reqs]
         if not torch.equal(got, ref):
             mismatches += 1
@@ -135,19 +184,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 first_bad = i
         wl.feedback(batch.rids, got.argmax(-1).tolist())
     kernels = {e.key: e.choice.kernel for e in rt.manager.entries()}
+
+    def med(xs: list[float]) -> str:
+        return f"{statistics.median(xs) * 1e6:.0f}" if xs else "-"
+
     print(f"npugraph demo on {rt.device.name}: {cfg.layers} layers, sizes {engine.sizes}, captured in {capture_s:.2f}s")
-    print(f"{'size':>5} {'kernel':>6} {'replays':>8} {'update us':>10} {'replay us':>10}  why")
+    print(f"{'size':>5} {'kernel':>6} {'replays':>8} {'update us':>10} {'replay us':>10} {'total us':>10}  why")
     for e in sorted(rt.manager.entries(), key=lambda e: e.tokens):
-        s = e.tokens
-        u = f"{statistics.median(upd[s]) * 1e6:.0f}" if upd[s] else "-"
-        r = f"{statistics.median(rep[s]) * 1e6:.0f}" if rep[s] else "-"
-        print(f"{s:>5} {e.choice.kernel:>6} {e.replays:>8} {u:>10} {r:>10}  {e.choice.reason}")
+        t = times[e.tokens]
+        replays = rt.updater.state(e).replays
+        print(
+            f"{e.tokens:>5} {e.choice.kernel:>6} {replays:>8} {med(t['update']):>10} {med(t['replay']):>10} "
+            f"{med(t['total']):>10}  {e.choice.reason}"
+        )
     verdict = f"{args.steps} steps, {mismatches} mismatches"
     if first_bad is not None:
         verdict += f" (first at step {first_bad})"
     print(verdict)
-    all_u = [x for v in upd.values() for x in v]
-    all_r = [x for v in rep.values() for x in v]
+    all_u = [x for t in times.values() for x in t["update"]]
+    all_r = [x for t in times.values() for x in t["replay"]]
     summary = {
         "device": rt.device.name,
         "layers": cfg.layers,
@@ -160,20 +215,43 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "replay_us_median": statistics.median(all_r) * 1e6 if all_r else None,
         "capture_seconds": capture_s,
         "order": args.order,
+        "dtype": args.dtype,
         "adversarial_seed": args.adversarial,
     }
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_text(args.json, json.dumps(summary, indent=1))
     if args.dump:
         rt.save_manifest(args.dump)
     return 1 if mismatches else 0
 
 
+def cmd_selftest(args: argparse.Namespace) -> int:
+    """Check the device behaviours npugraph relies on; exit 0 only if all pass."""
+    if args.device == "sim":
+        sim.configure()
+    info = versions(load_device(args.device))
+    print(
+        f"npugraph {__version__} selftest on {info['device']}: torch {info['torch']}, torch_npu {info['torch_npu']}, CANN {info['cann']}"
+    )
+    print(f"{'check':<28} {'result':<6} {'s':>5}  detail")
+
+    def show(r: CheckResult) -> None:
+        print(f"{r.name:<28} {'pass' if r.passed else 'FAIL':<6} {r.seconds:>5.1f}  {r.detail}", flush=True)
+
+    results = run_selftest(args.device, progress=show)
+    failed = [r for r in results if not r.passed]
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    if args.json:
+        doc = {
+            "versions": info,
+            "checks": [{"name": r.name, "passed": r.passed, "detail": r.detail, "seconds": r.seconds} for r in results],
+        }
+        write_text(args.json, json.dumps(doc, indent=1))
+    return 1 if failed else 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Per-step update cost: npugraph vs baseline vs floor, cost model off and a2."""
-    from npugraph import bench
-
     cms = {"off": [False], "a2": [True], "both": [False, True]}[args.cost_model]
     print(
         f"{'cost':>4} {'layers':>6} {'size':>4} {'kernel':>6} {'npugraph us':>12} {'baseline us':>12} "
@@ -204,38 +282,58 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         result["replay_vs_eager"] = bench.bench_replay_vs_eager()
         print(f"decoder step, replay / eager on the simulator: {result['replay_vs_eager']['replay_over_eager']:.2f}")
-    import platform
-
     result["machine"] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(),
     }
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_text(args.json, json.dumps(result, indent=1))
     return 0
 
 
-def cmd_dump(args: argparse.Namespace) -> int:
-    from npugraph.dump import cli as dump_cli
-
-    return dump_cli.run(args)
-
-
 def cmd_policy(args: argparse.Namespace) -> int:
-    from npugraph.policy import cli as policy_cli
+    """Measure a kernel policy and write it, or show one."""
+    if args.policy_command == "measure":
 
-    return policy_cli.run(args)
+        def show(size: int, m: Any) -> None:
+            print(f"size {size:>4}: PA {m.pa_median:>9.1f} us  FIA {m.fia_median:>9.1f} us", flush=True)
+
+        policy = measure_policy(
+            args.sizes,
+            device=args.device,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_size=args.head_size,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            dtype=_DTYPES[args.dtype],
+            repeats=args.repeats,
+            margin=args.margin,
+            progress=show,
+        )
+        policy.save(args.out)
+        print(f"wrote {args.out}")
+    else:
+        policy = load_policy(args.file)
+        sig = policy.signature
+        print(
+            f"policy for {sig.heads} heads / {sig.kv_heads} kv heads, head size {sig.head_size}, {sig.dtype}, "
+            f"block {sig.block_size}, device {sig.device}; margin {policy.margin:.0%}"
+        )
+    for size, choice in sorted(policy.choices.items()):
+        print(f"{size:>5}  {choice.kernel:>3}  {choice.reason}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="npugraph", description=__doc__)
+    p.add_argument("--version", action="version", version=f"npugraph {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="capture a decoder and decode with replay, checked against eager")
     _model_args(d)
-    d.add_argument("--steps", type=int, default=200, help="decode steps (default 200)")
+    d.add_argument("--steps", type=_positive, default=200, help="decode steps (default 200)")
     d.add_argument(
         "--order",
         choices=["update-first", "replay-first"],
@@ -249,11 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SEED",
         help="simulator: defer and interleave streams in a seeded random order",
     )
-    d.add_argument("--json", metavar="PATH", help="write a machine-readable summary")
-    d.add_argument("--dump", metavar="PATH", help="write the capture manifest")
+    d.add_argument("--json", metavar="PATH", type=_out_path, help="write a machine-readable summary")
+    d.add_argument("--dump", metavar="PATH", type=_out_path, help="write the capture manifest")
     d.add_argument("--postmortem-dir", default=None, help="write a post-mortem here when a step fails")
-    d.add_argument("--no-progress", action="store_true", help="no progress bar while capturing")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.set_defaults(func=cmd_demo)
+
+    t = sub.add_parser("selftest", help="check the device behaviours npugraph relies on (run this first on Ascend)")
+    t.add_argument("--device", default="sim", choices=["sim", "npu"])
+    t.add_argument("--json", metavar="PATH", type=_out_path, help="write the results as JSON")
+    t.set_defaults(func=cmd_selftest)
 
     b = sub.add_parser("bench", help="per-step update cost: npugraph vs baseline vs floor")
     b.add_argument("--layers", type=_sizes, default=[8, 32, 64], help="layer counts (default 8,32,64)")
@@ -261,23 +364,50 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--cost-model", choices=["off", "a2", "both"], default="both", help="simulator host-cost model (default both)"
     )
-    b.add_argument("--repeats", type=int, default=15, help="measured steps per method (default 15)")
+    b.add_argument("--repeats", type=_positive, default=15, help="measured steps per method (default 15)")
     b.add_argument("--extra", action="store_true", help="also measure capture cost and replay vs eager")
-    b.add_argument("--json", metavar="PATH", help="write rows and summary as JSON")
+    b.add_argument("--json", metavar="PATH", type=_out_path, help="write rows and summary as JSON")
     b.set_defaults(func=cmd_bench)
 
-    from npugraph.dump.cli import add_parser as add_dump
-    from npugraph.policy.cli import add_parser as add_policy
+    dump_cli.add_parser(sub)
 
-    add_dump(sub)
-    add_policy(sub)
+    pol = sub.add_parser("policy", help="measure, save and show the PA/FIA choice per size")
+    ps = pol.add_subparsers(dest="policy_command", required=True)
+    m = ps.add_parser("measure", help="time PA and FIA per size and write a policy file")
+    attention_shape_args(m)
+    m.add_argument("--repeats", type=_positive, default=7)
+    m.add_argument("--margin", type=_fraction, default=0.05, help="relative near-tie band that keeps the default")
+    m.add_argument("--out", required=True, type=_out_path, help="policy JSON to write")
+    s = ps.add_parser("show", help="print a policy file's choice per size")
+    s.add_argument("file", type=_in_file)
+    pol.set_defaults(func=cmd_policy)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``npugraph`` command line; return its exit status."""
+    """Run the ``npugraph`` command line; return its exit status.
+
+    Errors become one line on stderr (exit 2), never a traceback; set
+    ``NPUGRAPH_DEBUG=1`` to see the traceback of an unexpected one.
+    """
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (NpuGraphError, OSError) as exc:
+        print(f"npugraph: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("npugraph: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("NPUGRAPH_DEBUG"):
+            raise
+        print(
+            f"npugraph: internal error: {type(exc).__name__}: {' '.join(str(exc).split())} "
+            "(set NPUGRAPH_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 __all__ = [
     "NpuGraphError",
+    "ConfigError",
     "DeviceUnavailable",
     "CaptureFailed",
     "UnknownKeyError",
     "MetadataError",
     "NotReplayableError",
     "UpdateFailed",
+    "ReplayFailed",
     "GraphDeadlock",
     "GraphRace",
     "PolicyError",
@@ -26,6 +28,10 @@ class NpuGraphError(Exception):
     """
 
     postmortem: str | None = None
+
+
+class ConfigError(NpuGraphError, ValueError):
+    """A runtime, capture or step was configured with a value it cannot use."""
 
 
 class DeviceUnavailable(NpuGraphError):
@@ -53,6 +59,13 @@ class NotReplayableError(NpuGraphError):
 
 class UpdateFailed(NpuGraphError):
     """A device call failed while updating a graph (it is now not replayable)."""
+
+
+class ReplayFailed(NpuGraphError):
+    """The device failed while running a graph (the rest of that replay is cancelled).
+
+    The graph refuses to replay until a complete update succeeds.
+    """
 
 
 class GraphDeadlock(NpuGraphError):

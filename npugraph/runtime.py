@@ -5,16 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
+import attrs
 import torch
 
-from npugraph.capture.manager import CaptureManager, GraphEntry, Phase, strong_tree
+from npugraph.capture import CapturedGraph, CaptureManager, Phase
 from npugraph.device import Device, load_device
-from npugraph.errors import GraphDeadlock, GraphRace, NpuGraphError
-from npugraph.ops import SPECS, AttentionCall
-from npugraph.replay.lens import AttentionMetadata, convert, pad_lens
-from npugraph.replay.updater import ReplayUpdater, StepMetadata, describe_device_error
+from npugraph.dump.manifest import build_manifest, save_manifest
+from npugraph.dump.postmortem import PostMortem
+from npugraph.dump.trace import UpdateTrace
+from npugraph.errors import ConfigError, GraphDeadlock, GraphRace, MetadataError, NpuGraphError, ReplayFailed
+from npugraph.ops import SPECS, AttentionCall, pad_lens
+from npugraph.policy import KernelPolicy
+from npugraph.replay import AttentionMetadata, ReplayUpdater, StepMetadata, convert, describe_device_error
 
 __all__ = ["Runtime"]
+
+_ORDERS = ("update-first", "replay-first")
 
 
 class Runtime:
@@ -25,15 +31,17 @@ class Runtime:
     1. create the runtime and the model; the model's attention layers are
        :class:`npugraph.attention.DecodeAttention` clients of this runtime;
     2. :meth:`capture` once per key (token count or any hashable key), largest first,
-       passing the static input buffers the graph reads;
+       passing the static input buffers the graph reads (the callable runs once,
+       recorded, not executed);
     3. per step, :meth:`step` copies the step's inputs into those buffers, updates the
        graph's lengths and block tables from the step's metadata, and replays it
        (or call :meth:`update` and :meth:`replay` yourself, in either order);
     4. :meth:`synchronize` before reading outputs on the host; a device hang becomes
        :class:`~npugraph.errors.GraphDeadlock` naming namespace, key and layer.
 
-    Outside capture the attention clients run eagerly, with the kernel the graph of
-    the same size uses, so eager and replayed steps compute the same thing.
+    Outputs are non-owning aliases of the graph's memory: valid until another graph of
+    the same pool replays (clone what you keep).  Outside capture the attention
+    clients run eagerly, with the kernel the graph of the same size uses.
     """
 
     def __init__(
@@ -41,7 +49,7 @@ class Runtime:
         device: str | Device = "sim",
         *,
         max_model_len: int,
-        policy: Any = None,
+        policy: KernelPolicy | None = None,
         validate: bool = True,
         skip_unchanged: bool = True,
         fused_update: bool | None = None,
@@ -51,21 +59,20 @@ class Runtime:
         trace_depth: int = 16,
         eager_fallback: Callable[[Hashable, StepMetadata, Mapping[str, torch.Tensor]], Any] | None = None,
     ) -> None:
-        if order not in ("update-first", "replay-first"):
-            raise ValueError(f"order must be 'update-first' or 'replay-first', got {order!r}")
+        if order not in _ORDERS:
+            raise ConfigError(f"order must be 'update-first' or 'replay-first', got {order!r}")
         self.device = load_device(device)
         self.manager = CaptureManager(self.device, max_model_len=max_model_len, progress=progress)
-        from npugraph.dump.trace import PostMortem, UpdateTrace
-
         self.trace = UpdateTrace(depth=trace_depth)
-        self.postmortem = PostMortem(self.manager, self.trace, postmortem_dir)
         self.updater = ReplayUpdater(
             self.manager,
             validate=validate,
             skip_unchanged=skip_unchanged,
             fused_update=fused_update,
-            on_error=self.postmortem.on_error,
+            on_error=self._on_error,
+            on_update=self.trace.note,
         )
+        self.postmortem = PostMortem(self.manager, self.updater, self.trace, postmortem_dir)
         self.order = order
         self.validate = validate
         self.eager_fallback = eager_fallback
@@ -73,7 +80,7 @@ class Runtime:
         if policy is not None:
             self.set_policy(policy)
 
-    def set_policy(self, policy: Any) -> None:
+    def set_policy(self, policy: KernelPolicy) -> None:
         """Use ``policy`` for graphs captured from now on (checked against this device)."""
         check = getattr(policy, "check_device", None)
         if check is not None:
@@ -83,6 +90,9 @@ class Runtime:
     @property
     def max_model_len(self) -> int:
         return self.manager.max_model_len
+
+    def _on_error(self, err: NpuGraphError, entry: CapturedGraph | None) -> None:
+        self.postmortem.on_error(err, entry)
 
     # --- the attention entry point ---------------------------------------------------
     def attention(
@@ -99,18 +109,24 @@ class Runtime:
 
         ``ubatch`` is the micro-batch index when one forward runs several micro-batches
         through the same layers (their step metadata is then a list, one per micro-batch).
+        Eagerly, ``meta`` may describe fewer requests than the query has token rows
+        (vLLM's PIECEWISE steps carry padded tokens but unpadded metadata): the spare
+        rows are padding and produce zeros.
         """
         tokens = int(call.query.shape[0])
-        batch = int(call.block_table.shape[0])
-        if self.manager.phase is not Phase.IDLE:
+        rows = int(call.block_table.shape[0])
+        if self.manager.phase is Phase.CAPTURE:
             lens = pad_lens(
                 meta.seq_lens.tolist(),
                 None if meta.query_start_loc is None else meta.query_start_loc.tolist()[1:],
-                batch,
+                rows,
                 tokens,
             )
             self.manager.attention(layer, group, call, lens, ubatch)
             return
+        batch = max(rows, tokens // max(1, call.tokens_per_request))
+        if batch > rows:
+            call = attrs.evolve(call, block_table=_pad_rows(call.block_table, batch))
         lens = convert(
             meta,
             batch=batch,
@@ -123,7 +139,7 @@ class Runtime:
             validate=self.validate,
         )
         choice = self.manager.kernel_for(namespace, tokens)
-        if choice is None or choice.kernel not in SPECS:
+        if choice is None or choice.kernel not in SPECS or SPECS[choice.kernel].unsupported(call):
             choice = self.manager.policy.choose(namespace, tokens, tokens, [call])
         spec = SPECS[choice.kernel]
         spec.launch(self.device, spec.arguments(call, lens, None))
@@ -165,12 +181,14 @@ class Runtime:
         list of such mappings, one per micro-batch.
         """
         self.updater.update(namespace, key, metadata)
-        self.trace.note(self.manager.entry(namespace, key), self.updater)
 
     def replay(self, key: Hashable, *, namespace: str = "main") -> Any:
-        """Enqueue the graph of ``key``; return its (static) outputs."""
+        """Enqueue the graph of ``key``; return its outputs (aliases of the graph's memory).
+
+        They are valid until another graph of the same pool replays: clone what you keep.
+        """
         self.updater.replay(namespace, key)
-        return strong_tree(self.manager.entry(namespace, key).outputs)
+        return self.manager.entry(namespace, key).outputs
 
     def step(
         self,
@@ -202,39 +220,58 @@ class Runtime:
 
     def copy_inputs(
         self,
-        entry: GraphEntry,
+        entry: CapturedGraph,
         inputs: Mapping[str, torch.Tensor],
         pad_values: Mapping[str, float] | None = None,
     ) -> None:
-        """Copy ``inputs`` into ``entry``'s static input buffers, padding the rest."""
+        """Copy ``inputs`` into ``entry``'s static input buffers, padding the rest.
+
+        Every input is checked before any is copied, so a bad one changes nothing.
+        """
         pads = pad_values or {}
+        where = f"{entry.namespace}/{entry.key!r}"
+        pairs = []
         for name, src in inputs.items():
             dst = entry.static_inputs.get(name)
             if dst is None:
-                raise NpuGraphError(
-                    f"{entry.namespace}/{entry.key!r}: no static input named {name!r} was "
-                    f"registered at capture (have {sorted(entry.static_inputs)})"
+                raise MetadataError(
+                    f"{where}: no static input named {name!r} was registered at capture "
+                    f"(have {sorted(entry.static_inputs)})"
                 )
+            if not isinstance(src, torch.Tensor) or src.dim() == 0:
+                what = type(src).__name__ if not isinstance(src, torch.Tensor) else "a 0-d tensor"
+                raise MetadataError(f"{where}: input {name!r} must be a tensor of rows, got {what}")
+            if src.dim() != dst.dim() or src.shape[1:] != dst.shape[1:]:
+                raise MetadataError(
+                    f"{where}: input {name!r} has shape {list(src.shape)}; the captured buffer is "
+                    f"{list(dst.shape)} (only the first dimension may be shorter)"
+                )
+            if int(src.shape[0]) > int(dst.shape[0]):
+                raise MetadataError(
+                    f"{where}: input {name!r} has {int(src.shape[0])} rows, the captured buffer {int(dst.shape[0])}"
+                )
+            pairs.append((name, src, dst))
+        for name, src, dst in pairs:
             n = int(src.shape[0])
-            if n > dst.shape[0]:
-                raise NpuGraphError(
-                    f"{entry.namespace}/{entry.key!r}: input {name!r} has {n} rows, the "
-                    f"captured buffer {int(dst.shape[0])}"
-                )
             dst[:n].copy_(src, non_blocking=True)
             if n < dst.shape[0]:
                 dst[n:].fill_(pads.get(name, 0))
 
     def synchronize(self) -> None:
         """Wait for the device; name the namespace, key and layer if it would hang."""
+        dev = self.device
         try:
-            self.device.npu.synchronize()
-        except self.device.deadlock_errors as exc:
+            dev.npu.synchronize()
+        except dev.deadlock_errors as exc:
             err: NpuGraphError = GraphDeadlock(describe_device_error(self.manager, exc))
             self.postmortem.on_error(err, None)
             raise err from exc
-        except self.device.race_errors as exc:
+        except dev.race_errors as exc:
             err = GraphRace(describe_device_error(self.manager, exc))
+            self.postmortem.on_error(err, None)
+            raise err from exc
+        except dev.memory_errors as exc:
+            err = ReplayFailed(describe_device_error(self.manager, exc))
             self.postmortem.on_error(err, None)
             raise err from exc
 
@@ -252,18 +289,21 @@ class Runtime:
                     "reason": e.choice.reason,
                     "tasks": len(e.tasks),
                     "workspace_bytes": e.workspace_bytes,
-                    "replays": e.replays,
+                    "replays": self.updater.state(e).replays,
                 }
             )
         return rows
 
     def manifest(self) -> dict[str, Any]:
-        """The capture manifest (see :mod:`npugraph.dump`)."""
-        from npugraph.dump.manifest import build_manifest
-
-        return build_manifest(self.manager, self.trace)
+        """The capture manifest (see :mod:`npugraph.dump.manifest`)."""
+        return build_manifest(self.manager, self.updater, self.trace)
 
     def save_manifest(self, path: str) -> None:
-        from npugraph.dump.manifest import save_manifest
-
         save_manifest(self.manifest(), path)
+
+
+def _pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """``table`` with zero rows appended up to ``rows`` (eager padding requests read no block)."""
+    out = torch.zeros(rows, table.shape[1], dtype=table.dtype, device=table.device)
+    out[: table.shape[0]].copy_(table)
+    return out

@@ -41,12 +41,13 @@ def test_manifest_matches_the_capture_field_by_field(captured, tmp_path):
     assert doc["totals"]["output_bytes"] == sum(k["output_bytes"] for k in doc["namespaces"]["main"]["keys"])
     for k in keys:
         entry = rt.manager.entry("main", k["tokens"])
+        state = rt.updater.state(entry)
         assert k["kernel"] == entry.choice.kernel and k["kernel_reason"] == entry.choice.reason
         assert k["workspace"]["bytes"] == entry.workspace_bytes
         assert k["workspace"]["shared_by"] == [0, 1, 2]
-        assert k["replays"] == entry.replays and k["steps"] == entry.steps
+        assert k["replays"] == state.replays and k["steps"] == state.steps
         assert k["pool"] == list(entry.pool)
-        logits = rt.manager.entry("main", k["tokens"]).outputs()
+        logits = rt.manager.entry("main", k["tokens"]).outputs
         assert k["output_bytes"] == logits.untyped_storage().nbytes() > 0
         for t, rec in zip(k["tasks"], entry.tasks):
             assert t["layer"] == rec.layer and t["op"] == rec.spec.name
@@ -57,13 +58,13 @@ def test_manifest_matches_the_capture_field_by_field(captured, tmp_path):
             assert arg["dtype"] == "bfloat16" and arg["bytes"] == kc.numel() * kc.element_size()
             host = t["host_at_capture"]
             assert host == {k2: list(v) for k2, v in rec.host_at_capture.items()}
-            if entry.steps:
-                assert t["last_update"]["step"] == entry.steps
-                lens = entry.last_lens["default"]
+            if state.steps:
+                assert t["last_update"]["step"] == state.steps
+                lens = state.last_lens["default"]
                 got = t["last_update"]["host"].get("context_lens") or t["last_update"]["host"]["actual_seq_lengths_kv"]
                 assert got == list(lens.kv_lens)
-        if entry.steps:
-            assert k["trace"] and k["trace"][-1]["step"] == entry.steps
+        if state.steps:
+            assert k["trace"] and k["trace"][-1]["step"] == state.steps
 
 
 def test_validate_passes_on_a_healthy_capture(captured):

@@ -127,10 +127,12 @@ def test_exception_during_capture_registers_nothing():
     layer = model.layers[1]
     inner = layer.o
     layer.o = _FailsWhileCapturing(inner)
+    # named where it was raised (the o-projection after layer 1's attention), not by the last attention layer
     with pytest.raises(
-        CaptureFailed, match=r"capture of main/2 \(capture\) failed in layer 'main.layers.1.attn': RuntimeError: boom"
-    ):
+        CaptureFailed, match=r"capture of main/2 failed at .*test_runtime.py:\d+ in forward: RuntimeError: boom"
+    ) as info:
         eng.capture()
+    assert "attn" not in str(info.value)
     assert rt.manager.keys() == []
     assert not sim.npu.is_current_stream_capturing()
     layer.o = inner
@@ -144,11 +146,9 @@ def test_failed_capture_names_key_and_layer():
     model = Decoder(cfg, rt)
     eng = DecodeEngine(rt, model, [2])
     model.layers[1].attn.num_kv_heads = 3  # wrong head count: the kernel refuses it
-    with pytest.raises(
-        CaptureFailed, match=r"capture of main/2 \(warmup\) failed in layer 'main.layers.1.attn'"
-    ) as info:
+    with pytest.raises(CaptureFailed, match=r"capture of main/2 failed in layer 'main.layers.1.attn' at ") as info:
         eng.capture()
-    assert "num_key_value_heads" in str(info.value) and "Nothing was registered" in str(info.value)
+    assert "num_kv_heads" in str(info.value) and "Nothing was registered" in str(info.value)
     assert rt.manager.keys() == []
 
 
@@ -225,9 +225,9 @@ def test_no_strong_reference_to_model_tensors():
     run(eng, cfg, 5)  # update plans and traces exist too
     cache = weakref.ref(model.layers[0].k_cache)
     entry = rt.manager.entry("main", 2)
-    assert entry.tasks[0].tensor("key_cache") is model.layers[0].k_cache
-    rt.manager.reset()  # the graph (the only owner besides the model) is freed
-    del entry, model, eng
+    alias = entry.tasks[0].tensor("key_cache")
+    assert alias is not model.layers[0].k_cache and alias.data_ptr() == model.layers[0].k_cache.data_ptr()
+    del alias, entry, model, eng  # the graph stays captured: it holds addresses, not tensors
     gc.collect()
     assert cache() is None, "the runtime must not keep model tensors alive"
 

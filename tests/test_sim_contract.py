@@ -260,11 +260,11 @@ def test_op_inside_update_is_not_executed_and_must_match():
     _update_pa(us, h, ev, q, kc, vc, bt, torch.tensor([1, 1], dtype=torch.int32), out, None)
     npu.synchronize()
     assert (out == 7).all(), "the op inside an update is not executed"
-    other = torch.empty_like(out)
+    wide = torch.zeros(bt.shape[0], bt.shape[1] * 2, dtype=torch.int32)
     with npu.stream(us):
         npu.graph_task_update_begin(us, h)
-        with pytest.raises(torch_npu.UpdateMismatchError, match="'out' must be the captured buffer"):
-            _pa(q, kc, vc, bt, lens, other)
+        with pytest.raises(torch_npu.UpdateMismatchError, match="'block_table' was Tensor.*of the captured shape"):
+            _pa(q, kc, vc, wide, lens, out)
         us._updating = None
     with npu.stream(us):
         npu.graph_task_update_begin(us, h)

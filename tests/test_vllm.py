@@ -144,7 +144,7 @@ def test_continuous_batching_through_the_wrapper_equals_eager():
             assert torch.equal(out, ref), f"step {i} differs"
         assert spy.call_count == len(SIZES), "each FULL key is captured once"
     assert modes == {CUDAGraphMode.FULL}
-    assert sum(e.replays for e in runner.rt.manager.entries()) == 60
+    assert sum(runner.rt.updater.state(e).replays for e in runner.rt.manager.entries()) == 60
 
 
 def test_pass_through_on_none_and_on_a_mismatched_mode():
@@ -294,7 +294,7 @@ def test_draft_model_has_its_own_namespace_and_shares_the_update_stream():
         meta = AttentionMetadata(seq_lens=batch.padded_meta.seq_lens[:t], block_table=batch.padded_meta.block_table[:t])
         ref = draft(batch.input_ids[:t], batch.positions[:t], batch.slot_mapping[:t], meta)
         assert torch.equal(d[: batch.num_reqs], ref[: batch.num_reqs])
-    assert {e.namespace for e in runner.rt.manager.entries() if e.replays} == {"main", "draft"}
+    assert {e.namespace for e in runner.rt.manager.entries() if runner.rt.updater.state(e).replays} == {"main", "draft"}
 
 
 def test_micro_batched_metadata_becomes_one_mapping_per_micro_batch():

@@ -1,12 +1,6 @@
 """Capture of device graphs with their updatable attention tasks."""
 
-from npugraph.capture.manager import (
-    CaptureManager,
-    GraphEntry,
-    KernelChoice,
-    Phase,
-    TaskRecord,
-    strong_tree,
-)
+from npugraph.capture.manager import CaptureManager, Phase
+from npugraph.capture.records import CapturedGraph, TaskRecord
 
-__all__ = ["CaptureManager", "GraphEntry", "KernelChoice", "Phase", "TaskRecord", "strong_tree"]
+__all__ = ["CaptureManager", "CapturedGraph", "Phase", "TaskRecord"]

@@ -3,157 +3,80 @@
 from __future__ import annotations
 
 import enum
+import os
 import time
-import weakref
+import traceback
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
+from tqdm import tqdm
 
+from npugraph.capture.records import CapturedGraph, TaskRecord
 from npugraph.device import Device
-from npugraph.errors import CaptureFailed, UnknownKeyError
+from npugraph.errors import CaptureFailed, ConfigError, UnknownKeyError
 from npugraph.ops import SPECS, AttentionCall, OpSpec, StepLens
+from npugraph.policy import KernelChoice, KernelPolicy, StaticPolicy
 
-__all__ = ["Phase", "KernelChoice", "TaskRecord", "GraphEntry", "CaptureManager"]
+__all__ = ["Phase", "CaptureManager"]
 
 
 class Phase(enum.Enum):
     """What the manager is doing with the callable right now."""
 
     IDLE = "idle"
-    WARMUP = "warmup"
     CAPTURE = "capture"
 
 
-@attrs.frozen(kw_only=True)
-class KernelChoice:
-    """The attention kernel of one graph, and why it was chosen."""
-
-    kernel: str
-    reason: str
-
-
-def _weak(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return weakref.ref(v)
-    if isinstance(v, list) and v and all(isinstance(x, torch.Tensor) for x in v):
-        return [weakref.ref(x) for x in v]
-    return v
-
-
-def _strong(v: Any) -> Any:
-    if isinstance(v, weakref.ref):
-        return v()
-    if isinstance(v, list) and v and isinstance(v[0], weakref.ref):
-        return [r() for r in v]
-    return v
-
-
-@attrs.frozen(kw_only=True)
-class TaskRecord:
-    """One captured updatable attention task.
-
-    ``args`` holds the kernel's arguments with every tensor as a weak reference: the
-    graph owns its buffers, the manager never keeps a model tensor alive.
-    ``host_at_capture`` are the host-side arguments the task was captured with.
-    """
-
-    index: int
-    layer: str
-    group: str
-    spec: OpSpec
-    handle: Any
-    event: Any
-    args: Mapping[str, Any]
-    host_at_capture: Mapping[str, Any]
-    workspace_bytes: int
-    ubatch: int = 0  # micro-batch index (0 unless one forward runs several)
-
-    @property
-    def slot(self) -> str:
-        """The name this task's step lengths are tracked under: its KV-cache group,
-        qualified by the micro-batch when there are several."""
-        return self.group if self.ubatch == 0 else f"{self.group}#ubatch{self.ubatch}"
-
-    def kwargs(self) -> dict[str, Any]:
-        """The kernel's arguments with live tensors (raises if one was freed)."""
-        out = {k: _strong(v) for k, v in self.args.items()}
-        return out
-
-    def tensor(self, name: str) -> torch.Tensor | None:
-        return _strong(self.args.get(name))
-
-
-@attrs.define(kw_only=True, eq=False)  # identity: the updater keys its plans by entry
-class GraphEntry:
-    """Everything known about one captured graph (mutable per-step state included)."""
-
-    namespace: str
-    key: Hashable
-    graph: Any
-    choice: KernelChoice
-    tasks: tuple[TaskRecord, ...]
-    tokens: int
-    batch: int
-    workspace: torch.Tensor | None
-    workspace_bytes: int
-    outputs: Any
-    static_inputs: Mapping[str, Any]
-    capture_seconds: float
-    pool: Any
-    replayable: bool = True
-    replay_waiting: bool = False
-    applied: list[Any] = attrs.field(factory=list)
-    event_pending: list[bool] = attrs.field(factory=list)
-    last_lens: dict[Any, StepLens] = attrs.field(factory=dict)
-    last_host: dict[Any, tuple[StepLens, dict[str, Any]]] = attrs.field(factory=dict)
-    steps: int = 0
-    replays: int = 0
-    last_reissued: int = 0
-    trace: Any = None
-    last_update: Any = None
-
-    @property
-    def layers(self) -> tuple[str, ...]:
-        return tuple(t.layer for t in self.tasks)
-
-
 @attrs.define
-class _Context:
+class _Capture:
+    """State of the one capture in progress."""
+
     namespace: str
     key: Hashable
-    phase: Phase
     tokens: int
-    max_model_len: int
-    calls: list[tuple[tuple[int, str], str, AttentionCall]] = attrs.field(factory=list)
-    choice: KernelChoice | None = None
-    workspace: torch.Tensor | None = None
-    workspace_bytes: int = 0
-    required: dict[tuple[int, str], int] = attrs.field(factory=dict)
+    choices: dict[tuple[Any, ...], tuple[OpSpec, KernelChoice]] = attrs.field(factory=dict)
+    needs: dict[tuple[Any, ...], int] = attrs.field(factory=dict)
+    workspace: torch.Tensor | None = None  # allocated inside the capture: the graph's pool owns it
     tasks: list[TaskRecord] = attrs.field(factory=list)
     layer: str | None = None
     seen: set[tuple[int, str]] = attrs.field(factory=set)
+
+    @property
+    def choice(self) -> KernelChoice | None:
+        return next(iter(self.choices.values()))[1] if self.choices else None
+
+
+def _shape(call: AttentionCall) -> tuple[Any, ...]:
+    return (
+        tuple(call.query.shape),
+        tuple(call.key_cache.shape),
+        tuple(call.value_cache.shape),
+        tuple(call.block_table.shape),
+        call.query.dtype,
+        call.tokens_per_request,
+    )
 
 
 class CaptureManager:
     """Capture callables into one device graph per key, per namespace, in one memory pool.
 
-    Workflow for :meth:`capture`:
+    Workflow of :meth:`capture` — the callable runs **once**, under ``torch.npu.graph``
+    (warm it up yourself if it needs it: vLLM already has, with eager runs):
 
-    1. **warm-up** — run the callable eagerly once; attention clients report their
-       calls (layer, KV-cache group, shapes);
-    2. **choose** — the kernel policy picks PA or FIA for this graph from those calls;
-       one workspace is sized for the worst case ``max_model_len`` allows and shared
-       by every layer of the graph;
-    3. **capture** — run the callable under ``torch.npu.graph`` on the capture
-       stream; each attention call becomes ``ExternalEvent`` wait + task group + kernel,
-       recorded as a :class:`TaskRecord`;
-    4. **register** — only if all of that succeeded; otherwise the graph is reset and
-       :class:`~npugraph.errors.CaptureFailed` names the key and layer.
+    1. at each attention call the kernel policy picks PA or FIA for that call's shape
+       (once per shape), and one workspace, sized for every length up to
+       ``max_model_len``, is allocated inside the capture (from the graph's pool) and
+       shared by the graph's layers;
+    2. each attention call becomes ``ExternalEvent`` wait + task group + kernel, recorded
+       as a frozen :class:`TaskRecord` holding non-owning aliases of its arguments;
+    3. only if all of that succeeded is a :class:`CapturedGraph` registered; otherwise
+       the graph is reset and :class:`~npugraph.errors.CaptureFailed` says where it failed.
 
-    It does not update or replay graphs (see :class:`npugraph.replay.ReplayUpdater`),
-    and it keeps only weak references to the callable's tensors.
+    Nothing runs eagerly, so a capture in the middle of serving writes nothing (not
+    the KV cache either). The manager does not update or replay graphs (see
+    :class:`npugraph.replay.ReplayUpdater`) and keeps none of the callable's tensors alive.
     """
 
     def __init__(
@@ -161,29 +84,26 @@ class CaptureManager:
         device: Device,
         *,
         max_model_len: int,
-        policy: Any = None,
+        policy: KernelPolicy | None = None,
         progress: bool = False,
     ) -> None:
-        from npugraph.policy import StaticPolicy
-
-        if max_model_len <= 0:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be an int >= 1, got {max_model_len!r}")
         self.device = device
-        self.max_model_len = int(max_model_len)
-        self.policy = policy if policy is not None else StaticPolicy()
+        self.max_model_len = max_model_len
+        self.policy: KernelPolicy = policy if policy is not None else StaticPolicy()
         self.progress = progress
-        self._entries: dict[tuple[str, Hashable], GraphEntry] = {}
+        self._entries: dict[tuple[str, Hashable], CapturedGraph] = {}
         self._pool: Any = None
         self._stream: Any = None
-        self._ctx: _Context | None = None
-        self._event_index: dict[int, TaskRecord] = {}
+        self._ctx: _Capture | None = None
+        self._by_event: dict[int, tuple[CapturedGraph, TaskRecord]] = {}
         self.configured: dict[str, list[Hashable]] = {}
-        self._task_entry: dict[int, GraphEntry] = {}
 
     # --- what clients see ------------------------------------------------------------
     @property
     def phase(self) -> Phase:
-        return self._ctx.phase if self._ctx is not None else Phase.IDLE
+        return Phase.CAPTURE if self._ctx is not None else Phase.IDLE
 
     @property
     def pool(self) -> Any:
@@ -201,30 +121,23 @@ class CaptureManager:
         return entry.choice if entry is not None else None
 
     def attention(self, layer: str, group: str, call: AttentionCall, lens: StepLens, ubatch: int = 0) -> None:
-        """Run, note or record one attention call, depending on the phase.
+        """Record one attention call of the capture in progress as an updatable task.
 
         ``ubatch`` tells apart the calls of one layer in the micro-batches of one
         forward (vLLM's dual-batch overlap); their metadata then comes as a list.
         """
         ctx = self._ctx
         if ctx is None:
-            raise RuntimeError("CaptureManager.attention called outside warm-up or capture")
+            raise RuntimeError("CaptureManager.attention called outside a capture")
+        if (ubatch, layer) in ctx.seen:
+            raise CaptureFailed(
+                f"capture of {ctx.namespace}/{ctx.key!r}: layer {layer!r} was called twice "
+                f"in micro-batch {ubatch} of one forward; give every attention layer a unique "
+                "name, and each micro-batch its own ubatch index"
+            )
+        ctx.seen.add((ubatch, layer))
         ctx.layer = layer
-        if ctx.phase is Phase.WARMUP:
-            if (ubatch, layer) in ctx.seen:
-                raise CaptureFailed(
-                    f"capture of {ctx.namespace}/{ctx.key!r}: layer {layer!r} was called twice "
-                    f"in micro-batch {ubatch} of one forward; give every attention layer a unique "
-                    "name, and each micro-batch its own ubatch index"
-                )
-            ctx.seen.add((ubatch, layer))
-            ctx.calls.append(((ubatch, layer), group, call))
-            # The kernel is chosen from all the calls after warm-up; FIA runs every shape.
-            spec = SPECS["fia"]
-            spec.launch(self.device, spec.arguments(call, lens, None))
-            return
-        assert ctx.choice is not None
-        spec = SPECS[ctx.choice.kernel]
+        spec, need = self._prepare(ctx, call, lens)
         kwargs = spec.arguments(call, lens, ctx.workspace)
         npu = self.device.npu
         stream = npu.current_stream()
@@ -234,7 +147,7 @@ class CaptureManager:
         npu.graph_task_group_begin(stream)
         spec.launch(self.device, kwargs)
         handle = npu.graph_task_group_end(stream)
-        if hasattr(event, "label"):
+        if hasattr(event, "label"):  # the simulator names it in hang reports
             event.label = f"{ctx.namespace}/{ctx.key!r}/{layer}"
         ctx.tasks.append(
             TaskRecord(
@@ -245,11 +158,50 @@ class CaptureManager:
                 spec=spec,
                 handle=handle,
                 event=event,
-                args={k: _weak(v) for k, v in kwargs.items()},
-                host_at_capture={k: _host_repr(kwargs[k]) for k in spec.host_args},
-                workspace_bytes=ctx.required.get((ubatch, layer), ctx.workspace_bytes),
+                args={k: self._alias(v) for k, v in kwargs.items()},
+                host_at_capture={k: _host_tuple(kwargs[k]) for k in spec.host_args},
+                workspace_bytes=need,
             )
         )
+        ctx.layer = None
+
+    def _prepare(self, ctx: _Capture, call: AttentionCall, lens: StepLens) -> tuple[OpSpec, int]:
+        """The kernel for this call's shape, and a workspace that covers it (grown if needed)."""
+        shape = _shape(call)
+        found = ctx.choices.get(shape)
+        if found is None:
+            choice = self.policy.choose(ctx.namespace, ctx.key, ctx.tokens, [call])
+            if choice.kernel not in SPECS:
+                raise CaptureFailed(f"kernel policy chose {choice.kernel!r}; expected one of {sorted(SPECS)}")
+            found = ctx.choices[shape] = (SPECS[choice.kernel], choice)
+        spec = found[0]
+        need = ctx.needs.get(shape)
+        if need is None:
+            need = ctx.needs[shape] = spec.workspace_bytes(
+                self.device, spec.arguments(call, lens, None), self.max_model_len
+            )
+        have = 0 if ctx.workspace is None else ctx.workspace.numel()
+        if need > have:
+            # Allocated inside the capture, so from the graph's pool (as vllm-ascend does);
+            # earlier layers keep the smaller one, which covers them.
+            ctx.workspace = torch.empty(need, dtype=torch.uint8, device=call.query.device)
+        return spec, need
+
+    def _alias(self, v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return self.device.weak_ref_tensor(v)
+        if isinstance(v, list) and v and all(isinstance(x, torch.Tensor) for x in v):
+            return [self.device.weak_ref_tensor(x) for x in v]
+        return v
+
+    def _alias_tree(self, v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return self.device.weak_ref_tensor(v)
+        if isinstance(v, (tuple, list)):
+            return type(v)(self._alias_tree(x) for x in v)
+        if isinstance(v, dict):
+            return {k: self._alias_tree(x) for k, x in v.items()}
+        return v
 
     # --- capture ---------------------------------------------------------------------
     def capture(
@@ -270,6 +222,10 @@ class CaptureManager:
         ``require_attention=False`` allows graphs without attention (vLLM's
         PIECEWISE pieces), which then need no update.
         """
+        try:
+            hash(key)
+        except TypeError as exc:
+            raise CaptureFailed(f"graph key {key!r} is not hashable: {exc}") from exc
         if (namespace, key) in self._entries:
             raise CaptureFailed(
                 f"{namespace}/{key!r} is already captured; call reset({namespace!r}, {key!r}) first to capture it again"
@@ -277,34 +233,24 @@ class CaptureManager:
         if self._ctx is not None:
             raise CaptureFailed("captures do not nest")
         if tokens is None:
-            if not isinstance(key, int):
-                raise ValueError(f"key {key!r} is not a token count: pass tokens=")
+            if isinstance(key, bool) or not isinstance(key, int):
+                raise CaptureFailed(f"key {key!r} is not a token count: pass tokens=")
             tokens = key
         npu = self.device.npu
         if self._stream is None:
             self._stream = npu.Stream()
-        ctx = _Context(namespace, key, Phase.WARMUP, int(tokens), self.max_model_len)
-        self._ctx = ctx
+        ctx = _Capture(namespace=namespace, key=key, tokens=int(tokens))
         graph = npu.NPUGraph()
         t0 = time.perf_counter()
+        self._ctx = ctx
         try:
-            fn(*args, **kwargs)  # warm-up, eager
-            npu.synchronize()
-            if not ctx.calls and require_attention:
+            with npu.graph(graph, pool=self.pool, stream=self._stream):
+                outputs = fn(*args, **kwargs)
+            if not ctx.tasks and require_attention:
                 raise CaptureFailed(
                     f"capture of {namespace}/{key!r}: the callable made no attention call "
                     "through the runtime; nothing would be updated"
                 )
-            if ctx.calls:
-                ctx.choice = self.policy.choose(namespace, key, ctx.tokens, [c for _, _, c in ctx.calls])
-                self._size_workspace(ctx)
-            else:
-                ctx.choice = KernelChoice(kernel="none", reason="no attention in this graph")
-            ctx.calls.clear()  # drop the warm-up's tensors
-            ctx.phase = Phase.CAPTURE
-            ctx.layer = None
-            with npu.graph(graph, pool=self.pool, stream=self._stream):
-                outputs = fn(*args, **kwargs)
         except CaptureFailed:
             graph.reset()
             raise
@@ -312,34 +258,28 @@ class CaptureManager:
             graph.reset()
             where = f" in layer {ctx.layer!r}" if ctx.layer else ""
             raise CaptureFailed(
-                f"capture of {namespace}/{key!r} ({ctx.phase.value}) failed{where}: "
+                f"capture of {namespace}/{key!r} failed{where} at {_raised_at(exc)}: "
                 f"{type(exc).__name__}: {exc}. Nothing was registered for this key."
             ) from exc
         finally:
             self._ctx = None
-        batch = _batch_of(ctx.tasks)
-        entry = GraphEntry(
+        entry = CapturedGraph(
             namespace=namespace,
             key=key,
             graph=graph,
-            choice=ctx.choice,
+            choice=ctx.choice or KernelChoice(kernel="none", reason="no attention in this graph"),
             tasks=tuple(ctx.tasks),
             tokens=ctx.tokens,
-            batch=batch,
-            workspace=ctx.workspace,
-            workspace_bytes=ctx.workspace_bytes,
-            outputs=_weak_tree(outputs),
-            # the engine's own input buffers (not model tensors): held for copy_inputs
+            batch=_batch_of(ctx.tasks),
+            workspace_bytes=max(ctx.needs.values(), default=0),
+            outputs=self._alias_tree(outputs),
             static_inputs=dict(static_inputs or {}),
             capture_seconds=time.perf_counter() - t0,
             pool=self.pool,
-            applied=[None] * len(ctx.tasks),
-            event_pending=[False] * len(ctx.tasks),
         )
         self._entries[(namespace, key)] = entry
         for t in entry.tasks:
-            self._event_index[id(t.event)] = t
-            self._task_entry[id(t)] = entry
+            self._by_event[id(t.event)] = (entry, t)
         return outputs
 
     def capture_all(
@@ -360,38 +300,18 @@ class CaptureManager:
         self.configured[namespace] = sorted(known, key=size or (lambda k: k))  # type: ignore[arg-type,return-value]
         it: Iterable[Hashable] = order
         if self.progress:
-            from tqdm import tqdm
-
             it = tqdm(order, desc=f"capturing {namespace}", unit="graph", leave=False)
         for k in it:
             fn, args, kwargs = make(k)
             self.capture(fn, *args, key=k, namespace=namespace, **kwargs)
 
-    def _size_workspace(self, ctx: _Context) -> None:
-        assert ctx.choice is not None
-        spec = SPECS[ctx.choice.kernel]
-        seen: dict[tuple[Any, ...], int] = {}
-        best = 0
-        for layer, _, call in ctx.calls:
-            shape = (
-                tuple(call.query.shape),
-                tuple(call.key_cache.shape),
-                tuple(call.value_cache.shape),
-                tuple(call.block_table.shape),
-                call.query.dtype,
-            )
-            if shape not in seen:
-                lens = _capture_lens(call)
-                seen[shape] = spec.workspace_bytes(self.device, spec.arguments(call, lens, None), ctx.max_model_len)
-            best = max(best, seen[shape])
-            ctx.required[layer] = seen[shape]
-        ctx.workspace_bytes = best
-        ctx.workspace = torch.empty(best, dtype=torch.uint8) if best else None
-
     # --- lookup ----------------------------------------------------------------------
-    def entry(self, namespace: str, key: Hashable) -> GraphEntry:
+    def entry(self, namespace: str, key: Hashable) -> CapturedGraph:
         """The captured graph of ``(namespace, key)``; raises listing the captured keys."""
-        entry = self._entries.get((namespace, key))
+        try:
+            entry = self._entries.get((namespace, key))
+        except TypeError:
+            entry = None  # an unhashable key was never captured
         if entry is None:
             have = sorted(repr(k) for (ns, k) in self._entries if ns == namespace)
             raise UnknownKeyError(
@@ -402,9 +322,12 @@ class CaptureManager:
 
     def has(self, namespace: str, key: Hashable) -> bool:
         """Whether ``(namespace, key)`` has a captured graph."""
-        return (namespace, key) in self._entries
+        try:
+            return (namespace, key) in self._entries
+        except TypeError:
+            return False
 
-    def entries(self, namespace: str | None = None) -> list[GraphEntry]:
+    def entries(self, namespace: str | None = None) -> list[CapturedGraph]:
         return [e for (ns, _), e in self._entries.items() if namespace in (None, ns)]
 
     def namespaces(self) -> list[str]:
@@ -413,12 +336,17 @@ class CaptureManager:
     def keys(self, namespace: str = "main") -> list[Hashable]:
         return [k for (ns, k) in self._entries if ns == namespace]
 
-    def task_for_event(self, event: Any) -> tuple[GraphEntry, TaskRecord] | None:
-        """Map a device event back to its entry and task (for error messages)."""
-        task = self._event_index.get(id(event))
-        if task is None:
-            return None
-        return self._task_entry[id(task)], task
+    def task_for_event(self, event: Any) -> tuple[CapturedGraph, TaskRecord] | None:
+        """Map a device event back to its graph and task (for error messages)."""
+        return self._by_event.get(id(event))
+
+    def task_for_group(self, group: Any) -> tuple[CapturedGraph, TaskRecord] | None:
+        """Map a device task group (a handle's ``_group``) back to its graph and task."""
+        for entry in self._entries.values():
+            for t in entry.tasks:
+                if getattr(t.handle, "_group", None) is group:
+                    return entry, t
+        return None
 
     def reset(self, namespace: str | None = None, key: Hashable | None = None) -> None:
         """Free captured graphs: one key, one namespace, or all."""
@@ -426,18 +354,15 @@ class CaptureManager:
             if namespace not in (None, ns) or (key is not None and k != key):
                 continue
             for t in entry.tasks:
-                self._event_index.pop(id(t.event), None)
-                self._task_entry.pop(id(t), None)
+                self._by_event.pop(id(t.event), None)
             entry.graph.reset()
             del self._entries[(ns, k)]
 
 
-def _host_repr(v: Any) -> Any:
+def _host_tuple(v: Any) -> tuple[int, ...]:
     if isinstance(v, torch.Tensor):
         return tuple(int(x) for x in v.tolist())
-    if isinstance(v, (list, tuple)):
-        return tuple(int(x) for x in v)
-    return v
+    return tuple(int(x) for x in v)
 
 
 def _batch_of(tasks: Sequence[TaskRecord]) -> int:
@@ -447,29 +372,12 @@ def _batch_of(tasks: Sequence[TaskRecord]) -> int:
     return int(bt.shape[0]) if bt is not None else 0
 
 
-def _weak_tree(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return weakref.ref(v)
-    if isinstance(v, (tuple, list)):
-        return type(v)(_weak_tree(x) for x in v)
-    if isinstance(v, dict):
-        return {k: _weak_tree(x) for k, x in v.items()}
-    return v
-
-
-def strong_tree(v: Any) -> Any:
-    """Resolve a tree of weak references (captured outputs)."""
-    if isinstance(v, weakref.ref):
-        return v()
-    if isinstance(v, (tuple, list)):
-        return type(v)(strong_tree(x) for x in v)
-    if isinstance(v, dict):
-        return {k: strong_tree(x) for k, x in v.items()}
-    return v
-
-
-def _capture_lens(call: AttentionCall) -> StepLens:
-    from npugraph.replay.lens import pad_lens
-
-    batch = int(call.block_table.shape[0])
-    return pad_lens((1,) * batch, None, batch, int(call.query.shape[0]))
+def _raised_at(exc: BaseException) -> str:
+    """``file:line in function`` of the frame that raised ``exc``."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    # The deepest frame outside torch's own code: where the callable went wrong.
+    mine = [f for f in frames if f"{os.sep}torch{os.sep}" not in f.filename]
+    if not (mine or frames):
+        return "an unknown place"
+    f = (mine or frames)[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"

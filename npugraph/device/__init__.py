@@ -1,8 +1,8 @@
 """The one adapter over a torch_npu-shaped module pair.
 
 ``load_device("sim")`` (the default) uses :mod:`npugraph.sim`; ``load_device("npu")``
-imports the real ``torch_npu`` lazily and uses ``torch.npu``.  Nothing else in npugraph
-imports torch_npu or touches ``torch.npu``.
+imports the real ``torch_npu`` lazily (it breaks ``import torch`` where CANN is missing)
+and uses ``torch.npu``.  Nothing else in npugraph imports torch_npu or touches ``torch.npu``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import importlib
 from typing import Any
 
 import attrs
+import torch
 
+from npugraph import sim
 from npugraph.errors import DeviceUnavailable
 
 __all__ = ["Device", "load_device"]
@@ -21,15 +23,20 @@ __all__ = ["Device", "load_device"]
 class Device:
     """A torch_npu-shaped op module (``ops``) and its ``torch.npu``-shaped module (``npu``).
 
-    ``deadlock_errors`` / ``race_errors`` are the exception types the device raises for
-    hangs and races (the simulator's; empty on hardware, which just hangs).
+    ``memory`` is the torch device where this device's memory lives (``npu`` on
+    Ascend; the CPU on the simulator): npugraph allocates every device tensor there.
+    ``deadlock_errors`` / ``race_errors`` / ``memory_errors`` are the exception types the
+    device raises for hangs, races and use of freed memory (the simulator's; empty on
+    hardware, which hangs or corrupts silently).
     """
 
     name: str
     ops: Any
     npu: Any
+    memory: torch.device
     deadlock_errors: tuple[type[BaseException], ...] = ()
     race_errors: tuple[type[BaseException], ...] = ()
+    memory_errors: tuple[type[BaseException], ...] = ()
 
     @property
     def is_sim(self) -> bool:
@@ -41,20 +48,28 @@ class Device:
         c = getattr(self.ops, "_C", None)
         return getattr(c, "_npu_fused_infer_attention_score_out_graph", None)
 
+    def weak_ref_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """A non-owning alias of ``t`` (same data pointer, shape, stride, dtype).
+
+        It keeps nothing alive: valid while the memory's owner (a graph's pool, the
+        model) keeps it.  This is what "weak reference" means for a captured tensor.
+        """
+        return self.ops._C._weak_ref_tensor(t)  # type: ignore[no-any-return]
+
 
 def load_device(kind: str | Device = "sim") -> Device:
     """Return the device adapter for ``kind``: ``"sim"`` or ``"npu"``."""
     if isinstance(kind, Device):
         return kind
     if kind == "sim":
-        from npugraph import sim
-
         return Device(
             name="sim",
             ops=sim,
             npu=sim.npu,
+            memory=torch.device("cpu"),
             deadlock_errors=(sim.DeadlockError,),
             race_errors=(sim.RaceError,),
+            memory_errors=(sim.UseAfterFree,),
         )
     if kind == "npu":
         try:
@@ -66,7 +81,5 @@ def load_device(kind: str | Device = "sim") -> Device:
                 "torch_npu matching your torch and source CANN's set_env.sh, or use "
                 "device='sim' (the built-in simulator) on machines without an NPU."
             ) from exc
-        import torch
-
-        return Device(name="npu", ops=torch_npu, npu=torch.npu)  # type: ignore[attr-defined]
-    raise ValueError(f"unknown device {kind!r}: expected 'sim' or 'npu'")
+        return Device(name="npu", ops=torch_npu, npu=torch.npu, memory=torch.device("npu"))  # type: ignore[attr-defined]
+    raise DeviceUnavailable(f"unknown device {kind!r}: expected 'sim' or 'npu'")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from npugraph.dump.manifest import load_manifest
+from npugraph.dump.manifest import ManifestError, load_manifest
 from npugraph.dump.validate import diff_manifests, validate_manifest
 
 __all__ = ["add_parser", "run", "to_dot"]
@@ -38,7 +38,7 @@ def _find_key(doc: dict[str, Any], key: str, namespace: str | None = None) -> tu
             if k["key"] == key:
                 return ns, k
     have = [f"{ns}/{k['key']}" for ns, nd in doc["namespaces"].items() for k in nd["keys"]]
-    raise SystemExit(f"no key {key!r} in the manifest (have {have})")
+    raise ManifestError(f"no key {key!r} in the manifest (have {have[:12]})")
 
 
 def _fmt_arg(a: dict[str, Any]) -> str:
@@ -101,20 +101,25 @@ def inspect(doc: dict[str, Any], key: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _q(text: Any) -> str:
+    """``text`` escaped for a double-quoted DOT string (names come from the model)."""
+    return str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def to_dot(doc: dict[str, Any], key: str, namespace: str | None = None) -> str:
     """One graph as DOT: tasks in stream order, event-wait edges from the update stream, groups boxed."""
     ns, k = _find_key(doc, key, namespace)
-    out = [f'digraph "{ns}/{k["key"]}" {{', "  rankdir=TB;", '  node [shape=box, fontname="monospace"];']
+    out = [f'digraph "{_q(ns)}/{_q(k["key"])}" {{', "  rankdir=TB;", '  node [shape=box, fontname="monospace"];']
     out.append('  subgraph cluster_update { label="update stream"; style=dashed;')
     for t in k["tasks"]:
-        out.append(f'    upd{t["index"]} [label="update+record\\nevent #{t["event"]}", shape=ellipse];')
+        out.append(f'    upd{t["index"]} [label="update+record\\nevent #{_q(t["event"])}", shape=ellipse];')
     out.append("  }")
     prev = None
     for t in k["tasks"]:
         i = t["index"]
-        out.append(f'  subgraph cluster_g{i} {{ label="task group #{t["task_group"]}"; style=rounded;')
-        out.append(f'    wait{i} [label="wait event #{t["event"]}", shape=diamond];')
-        out.append(f'    task{i} [label="{t["layer"]}\\n{t["kernel"]}"];')
+        out.append(f'  subgraph cluster_g{i} {{ label="task group #{_q(t["task_group"])}"; style=rounded;')
+        out.append(f'    wait{i} [label="wait event #{_q(t["event"])}", shape=diamond];')
+        out.append(f'    task{i} [label="{_q(t["layer"])}\\n{_q(t["kernel"])}"];')
         out.append("  }")
         out.append(f"  wait{i} -> task{i};")
         out.append(f'  upd{i} -> wait{i} [style=dashed, label="record"];')

@@ -21,17 +21,17 @@ Schema (``schema_version`` 1)::
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from npugraph.capture.manager import strong_tree
+from npugraph.capture import CaptureManager
+from npugraph.dump.trace import UpdateTrace
+from npugraph.errors import NpuGraphError
+from npugraph.files import FileError, read_json, write_text
+from npugraph.replay import ReplayUpdater
 
-if TYPE_CHECKING:
-    from npugraph.capture.manager import CaptureManager
-    from npugraph.dump.trace import UpdateTrace
-
-__all__ = ["SCHEMA_VERSION", "build_manifest", "save_manifest", "load_manifest"]
+__all__ = ["SCHEMA_VERSION", "ManifestError", "build_manifest", "load_manifest", "save_manifest", "schema_problems"]
 
 SCHEMA_VERSION = 1
 
@@ -78,23 +78,27 @@ def _tensor_bytes(tree: Any) -> int:
     return 0
 
 
-def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) -> dict[str, Any]:
-    """Describe every captured graph of ``manager`` (and its recent updates)."""
+def build_manifest(
+    manager: CaptureManager, updater: ReplayUpdater | None = None, trace: UpdateTrace | None = None
+) -> dict[str, Any]:
+    """Describe every captured graph of ``manager`` (its step state, and its recent updates)."""
     namespaces: dict[str, Any] = {}
     totals = {"graphs": 0, "tasks": 0, "workspace_bytes": 0, "pool_bytes": 0, "output_bytes": 0}
     for ns in manager.namespaces():
         keys = []
         for e in manager.entries(ns):
             tasks = []
+            state = updater.state(e) if updater is not None else None
+            steps = state.steps if state is not None else 0
             for t in e.tasks:
                 kw = t.kwargs()
-                last = e.last_update
+                applied = state.applied[t.index] if state is not None else None
                 host_now = None
-                if last is not None and t.slot in last.groups:
+                if applied is not None:  # this task's own lengths, as last written into it
                     host_now = {
-                        k: list(v) if isinstance(v, tuple) else [int(x) for x in v.tolist()]
-                        for k, v in t.spec.host_values(last.groups[t.slot]).items()
+                        k: list(v) if isinstance(v, tuple) else [int(x) for x in v.tolist()] for k, v in applied.items()
                     }
+                slot_lens = state.last_lens.get(t.slot) if state is not None else None
                 tasks.append(
                     {
                         "index": t.index,
@@ -108,12 +112,12 @@ def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) ->
                         "args": {k: _arg(v, k in t.spec.host_args) for k, v in kw.items()},
                         "host_at_capture": {k: list(v) for k, v in t.host_at_capture.items()},
                         "workspace_required": t.workspace_bytes,
-                        "num_reqs": None if last is None or t.slot not in last.groups else last.groups[t.slot].num_reqs,
-                        "last_update": None if host_now is None else {"step": last.step, "host": host_now},  # type: ignore[union-attr]
+                        "num_reqs": None if slot_lens is None else slot_lens.num_reqs,
+                        "last_update": None if host_now is None else {"step": steps, "host": host_now},
                     }
                 )
             recs = trace.records(ns, e.key) if trace is not None else []
-            out_bytes = _tensor_bytes(strong_tree(e.outputs))
+            out_bytes = _tensor_bytes(e.outputs)
             keys.append(
                 {
                     "key": repr(e.key),
@@ -128,9 +132,9 @@ def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) ->
                         "shared_by": [t.index for t in e.tasks],
                     },
                     "output_bytes": out_bytes,
-                    "replays": e.replays,
-                    "steps": e.steps,
-                    "replayable": e.replayable,
+                    "replays": state.replays if state is not None else 0,
+                    "steps": steps,
+                    "replayable": state.replayable if state is not None else True,
                     "tasks": tasks,
                     "trace": [r.to_json() for r in recs],
                 }
@@ -156,16 +160,88 @@ def build_manifest(manager: CaptureManager, trace: UpdateTrace | None = None) ->
 
 
 def save_manifest(doc: dict[str, Any], path: str) -> None:
-    """Write a manifest as JSON."""
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, default=repr)
+    """Write a manifest as JSON (never through a symlink)."""
+    write_text(path, json.dumps(doc, indent=1, default=repr))
+
+
+class ManifestError(NpuGraphError, ValueError):
+    """A file is not a readable capture manifest of this schema."""
+
+
+_KEY_FIELDS: dict[str, type] = {
+    "key": str,
+    "tokens": int,
+    "batch": int,
+    "kernel": str,
+    "kernel_reason": str,
+    "workspace": dict,
+    "replays": int,
+    "steps": int,
+    "replayable": bool,
+    "tasks": list,
+}
+_TASK_FIELDS: dict[str, type] = {
+    "index": int,
+    "layer": str,
+    "group": str,
+    "op": str,
+    "kernel": str,
+    "args": dict,
+    "host_at_capture": dict,
+}
+
+
+def schema_problems(doc: Any) -> list[str]:
+    """What makes ``doc`` not a manifest of :data:`SCHEMA_VERSION` (empty if none)."""
+    if not isinstance(doc, dict):
+        return [f"the document is a JSON {type(doc).__name__}, not an object"]
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        return [f"schema_version is {doc.get('schema_version')!r}, expected {SCHEMA_VERSION}"]
+    out = []
+    for name, typ in (("device", str), ("max_model_len", int), ("totals", dict), ("namespaces", dict)):
+        if not isinstance(doc.get(name), typ):
+            out.append(f"{name!r} is missing or not a {typ.__name__}")
+    if out:
+        return out
+    for ns, nsdoc in doc["namespaces"].items():
+        if not isinstance(nsdoc, dict) or not isinstance(nsdoc.get("keys"), list):
+            out.append(f"namespaces[{ns!r}] has no list of 'keys'")
+            continue
+        for i, k in enumerate(nsdoc["keys"]):
+            where = f"namespaces[{ns!r}].keys[{i}]"
+            if not isinstance(k, dict):
+                out.append(f"{where} is not an object")
+                continue
+            out += [
+                f"{where}.{f} is missing or not a {t.__name__}" for f, t in _KEY_FIELDS.items() if not _is(k.get(f), t)
+            ]
+            for j, t in enumerate(k.get("tasks") or []):
+                tw = f"{where}.tasks[{j}]"
+                if not isinstance(t, dict):
+                    out.append(f"{tw} is not an object")
+                    continue
+                out += [
+                    f"{tw}.{f} is missing or not a {ty.__name__}"
+                    for f, ty in _TASK_FIELDS.items()
+                    if not _is(t.get(f), ty)
+                ]
+    return out
+
+
+def _is(v: Any, t: Any) -> bool:
+    if t is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, t)
 
 
 def load_manifest(path: str) -> dict[str, Any]:
-    """Read a manifest (or post-mortem) file; refuse other schema versions."""
-    with open(path) as f:
-        doc = json.load(f)
-    v = doc.get("schema_version")
-    if v != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version {v!r} is not supported (expected {SCHEMA_VERSION})")
-    return doc
+    """Read a manifest (or post-mortem) file: size-capped, schema-checked, never through a symlink."""
+    try:
+        doc = read_json(path, "manifest")
+    except FileError as exc:
+        raise ManifestError(str(exc)) from exc
+    problems = schema_problems(doc)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ManifestError(f"{path}: not a capture manifest: {'; '.join(problems[:3])}{more}")
+    return doc  # type: ignore[no-any-return]

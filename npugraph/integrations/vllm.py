@@ -33,10 +33,8 @@ from typing import Any
 
 import torch
 
-from npugraph.capture.manager import strong_tree
 from npugraph.errors import NpuGraphError
-from npugraph.replay.lens import AttentionMetadata
-from npugraph.replay.updater import StepMetadata
+from npugraph.replay import AttentionMetadata, StepMetadata
 from npugraph.runtime import Runtime
 
 __all__ = [
@@ -260,7 +258,7 @@ class NpuGraphWrapper:
             )
         if not opts.weak_ref_output:
             self._strong[key] = out  # the caller asked the wrapper to own the outputs
-        return strong_tree(self.runtime.manager.entry(self.namespace, key).outputs)
+        return self.runtime.manager.entry(self.namespace, key).outputs
 
     def _check_addresses(self, key: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         expected = self._addresses.get(key, [])

@@ -32,12 +32,13 @@ class DecodeEngine:
         self.namespace = namespace
         cfg = model.cfg
         n = self.sizes[-1]
+        dev = runtime.device.memory
         self.buffers = {
-            "input_ids": torch.zeros(n, dtype=torch.int64),
-            "positions": torch.zeros(n, dtype=torch.int64),
-            "slot_mapping": torch.zeros(n, dtype=torch.int64),
+            "input_ids": torch.zeros(n, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(n, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.zeros(n, dtype=torch.int64, device=dev),
         }
-        self.block_table = torch.zeros(n, cfg.max_blocks_per_seq, dtype=torch.int32)
+        self.block_table = torch.zeros(n, cfg.max_blocks_per_seq, dtype=torch.int32, device=dev)
 
     def capture(self) -> None:
         """Capture every size, largest first."""
@@ -45,7 +46,9 @@ class DecodeEngine:
         def make(size: object) -> tuple:
             assert isinstance(size, int)
             views = {k: v[:size] for k, v in self.buffers.items()}
-            meta = AttentionMetadata(seq_lens=torch.ones(size, dtype=torch.int32), block_table=self.block_table[:size])
+            meta = AttentionMetadata(
+                seq_lens=torch.ones(size, dtype=torch.int32, device="cpu"), block_table=self.block_table[:size]
+            )
             args = (views["input_ids"], views["positions"], views["slot_mapping"], meta)
             return self.model, args, {"static_inputs": views}
 

@@ -45,9 +45,9 @@ class DecoderConfig:
 
 
 class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -66,17 +66,17 @@ class _Layer(nn.Module):
     def __init__(self, cfg: DecoderConfig, runtime: Runtime, name: str, namespace: str) -> None:
         super().__init__()
         h, d = cfg.hidden, cfg.head_size
-        dt = cfg.dtype
+        dt, dev = cfg.dtype, runtime.device.memory
         self.cfg = cfg
-        self.norm1 = _RMSNorm(h, dt)
-        self.norm2 = _RMSNorm(h, dt)
-        self.qkv = nn.Linear(h, (cfg.heads + 2 * cfg.kv_heads) * d, bias=False, dtype=dt)
-        self.o = nn.Linear(cfg.heads * d, h, bias=False, dtype=dt)
-        self.gate_up = nn.Linear(h, 2 * cfg.intermediate, bias=False, dtype=dt)
-        self.down = nn.Linear(cfg.intermediate, h, bias=False, dtype=dt)
+        self.norm1 = _RMSNorm(h, dt, dev)
+        self.norm2 = _RMSNorm(h, dt, dev)
+        self.qkv = nn.Linear(h, (cfg.heads + 2 * cfg.kv_heads) * d, bias=False, dtype=dt, device=dev)
+        self.o = nn.Linear(cfg.heads * d, h, bias=False, dtype=dt, device=dev)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate, bias=False, dtype=dt, device=dev)
+        self.down = nn.Linear(cfg.intermediate, h, bias=False, dtype=dt, device=dev)
         shape = (cfg.num_blocks, cfg.block_size, cfg.kv_heads, d)
-        self.k_cache = torch.zeros(shape, dtype=dt)
-        self.v_cache = torch.zeros(shape, dtype=dt)
+        self.k_cache = torch.zeros(shape, dtype=dt, device=dev)
+        self.v_cache = torch.zeros(shape, dtype=dt, device=dev)
         self.attn = DecodeAttention(
             runtime,
             name,
@@ -119,19 +119,20 @@ class Decoder(nn.Module):
     def __init__(self, cfg: DecoderConfig, runtime: Runtime, namespace: str = "main") -> None:
         super().__init__()
         self.cfg = cfg
-        gen = torch.Generator().manual_seed(cfg.seed)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=cfg.dtype)
+        dev = runtime.device.memory
+        gen = torch.Generator().manual_seed(cfg.seed)  # weights drawn on the host: the same on every device
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=cfg.dtype, device=dev)
         self.layers = nn.ModuleList(
             _Layer(cfg, runtime, f"{namespace}.layers.{i}.attn", namespace) for i in range(cfg.layers)
         )
-        self.norm = _RMSNorm(cfg.hidden, cfg.dtype)
-        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False, dtype=cfg.dtype)
+        self.norm = _RMSNorm(cfg.hidden, cfg.dtype, dev)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False, dtype=cfg.dtype, device=dev)
         with torch.no_grad():
             for p in self.parameters():
                 if p.dim() > 1:
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.05)
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_size, 2).float() / cfg.head_size))
-        ang = torch.arange(cfg.max_model_len).float().unsqueeze(1) * inv.unsqueeze(0)
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device="cpu") * 0.05)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_size, 2, device=dev).float() / cfg.head_size))
+        ang = torch.arange(cfg.max_model_len, device=dev).float().unsqueeze(1) * inv.unsqueeze(0)
         self.cos = ang.cos()
         self.sin = ang.sin()
 

@@ -32,12 +32,13 @@ class AttentionStack:
         namespace: str = "main",
         seed: int = 0,
     ) -> None:
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)  # drawn on the host: the same on every device
         shape = (num_blocks, block_size, kv_heads, head_size)
+        dev = runtime.device.memory
         self.caches = [
             (
-                torch.randn(shape, generator=gen).to(dtype),
-                torch.randn(shape, generator=gen).to(dtype),
+                torch.randn(shape, generator=gen, device="cpu").to(dtype=dtype, device=dev),
+                torch.randn(shape, generator=gen, device="cpu").to(dtype=dtype, device=dev),
             )
             for _ in range(layers)
         ]

@@ -55,8 +55,10 @@ class Workload:
         seed: int = 0,
         max_batch: int | None = None,
         adversarial: bool = False,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.cfg = cfg
+        self.device = torch.device(device)  # where token inputs live (the model's device)
         self.sizes = sorted(sizes)
         self.rng = random.Random(seed)
         self.max_batch = max_batch or self.sizes[-1]
@@ -126,28 +128,30 @@ class Workload:
         r = len(reqs)
         size = next(s for s in self.sizes if s >= r)
         cols = cfg.max_blocks_per_seq
-        ids = torch.zeros(size, dtype=torch.int64)
-        pos = torch.zeros(size, dtype=torch.int64)
-        slots = torch.zeros(size, dtype=torch.int64)
-        bt = torch.zeros(r, cols, dtype=torch.int32)
-        lens = torch.zeros(r, dtype=torch.int32)
+        # Built on the host (seq_lens must stay there; the block table may live on either side).
+        ids = torch.zeros(size, dtype=torch.int64, device="cpu")
+        pos = torch.zeros(size, dtype=torch.int64, device="cpu")
+        slots = torch.zeros(size, dtype=torch.int64, device="cpu")
+        bt = torch.zeros(r, cols, dtype=torch.int32, device="cpu")
+        lens = torch.zeros(r, dtype=torch.int32, device="cpu")
         for i, q in enumerate(reqs):
             p = q.context  # position of the new token
             ids[i] = q.last_token
             pos[i] = p
             slots[i] = q.blocks[p // cfg.block_size] * cfg.block_size + p % cfg.block_size
-            bt[i, : len(q.blocks)] = torch.tensor(q.blocks, dtype=torch.int32)
+            bt[i, : len(q.blocks)] = torch.tensor(q.blocks, dtype=torch.int32, device="cpu")
             lens[i] = p + 1
-        padded_bt = torch.zeros(size, cols, dtype=torch.int32)
+        padded_bt = torch.zeros(size, cols, dtype=torch.int32, device="cpu")
         padded_bt[:r] = bt
-        padded_lens = torch.zeros(size, dtype=torch.int32)
+        padded_lens = torch.zeros(size, dtype=torch.int32, device="cpu")
         padded_lens[:r] = lens
+        dev = self.device
         return StepBatch(
             size=size,
             num_reqs=r,
-            input_ids=ids,
-            positions=pos,
-            slot_mapping=slots,
+            input_ids=ids.to(dev),
+            positions=pos.to(dev),
+            slot_mapping=slots.to(dev),
             meta=AttentionMetadata(seq_lens=lens, block_table=bt),
             padded_meta=AttentionMetadata(seq_lens=padded_lens, block_table=padded_bt),
             rids=tuple(q.rid for q in reqs),

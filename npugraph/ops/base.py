@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["AttentionCall", "StepLens", "OpSpec"]
+__all__ = ["AttentionCall", "StepLens", "OpSpec", "pad_lens"]
 
 
 @attrs.frozen(kw_only=True)
@@ -49,6 +49,35 @@ class StepLens:
     kv_lens: tuple[int, ...]
     q_ends: tuple[int, ...]
     num_reqs: int = 0
+
+
+def pad_lens(
+    kv_lens: tuple[int, ...] | list[int],
+    q_ends: tuple[int, ...] | list[int] | None,
+    batch: int,
+    tokens: int,
+) -> StepLens:
+    """Pad ``R`` requests' lengths to ``batch`` requests and ``tokens`` query tokens.
+
+    Padding requests get key length 0 (they produce zeros) and the spare query tokens,
+    spread evenly (one each in plain decode), so a padded step has the same shapes
+    however many requests are real.  A real request's lengths never change: with every
+    row real, spare tokens have nowhere to go (giving them to the last request would
+    shift its causal window), so the caller must refuse such a step.
+    """
+    r = len(kv_lens)
+    kv = tuple(kv_lens) + (0,) * (batch - r)
+    q = tuple(range(1, r + 1)) if q_ends is None else tuple(q_ends)
+    last = q[-1] if q else 0
+    pad = batch - r
+    if pad:
+        per, extra = divmod(tokens - last, pad)
+        ends = []
+        for i in range(pad):
+            last += per + (1 if i >= pad - extra else 0)
+            ends.append(last)
+        q = q + tuple(ends)
+    return StepLens(kv_lens=kv, q_ends=q, num_reqs=r)
 
 
 @attrs.frozen(kw_only=True)

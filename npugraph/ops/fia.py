@@ -13,10 +13,10 @@ __all__ = ["FIA", "causal_mask"]
 
 
 @functools.cache
-def causal_mask() -> torch.Tensor:
-    """The 2048x2048 compressed causal mask ``sparse_mode=3`` expects (1 = masked)."""
-    # A constant that is never written, so every graph may share it.
-    return torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+def causal_mask(device: torch.device) -> torch.Tensor:
+    """The 2048x2048 compressed causal mask ``sparse_mode=3`` expects (1 = masked), on ``device``."""
+    # A constant that is never written, so every graph on that device may share it.
+    return torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
 
 
 def _arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor | None) -> dict[str, Any]:
@@ -24,12 +24,12 @@ def _arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor | No
     dv = call.value_cache.shape[-1]
     causal = call.tokens_per_request > 1
     # softmax_lse is not requested; FIA still wants a tensor for it in ``out``.
-    lse = torch.empty(1, dtype=torch.float32)
+    lse = torch.empty(1, dtype=torch.float32, device=call.query.device)
     return {
         "query": call.query,
         "key": call.key_cache.view(nb, bs, kvn * d),
         "value": call.value_cache.view(nb, bs, kvn * dv),
-        "atten_mask": causal_mask() if causal else None,
+        "atten_mask": causal_mask(call.query.device) if causal else None,
         "actual_seq_lengths": lens.q_ends,
         "actual_seq_lengths_kv": lens.kv_lens,
         "block_table": call.block_table,

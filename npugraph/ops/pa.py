@@ -23,7 +23,7 @@ def _arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor | No
         "num_heads": call.num_heads,
         "scale_value": call.scale,
         "block_table": call.block_table,
-        "context_lens": torch.tensor(lens.kv_lens, dtype=torch.int32),
+        "context_lens": torch.tensor(lens.kv_lens, dtype=torch.int32, device="cpu"),
         "out": call.out,
         "workspace": workspace,
     }
@@ -31,7 +31,7 @@ def _arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor | No
 
 def _host_values(lens: StepLens) -> dict[str, Any]:
     # PA takes the lengths as a CPU int32 tensor (cloned by the kernel at call time)
-    return {"context_lens": torch.tensor(lens.kv_lens, dtype=torch.int32)}
+    return {"context_lens": torch.tensor(lens.kv_lens, dtype=torch.int32, device="cpu")}
 
 
 def _probe_lengths(max_len: int, block_size: int) -> list[int]:
@@ -64,7 +64,7 @@ def _workspace_bytes(device: Any, kwargs: dict[str, Any], max_model_len: int) ->
     best = 0
     for length in _probe_lengths(max_model_len, int(kwargs["key_cache"].shape[1])):
         for lens in ([length] * batch, [length] + [1] * (batch - 1)):
-            base["context_lens"] = torch.tensor(lens, dtype=torch.int32)
+            base["context_lens"] = torch.tensor(lens, dtype=torch.int32, device="cpu")
             ws = query_fn(**base)
             best = max(best, ws.numel() * ws.element_size())
     return best

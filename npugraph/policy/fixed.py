@@ -6,8 +6,8 @@ from collections.abc import Hashable, Sequence
 
 import attrs
 
-from npugraph.capture.manager import KernelChoice
 from npugraph.ops import AttentionCall
+from npugraph.policy.choice import KernelChoice
 
 __all__ = ["FixedPolicy"]
 

@@ -6,7 +6,7 @@ import attrs
 import torch
 
 from npugraph.errors import MetadataError
-from npugraph.ops.base import StepLens
+from npugraph.ops.base import StepLens, pad_lens
 
 __all__ = ["AttentionMetadata", "pad_lens", "convert"]
 
@@ -34,30 +34,17 @@ class AttentionMetadata:
         return int(self.seq_lens.shape[0])
 
 
-def pad_lens(
-    kv_lens: tuple[int, ...] | list[int],
-    q_ends: tuple[int, ...] | list[int] | None,
-    batch: int,
-    tokens: int,
-) -> StepLens:
-    """Pad ``R`` requests' lengths to ``batch`` requests and ``tokens`` query tokens."""
-    r = len(kv_lens)
-    kv = tuple(kv_lens) + (0,) * (batch - r)
-    q = tuple(range(1, r + 1)) if q_ends is None else tuple(q_ends)
-    last = q[-1] if q else 0
-    pad = batch - r
-    if pad:
-        # Spread the padding tokens evenly over the padding requests (one each in
-        # plain decode), so a padded step has the same shapes however many are real.
-        per, extra = divmod(tokens - last, pad)
-        ends = []
-        for i in range(pad):
-            last += per + (1 if i >= pad - extra else 0)
-            ends.append(last)
-        q = q + tuple(ends)
-    elif q and q[-1] != tokens:
-        q = (*q[:-1], tokens)  # the last request absorbs padding tokens
-    return StepLens(kv_lens=kv, q_ends=q, num_reqs=r)
+def _host_ints(value: object, name: str, where: str, *, rows: int | None = None) -> list[int]:
+    """A 1-D host integer tensor as a list; anything else is a MetadataError naming ``name``."""
+    if not isinstance(value, torch.Tensor):
+        raise MetadataError(f"{where}: {name} must be a CPU int32 tensor, got {type(value).__name__}")
+    if value.device.type != "cpu":
+        raise MetadataError(f"{where}: {name} must be on the host (CPU), got a tensor on {value.device}")
+    if value.dtype not in (torch.int32, torch.int64):
+        raise MetadataError(f"{where}: {name} must be an int32 tensor, got {value.dtype}")
+    if value.dim() != 1:
+        raise MetadataError(f"{where}: {name} must be 1-D, got shape {list(value.shape)}")
+    return value.tolist()  # type: ignore[no-any-return]
 
 
 def convert(
@@ -74,37 +61,62 @@ def convert(
 ) -> StepLens:
     """Validate ``meta`` against a captured graph and pad it to that graph's size.
 
-    ``where`` names the graph and layer in error messages.
+    ``where`` names the graph and layer in error messages.  The checks of shapes,
+    types and query/key lengths always run; ``validate`` adds the bounds of every
+    length and block id (the cost grows with the blocks the requests use).
     """
-    kv = meta.seq_lens.tolist()
+    if not isinstance(meta, AttentionMetadata):
+        raise MetadataError(
+            f"{where}: metadata must be an npugraph.AttentionMetadata, got {type(meta).__name__}; "
+            "convert the engine's metadata first (npugraph.integrations.vllm does it for vLLM)"
+        )
+    kv = _host_ints(meta.seq_lens, "seq_lens", where)
     r = len(kv)
     if r > batch:
         raise MetadataError(
             f"{where}: {r} requests do not fit the captured batch of {batch}; pick a key whose size covers the batch"
         )
+    table = meta.block_table
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or int(table.shape[0]) < r:
+        shape = list(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
+        raise MetadataError(f"{where}: block_table must be an int32 tensor [R={r}, cols], got {shape}")
+    if table.dtype != torch.int32:
+        raise MetadataError(f"{where}: block_table must be int32, got {table.dtype}")
     q_ends = None
     if meta.query_start_loc is not None:
-        qsl = meta.query_start_loc.tolist()
+        qsl = _host_ints(meta.query_start_loc, "query_start_loc", where)
         if len(qsl) != r + 1 or qsl[0] != 0:
             raise MetadataError(f"{where}: query_start_loc must have R+1={r + 1} entries starting at 0, got {qsl[:8]}")
         q_ends = qsl[1:]
+        for i in range(r):
+            q_len = qsl[i + 1] - qsl[i]
+            if q_len < 0:
+                raise MetadataError(f"{where}: query_start_loc must be non-decreasing, got {qsl[:8]}")
+            if q_len > kv[i]:
+                raise MetadataError(
+                    f"{where}: request {i} has {q_len} query tokens but seq_lens[{i}] = {kv[i]}; the key "
+                    "length counts this step's tokens too"
+                )
         if q_ends and q_ends[-1] > tokens:
             raise MetadataError(f"{where}: {q_ends[-1]} query tokens do not fit the captured {tokens}")
     elif r > tokens:
         raise MetadataError(f"{where}: {r} decode tokens do not fit the captured {tokens}")
+    real_tokens = q_ends[-1] if q_ends else r
+    if r == batch and real_tokens < tokens:
+        raise MetadataError(
+            f"{where}: all {batch} captured request rows are real but the step has {real_tokens} of "
+            f"{tokens} query tokens; the spare tokens need a padding row (giving them to the last "
+            "request would shift its causal window). Use a graph with more request rows than requests."
+        )
     if validate and r:
         longest = max(kv)
         shortest = min(kv)
-        cols = int(meta.block_table.shape[1]) if meta.block_table.dim() == 2 else -1
-        if meta.block_table.dim() != 2 or int(meta.block_table.shape[0]) < r:
-            raise MetadataError(f"{where}: block_table must be [R={r}, cols], got {list(meta.block_table.shape)}")
-        if meta.block_table.dtype != torch.int32:
-            raise MetadataError(f"{where}: block_table must be int32, got {meta.block_table.dtype}")
         if shortest < 0:
             raise MetadataError(f"{where}: seq_lens has a negative entry ({shortest})")
         if longest > max_model_len:
             i = kv.index(longest)
             raise MetadataError(f"{where}: seq_lens[{i}] = {longest} exceeds max_model_len={max_model_len}")
+        cols = int(table.shape[1])
         cap = min(cols, capacity_blocks) * block_size
         if longest > cap:
             i = kv.index(longest)
@@ -112,19 +124,39 @@ def convert(
                 f"{where}: seq_lens[{i}] = {longest} needs more than the {min(cols, capacity_blocks)} "
                 f"blocks of {block_size} tokens the block table holds"
             )
-        if meta.block_table.device.type == "cpu":
-            _check_block_ids(meta.block_table, kv, block_size, num_blocks, where)
+        if table.device.type == "cpu":
+            _check_block_ids(table, kv, block_size, num_blocks, where)
     return pad_lens(kv, q_ends, batch, tokens)
 
 
 def _check_block_ids(table: torch.Tensor, kv: list[int], block_size: int, num_blocks: int, where: str) -> None:
-    """Every block a request uses (the first ceil(len / block_size) columns) must exist."""
-    # One host read and C-level min/max per row: cheaper than a chain of small tensor ops.
-    rows = table[: len(kv)].tolist()
-    for i, (row, length) in enumerate(zip(rows, kv)):
-        used = row[: -(-length // block_size)]
-        if used and (min(used) < 0 or max(used) >= num_blocks):
-            j = next(j for j, b in enumerate(used) if b < 0 or b >= num_blocks)
-            raise MetadataError(
-                f"{where}: block_table[{i}, {j}] = {used[j]} is not a block id of the KV cache (0 <= id < {num_blocks})"
-            )
+    """Every block a request uses (the first ceil(len / block_size) columns) must exist.
+
+    Only the columns in use are read: the cost follows the blocks the step uses, not
+    the table's width (max_model_len / block_size columns).
+    """
+    used_cols = [-(-length // block_size) for length in kv]
+    width = max(used_cols)
+    if width == 0:
+        return
+    sub = table[: len(kv), :width]
+    if sub.numel() <= 512:
+        # a host read and C-level min/max per row beat a chain of small tensor ops here
+        rows = sub.tolist()
+        for i, (row, n) in enumerate(zip(rows, used_cols)):
+            used = row[:n]
+            if used and (min(used) < 0 or max(used) >= num_blocks):
+                j = next(j for j, b in enumerate(used) if b < 0 or b >= num_blocks)
+                _bad_block(where, i, j, used[j], num_blocks)
+        return
+    in_use = torch.arange(width).unsqueeze(0) < torch.tensor(used_cols).unsqueeze(1)
+    bad = ((sub < 0) | (sub >= num_blocks)) & in_use
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        _bad_block(where, i, j, int(sub[i, j]), num_blocks)
+
+
+def _bad_block(where: str, i: int, j: int, block: int, num_blocks: int) -> None:
+    raise MetadataError(
+        f"{where}: block_table[{i}, {j}] = {block} is not a block id of the KV cache (0 <= id < {num_blocks})"
+    )

@@ -8,19 +8,21 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import torch
 
-from npugraph.capture.manager import CaptureManager, GraphEntry
+from npugraph.capture import CapturedGraph, CaptureManager
 from npugraph.errors import (
     GraphRace,
     MetadataError,
     NotReplayableError,
     NpuGraphError,
+    ReplayFailed,
     UpdateFailed,
 )
-from npugraph.ops.base import OpSpec
+from npugraph.ops import OpSpec, StepLens
 from npugraph.replay.lens import AttentionMetadata, convert
 
-__all__ = ["ReplayUpdater", "StepMetadata", "UpdatePlan"]
+__all__ = ["ReplayUpdater", "StepMetadata", "UpdatePlan", "GraphState", "describe_device_error"]
 
 # Layer or KV-cache-group name -> metadata; a list of those with micro-batching.
 StepMetadata = Mapping[str, AttentionMetadata] | Sequence[Mapping[str, AttentionMetadata]]
@@ -30,28 +32,47 @@ StepMetadata = Mapping[str, AttentionMetadata] | Sequence[Mapping[str, Attention
 class UpdatePlan:
     """What an update of one graph touches, worked out once after capture.
 
-    Per task (in layer order): its layer and KV-cache group names, task-group handle,
-    event, op spec, resolved kernel entry point, whether the fused 4-in-1 update
-    applies, and the captured block-table buffer (weakly); per task the cache
-    geometry its lengths are validated against.
+    Per task (in layer order): its layer, KV-cache group, micro-batch and length slot,
+    task-group handle, event, resolved kernel entry point, whether the fused 4-in-1
+    update applies, its captured arguments less the host ones (positional query, key,
+    value for the 4-in-1), its block-table buffer, and the cache geometry its lengths
+    are validated against: (block_size, num_blocks, table columns, batch rows, tokens).
     """
 
     layers: tuple[str, ...]
     groups: tuple[str, ...]
     ubatches: tuple[int, ...]
-    slots: tuple[str, ...]  # where each task's lengths are tracked (group, per micro-batch)
+    slots: tuple[str, ...]
     handles: tuple[Any, ...]
     events: tuple[Any, ...]
     kernels: tuple[Callable[..., Any], ...]
     fused: tuple[bool, ...]
+    kwargs: tuple[dict[str, Any], ...]
+    qkv: tuple[tuple[Any, Any, Any] | None, ...]
     block_tables: tuple[Any, ...]
-    # (block_size, num_blocks, table columns, batch rows, query tokens) of each task
     geometry: tuple[tuple[int, int, int, int, int], ...]
     spec_set: tuple[OpSpec, ...]  # the distinct specs of the graph
     spec_names: tuple[str, ...]
-    statics: tuple[dict[str, Any], ...]  # non-tensor kernel arguments
-    tensor_refs: tuple[tuple[tuple[str, Any], ...], ...]  # (name, weakref) per task
-    list_refs: tuple[tuple[tuple[str, tuple[Any, ...]], ...], ...]  # tensor lists (FIA out)
+
+
+@attrs.define(kw_only=True, eq=False)
+class GraphState:
+    """The updater's per-step state of one captured graph (capture's records stay frozen).
+
+    ``applied[i]``: the host values last written into task ``i`` (identity tells an
+    unchanged task); ``event_pending[i]``: its event is recorded and not yet consumed
+    by a replay; ``replay_waiting``: a replay is queued ahead of its update.
+    """
+
+    replayable: bool = True
+    replay_waiting: bool = False
+    applied: list[Any]
+    event_pending: list[bool]
+    last_lens: dict[str, StepLens] = attrs.field(factory=dict)
+    last_host: dict[tuple[str, str], tuple[StepLens, dict[str, Any]]] = attrs.field(factory=dict)
+    steps: int = 0
+    replays: int = 0
+    last_reissued: int = 0
 
 
 @attrs.define
@@ -76,7 +97,7 @@ class ReplayUpdater:
 
     1. the engine builds per-layer (or per-KV-cache-group) :class:`AttentionMetadata`;
     2. :meth:`update` — validates and pads every distinct metadata object once, copies
-       block tables into the captured buffers once per group, then on its own update
+       block tables into the captured buffers once per buffer, then on its own update
        stream, ordered after the namespace's previous replay by an event (never a host
        synchronize), re-issues each task whose host arguments changed inside
        ``graph_task_update_begin/end`` and records each task's ``ExternalEvent``;
@@ -84,8 +105,8 @@ class ReplayUpdater:
 
     FIA tasks are updated through the device's 4-in-1 ``_npu_fused_infer_attention_score_out_graph``
     where it has one (``fused_update``; default: on hardware).  A graph whose update
-    failed (bad metadata, device error) refuses to replay until a complete update
-    succeeds.  The updater never captures and never synchronizes.
+    or replay failed refuses to replay until a complete update succeeds.  The updater
+    never captures and never synchronizes; it owns every graph's per-step state.
     """
 
     def __init__(
@@ -95,7 +116,8 @@ class ReplayUpdater:
         validate: bool = True,
         skip_unchanged: bool = True,
         fused_update: bool | None = None,
-        on_error: Callable[[NpuGraphError, GraphEntry | None], None] | None = None,
+        on_error: Callable[[NpuGraphError, CapturedGraph | None], None] | None = None,
+        on_update: Callable[[CapturedGraph, GraphState], None] | None = None,
     ) -> None:
         self.manager = manager
         self.device = manager.device
@@ -107,11 +129,13 @@ class ReplayUpdater:
             fused_update = not self.device.is_sim
         self._fused = self.device.fused_fia_update if fused_update else None
         self._stream: Any = None
-        # dropped with the entry: a plan holds task-group handles, which must not
+        # dropped with the graph: a plan holds task-group handles, which must not
         # outlive the graph the manager released
-        self._plans: weakref.WeakKeyDictionary[GraphEntry, UpdatePlan] = weakref.WeakKeyDictionary()
+        self._plans: weakref.WeakKeyDictionary[CapturedGraph, UpdatePlan] = weakref.WeakKeyDictionary()
+        self._states: weakref.WeakKeyDictionary[CapturedGraph, GraphState] = weakref.WeakKeyDictionary()
         self._steps: dict[str, _NamespaceSteps] = {}
         self._on_error = on_error
+        self._on_update = on_update
 
     @property
     def stream(self) -> Any:
@@ -127,43 +151,36 @@ class ReplayUpdater:
             st = self._steps[namespace] = _NamespaceSteps(done=(npu.Event(), npu.Event()))
         return st
 
-    def plan(self, entry: GraphEntry) -> UpdatePlan:
+    def state(self, entry: CapturedGraph) -> GraphState:
+        """The per-step state of ``entry`` (created on first use)."""
+        st = self._states.get(entry)
+        if st is None:
+            n = len(entry.tasks)
+            st = self._states[entry] = GraphState(applied=[None] * n, event_pending=[False] * n)
+        return st
+
+    def plan(self, entry: CapturedGraph) -> UpdatePlan:
         """The update plan of ``entry`` (built on first use)."""
         plan = self._plans.get(entry)
         if plan is None:
             plan = self._plans[entry] = self._build_plan(entry)
         return plan
 
-    def _build_plan(self, entry: GraphEntry) -> UpdatePlan:
-        fused, geometry, tables = [], [], []
-        statics, trefs, lrefs = [], [], []
+    def _build_plan(self, entry: CapturedGraph) -> UpdatePlan:
+        fused, geometry, tables, kwargs, qkv = [], [], [], [], []
         for t in entry.tasks:
-            st, tr, lr = {}, [], []
-            for name, v in t.args.items():
-                if name in t.spec.host_args:
-                    continue  # written every step from the metadata
-                if isinstance(v, weakref.ref):
-                    tr.append((name, v))
-                elif isinstance(v, list) and v and isinstance(v[0], weakref.ref):
-                    lr.append((name, tuple(v)))
-                else:
-                    st[name] = v
-            statics.append(st)
-            trefs.append(tuple(tr))
-            lrefs.append(tuple(lr))
+            kw = {k: v for k, v in t.kwargs().items() if k not in t.spec.host_args}
+            use_fused = bool(t.spec.fused_update and self._fused is not None)
+            fused.append(use_fused)
+            qkv.append((kw.pop("query"), kw.pop("key"), kw.pop("value")) if use_fused else None)
+            kwargs.append(kw)
             (table_arg,) = t.spec.refreshed_buffers  # the block table, refreshed by copy
             bt = t.tensor(table_arg)
             kc = t.tensor(t.spec.cache_arg)
-            if bt is None or kc is None:
-                raise NpuGraphError(
-                    f"{entry.namespace}/{entry.key!r} layer {t.layer!r}: a captured tensor was "
-                    "freed; the graph cannot be updated"
-                )
             q = t.tensor("query")
-            tokens = int(q.shape[0]) if q is not None else entry.tokens
-            geometry.append((int(kc.shape[1]), int(kc.shape[0]), int(bt.shape[1]), int(bt.shape[0]), tokens))
-            tables.append(weakref.ref(bt))
-            fused.append(bool(t.spec.fused_update and self._fused is not None))
+            assert bt is not None and kc is not None and q is not None, "op specs declare these arguments"
+            geometry.append((int(kc.shape[1]), int(kc.shape[0]), int(bt.shape[1]), int(bt.shape[0]), int(q.shape[0])))
+            tables.append(bt)
         return UpdatePlan(
             layers=tuple(t.layer for t in entry.tasks),
             groups=tuple(t.group for t in entry.tasks),
@@ -175,37 +192,35 @@ class ReplayUpdater:
             spec_names=tuple(t.spec.name for t in entry.tasks),
             kernels=tuple(t.spec.kernel_fn(self.device) for t in entry.tasks),
             fused=tuple(fused),
+            kwargs=tuple(kwargs),
+            qkv=tuple(qkv),
             block_tables=tuple(tables),
             geometry=tuple(geometry),
-            statics=tuple(statics),
-            tensor_refs=tuple(trefs),
-            list_refs=tuple(lrefs),
         )
 
     # --- update ----------------------------------------------------------------------
-    def update(
-        self,
-        namespace: str,
-        key: Hashable,
-        metadata: StepMetadata,
-    ) -> None:
+    def update(self, namespace: str, key: Hashable, metadata: StepMetadata) -> None:
         """Write this step's metadata into the graph of ``(namespace, key)``.
 
         ``metadata`` maps attention layer names, or KV-cache group names shared by
         many layers, to :class:`AttentionMetadata` — or is a list of such mappings,
         one per micro-batch.  Each task is resolved by its own layer name first, then
-        by its group; never by iteration order.
+        by its group; never by iteration order.  Bad metadata raises
+        :class:`~npugraph.errors.MetadataError` before any device call; the graph then
+        refuses to replay until a complete update succeeds.
         """
         entry = self.manager.entry(namespace, key)
         plan = self.plan(entry)
-        entry.replayable = False
+        state = self.state(entry)
+        # Until a complete update lands, replaying would run a mix of steps' lengths.
+        state.replayable = False
         try:
-            host, copies = self._prepare(entry, plan, metadata)
+            host, copies = self._prepare(entry, plan, state, metadata)
         except NpuGraphError as exc:
             self._report(exc, entry)
             raise
         try:
-            entry.last_reissued = self._issue(entry, plan, host, copies)
+            state.last_reissued = self._issue(entry, plan, state, host, copies)
         except NpuGraphError as exc:
             self._report(exc, entry)
             raise
@@ -215,63 +230,81 @@ class ReplayUpdater:
             raise err from exc
         except Exception as exc:
             err = UpdateFailed(
-                f"update of {namespace}/{key!r} failed: {type(exc).__name__}: {exc}. The graph "
-                "will not replay until a complete update succeeds."
+                f"update of {namespace}/{key!r} failed{_in_layer(self.manager, exc, entry)}: "
+                f"{type(exc).__name__}: {str(exc).rstrip('.')}. The graph will not replay until a complete "
+                "update succeeds."
             )
             self._report(err, entry)
             raise err from exc
-        entry.replayable = True
-        entry.steps += 1
+        state.replayable = True
+        state.steps += 1
         steps = self._ns(namespace)
         steps.updated = True
         steps.advance_if_complete()
+        if self._on_update is not None:
+            self._on_update(entry, state)
 
     def _prepare(
-        self, entry: GraphEntry, plan: UpdatePlan, metadata: StepMetadata
-    ) -> tuple[list[dict[str, Any]], dict[tuple[int, int], tuple[Any, AttentionMetadata]]]:
-        """Resolve, validate and convert metadata; no device call happens here."""
+        self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata
+    ) -> tuple[list[dict[str, Any]], dict[int, tuple[Any, AttentionMetadata]]]:
+        """Resolve, validate and convert metadata; no device call and no state change here."""
         metas = _resolve(entry, plan, metadata)
-        copies: dict[tuple[int, int], tuple[Any, AttentionMetadata]] = {}
+        copies: dict[int, tuple[Any, AttentionMetadata]] = {}
         host_by: dict[tuple[int, str], dict[str, Any]] = {}
-        distinct: dict[int, AttentionMetadata] = {id(m): m for m in metas if m is not None}
-        for meta in distinct.values():  # each distinct object once
-            i = metas.index(meta)
-            group = plan.slots[i]
-            bs, nblocks, cols, batch, tokens = plan.geometry[i]
-            lens = convert(
-                meta,
-                batch=batch,
-                tokens=tokens,
-                max_model_len=self.manager.max_model_len,
-                block_size=bs,
-                num_blocks=nblocks,
-                capacity_blocks=cols,
-                where=f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}",
-                validate=self.validate,
-            )
-            prev = entry.last_lens.get(group)
-            if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
-                lens = prev  # unchanged: identity lets tasks skip the re-issue
-            else:
-                entry.last_lens[group] = lens
-            copies[(id(plan.block_tables[i]), id(meta))] = (plan.block_tables[i], meta)
-            for spec in plan.spec_set:
-                cached = entry.last_host.get((group, spec.name))
+        lens_by: dict[int, StepLens] = {}
+        new_lens: dict[str, StepLens] = {}
+        for i, meta in enumerate(metas):
+            mid = id(meta)
+            lens = lens_by.get(mid)
+            if lens is None:  # each distinct metadata object once
+                bs, nblocks, cols, batch, tokens = plan.geometry[i]
+                lens = convert(
+                    meta,
+                    batch=batch,
+                    tokens=tokens,
+                    max_model_len=self.manager.max_model_len,
+                    block_size=bs,
+                    num_blocks=nblocks,
+                    capacity_blocks=cols,
+                    where=f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}",
+                    validate=self.validate,
+                )
+                slot = plan.slots[i]
+                prev = state.last_lens.get(slot)
+                if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
+                    lens = prev  # unchanged: identity lets tasks skip the re-issue
+                new_lens[slot] = lens
+                lens_by[mid] = lens
+            buf = plan.block_tables[i]
+            seen = copies.get(id(buf))
+            if seen is None:
+                copies[id(buf)] = (buf, meta)
+            elif seen[1] is not meta and not _same_table(seen[1], meta):
+                raise MetadataError(
+                    f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}: its metadata has another "
+                    f"block table than layer {plan.layers[plan.block_tables.index(buf)]!r}, but both layers "
+                    "read one captured block-table buffer; give those layers their own buffers (capture "
+                    "them with separate block tables or KV-cache groups) or the same block table"
+                )
+            hk = (mid, plan.spec_names[i])
+            if hk not in host_by:
+                cached = state.last_host.get((plan.slots[i], plan.spec_names[i]))
                 if cached is not None and cached[0] is lens:
-                    hv = cached[1]
+                    host_by[hk] = cached[1]
                 else:
-                    hv = spec.host_values(lens)
-                    entry.last_host[(group, spec.name)] = (lens, hv)
-                host_by[(id(meta), spec.name)] = hv
-        names = plan.spec_names
-        return [host_by[(id(m), n)] for m, n in zip(metas, names)], copies
+                    hv = _spec(plan, i).host_values(lens)
+                    state.last_host[(plan.slots[i], plan.spec_names[i])] = (lens, hv)
+                    host_by[hk] = hv
+        state.last_lens.update(new_lens)
+        return [host_by[(id(m), n)] for m, n in zip(metas, plan.spec_names)], copies
 
     def _issue(
         self,
-        entry: GraphEntry,
+        entry: CapturedGraph,
         plan: UpdatePlan,
+        state: GraphState,
         host: list[dict[str, Any]],
-        copies: dict[tuple[int, int], tuple[Any, AttentionMetadata]],
+        copies: dict[int, tuple[Any, AttentionMetadata]],
     ) -> int:
         """Issue the step's device work; return how many tasks were re-issued."""
         npu = self.device.npu
@@ -283,8 +316,7 @@ class ReplayUpdater:
             # lengths and events before this step's land (no host synchronize).
             us.wait_event(steps.done[(steps.step - 1) % 2])
         with npu.stream(us):
-            for ref, meta in copies.values():
-                buf = ref()
+            for buf, meta in copies.values():
                 src = meta.block_table
                 if buf.data_ptr() != src.data_ptr():
                     rows = min(int(src.shape[0]), int(buf.shape[0]))
@@ -293,11 +325,11 @@ class ReplayUpdater:
             begin = npu.graph_task_update_begin
             end = npu.graph_task_update_end
             fused_fn = self._fused
-            applied = entry.applied
-            pending = entry.event_pending
+            applied = state.applied
+            pending = state.event_pending
             skip = self.skip_unchanged
             handles, events, kernels, fused = plan.handles, plan.events, plan.kernels, plan.fused
-            statics, trefs, lrefs = plan.statics, plan.tensor_refs, plan.list_refs
+            kwargs, qkv = plan.kwargs, plan.qkv
             for i in range(len(handles)):
                 hv = host[i]
                 if skip and applied[i] is hv:
@@ -306,28 +338,20 @@ class ReplayUpdater:
                         events[i].record(us)
                         pending[i] = True
                     continue
-                kw = statics[i].copy()
-                for name, ref in trefs[i]:
-                    kw[name] = ref()
-                for name, refs in lrefs[i]:
-                    kw[name] = [r() for r in refs]
-                kw.update(hv)
+                kw = kwargs[i]
+                kw.update(hv)  # the plan's own dict: host entries are rewritten in place
                 if fused[i] and not pending[i]:
-                    fused_fn(
-                        us,
-                        handles[i],
-                        events[i],
-                        kw.pop("query"),
-                        kw.pop("key"),
-                        kw.pop("value"),
-                        **kw,
-                    )  # type: ignore[misc]
+                    q, k, v = qkv[i]  # type: ignore[misc]
+                    fused_fn(us, handles[i], events[i], q, k, v, **kw)  # type: ignore[misc]
                     applied[i] = hv
                     pending[i] = True
                     continue
                 begin(us, handles[i])
                 try:
-                    kernels[i](**kw)
+                    if qkv[i] is not None:
+                        kernels[i](*qkv[i], **kw)  # type: ignore[misc]
+                    else:
+                        kernels[i](**kw)
                 except BaseException:
                     with contextlib.suppress(Exception):
                         end(us)  # close the update; the kernel's error is the one to report
@@ -337,9 +361,9 @@ class ReplayUpdater:
                 if not pending[i]:
                     events[i].record(us)
                     pending[i] = True
-        if entry.replay_waiting:
+        if state.replay_waiting:
             # The replay already queued consumes these events.
-            entry.replay_waiting = False
+            state.replay_waiting = False
             pending[:] = [False] * len(pending)
         return len(host) - skipped
 
@@ -348,41 +372,101 @@ class ReplayUpdater:
         """Enqueue the graph of ``(namespace, key)`` on the current stream.
 
         Called after :meth:`update` it runs this step's lengths; called before, it
-        waits on the device for the update that follows.
+        waits on the device for the update that follows.  A graph without attention
+        tasks has nothing to wait for.
         """
         entry = self.manager.entry(namespace, key)
-        if not entry.replayable:
-            err = NotReplayableError(
-                f"{namespace}/{key!r} is not replayable: its last update failed part-way, so "
-                "some layers hold new lengths and some old. Call update() with complete, "
+        state = self.state(entry)
+        if not state.replayable:
+            err: NpuGraphError = NotReplayableError(
+                f"{namespace}/{key!r} is not replayable: its last update or replay failed, so "
+                "some layers may hold new lengths and some old. Call update() with complete, "
                 "valid metadata first."
             )
             self._report(err, entry)
             raise err
-        if entry.replay_waiting:
+        if state.replay_waiting:
             raise NpuGraphError(
                 f"{namespace}/{key!r} already has a replay waiting for its update; update it before replaying again"
             )
-        pending = entry.event_pending
-        if pending and pending[0] and pending[-1]:
-            pending[:] = [False] * len(pending)
-        else:
-            entry.replay_waiting = True
+        pending = state.event_pending
+        waits = bool(pending) and not (pending[0] and pending[-1])
         npu = self.device.npu
         steps = self._ns(namespace)
-        entry.graph.replay()
+        try:
+            entry.graph.replay()
+        except Exception as exc:
+            # The device cancels the rest of the graph: the next complete update recovers.
+            state.replayable = False
+            state.replay_waiting = False
+            pending[:] = [False] * len(pending)
+            state.applied[:] = [None] * len(pending)
+            if isinstance(exc, self.device.race_errors):
+                err = GraphRace(describe_device_error(self.manager, exc, entry))
+            else:
+                err = ReplayFailed(
+                    f"replay of {namespace}/{key!r} failed{_in_layer(self.manager, exc, entry)}: "
+                    f"{type(exc).__name__}: {str(exc).rstrip('.')}. Update the graph with complete, valid "
+                    "metadata to replay it again."
+                )
+            self._report(err, entry)
+            raise err from exc
+        if waits:
+            state.replay_waiting = True
+        else:
+            pending[:] = [False] * len(pending)
         steps.done[steps.step % 2].record(npu.current_stream())
-        entry.replays += 1
+        state.replays += 1
         steps.replayed = True
         steps.advance_if_complete()
 
     # --- errors ----------------------------------------------------------------------
-    def _report(self, err: NpuGraphError, entry: GraphEntry | None) -> None:
+    def _report(self, err: NpuGraphError, entry: CapturedGraph | None) -> None:
         if self._on_error is not None:
             self._on_error(err, entry)
 
 
-def describe_device_error(manager: CaptureManager, exc: BaseException, entry: GraphEntry | None = None) -> str:
+def _spec(plan: UpdatePlan, i: int) -> OpSpec:
+    name = plan.spec_names[i]
+    return next(s for s in plan.spec_set if s.name == name)
+
+
+def _same_table(a: AttentionMetadata, b: AttentionMetadata) -> bool:
+    """Whether two layers' metadata put the same table into one shared buffer.
+
+    Device tables are compared by address only: reading them would synchronize."""
+    ta, tb = a.block_table, b.block_table
+    if ta is tb or (ta.data_ptr() == tb.data_ptr() and ta.shape == tb.shape and ta.stride() == tb.stride()):
+        return True
+    if a.num_reqs != b.num_reqs or ta.shape[1] != tb.shape[1] or ta.device.type != "cpu" or tb.device.type != "cpu":
+        return False
+    rows = a.num_reqs
+    return bool(torch.equal(ta[:rows], tb[:rows]))
+
+
+def _in_layer(manager: CaptureManager, exc: BaseException, entry: CapturedGraph) -> str:
+    """`` in layer 'x' (task i)`` for the task a device error names, if any."""
+    found = None
+    event = getattr(exc, "event", None)
+    if event is not None:
+        found = manager.task_for_event(event)
+    group = getattr(exc, "task_group", None)
+    if found is None and group is not None:
+        found = manager.task_for_group(group)
+    if found is None:
+        text = str(exc)
+        for t in entry.tasks:
+            g = getattr(t.handle, "_group", None)
+            if g is not None and f"task group #{g.group_id})" in text:
+                found = (entry, t)
+                break
+    if found is None:
+        return ""
+    _, t = found
+    return f" in layer {t.layer!r} (task {t.index}, {t.spec.name})"
+
+
+def describe_device_error(manager: CaptureManager, exc: BaseException, entry: CapturedGraph | None = None) -> str:
     """Name the namespace, key and layer behind a device deadlock or race error."""
     events = []
     blocked = getattr(exc, "blocked", None)
@@ -397,33 +481,48 @@ def describe_device_error(manager: CaptureManager, exc: BaseException, entry: Gr
             e, t = found
             lines.append(f"namespace {e.namespace!r}, key {e.key!r}, layer {t.layer!r} (task {t.index}, {t.spec.name})")
     group = getattr(exc, "task_group", None)
-    if not lines and group is not None and entry is not None:
-        for t in entry.tasks:
-            if getattr(t.handle, "_group", None) is group:
-                lines.append(f"namespace {entry.namespace!r}, key {entry.key!r}, layer {t.layer!r}")
+    if not lines and group is not None:
+        found = manager.task_for_group(group)
+        if found is not None:
+            e, t = found
+            lines.append(f"namespace {e.namespace!r}, key {e.key!r}, layer {t.layer!r}")
     where = "; ".join(lines) if lines else "no captured task matched"
     return f"{where}: {exc}"
 
 
-def _resolve(entry: GraphEntry, plan: UpdatePlan, metadata: StepMetadata) -> list[AttentionMetadata]:
+def _resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> list[AttentionMetadata]:
     """The metadata of every task: by layer name, then by KV-cache group, per micro-batch."""
     if isinstance(metadata, Mapping):
         get = metadata.get
         metas = [get(layer) for layer in plan.layers]
         if None in metas:  # fall back to the KV-cache group name
             metas = [m if m is not None else get(g) for m, g in zip(metas, plan.groups)]
-    else:
+    elif isinstance(metadata, Sequence) and not isinstance(metadata, (str, bytes)):
         per = list(metadata)
         if max(plan.ubatches, default=0) >= len(per):
             raise MetadataError(
                 f"{entry.namespace}/{entry.key!r}: the graph has {max(plan.ubatches) + 1} micro-batches "
                 f"but the step's metadata lists {len(per)}"
             )
-        metas = [per[u].get(layer) or per[u].get(g) for u, layer, g in zip(plan.ubatches, plan.layers, plan.groups)]
+        for u, m in enumerate(per):
+            if not isinstance(m, Mapping):
+                raise MetadataError(
+                    f"{entry.namespace}/{entry.key!r}: micro-batch {u} of the step's metadata is a "
+                    f"{type(m).__name__}; expected a mapping of layer or KV-cache group names to AttentionMetadata"
+                )
+        metas = []
+        for u, layer, g in zip(plan.ubatches, plan.layers, plan.groups):
+            found = per[u].get(layer)
+            metas.append(found if found is not None else per[u].get(g))
+    else:
+        raise MetadataError(
+            f"{entry.namespace}/{entry.key!r}: step metadata must map layer or KV-cache group names to "
+            f"AttentionMetadata (or be a list of such mappings), got {type(metadata).__name__}"
+        )
     if None in metas:
         i = metas.index(None)
         where = f" of micro-batch {plan.ubatches[i]}" if not isinstance(metadata, Mapping) else ""
-        keys = sorted(metadata if isinstance(metadata, Mapping) else metadata[plan.ubatches[i]])
+        keys = sorted(map(str, metadata if isinstance(metadata, Mapping) else metadata[plan.ubatches[i]]))
         raise MetadataError(
             f"{entry.namespace}/{entry.key!r}: the step's metadata{where} has no entry for layer "
             f"{plan.layers[i]!r} nor for its KV-cache group {plan.groups[i]!r} (it has {keys[:6]}...); "

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import collections
 import types
+from typing import Any
+
+import torch
 
 from npugraph.sim import npu
+from npugraph.sim._graph import NPUTaskGroupHandle
 from npugraph.sim._ops import (
     _npu_fused_infer_attention_score_get_max_workspace,
     _npu_fused_infer_attention_score_out_graph,
@@ -31,6 +35,7 @@ from npugraph.sim.errors import (
     RaceError,
     SimError,
     UpdateMismatchError,
+    UseAfterFree,
     WorkspaceTooSmall,
 )
 
@@ -54,9 +59,30 @@ __all__ = [
     "WorkspaceTooSmall",
     "CaptureError",
     "UpdateMismatchError",
+    "UseAfterFree",
 ]
 
-_C = types.SimpleNamespace(_npu_fused_infer_attention_score_out_graph=_npu_fused_infer_attention_score_out_graph)
+
+def _weak_ref_tensor(tensor: Any) -> Any:
+    """A non-owning alias of ``tensor``: same data pointer, shape, stride and dtype.
+
+    It keeps nothing alive; it is valid while whoever owns the memory (a graph's pool,
+    the tensor's owners) keeps it (``torch_npu._C._weak_ref_tensor``).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"_weak_ref_tensor expects a Tensor, got {type(tensor).__name__}")
+    st = get_state()
+    if st.capture is not None:
+        with st.capture.suspended():
+            return st.memory.alias(tensor)
+    return st.memory.alias(tensor)
+
+
+_C = types.SimpleNamespace(
+    _npu_fused_infer_attention_score_out_graph=_npu_fused_infer_attention_score_out_graph,
+    _weak_ref_tensor=_weak_ref_tensor,
+    _NPUTaskGroupHandle=NPUTaskGroupHandle,
+)
 
 
 def configure(
@@ -88,4 +114,5 @@ def counters() -> collections.Counter[str]:
 
 def pool_bytes(pool: tuple[int, int]) -> int:
     """Bytes that graphs captured into ``pool`` currently hold."""
-    return get_state().pools.get(pool, 0)
+    p = get_state().memory.pools.get(pool)
+    return p.nbytes if p is not None else 0

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from npugraph.sim import _runtime as rt
+from npugraph.sim._memory import ArgRef, Memory, check_refs
 from npugraph.sim.errors import CaptureError, RaceError, UpdateMismatchError
 
 __all__ = ["NPUGraph", "graph", "graph_pool_handle", "NPUTaskGroupHandle"]
@@ -50,33 +51,60 @@ _pool_ids = iter(range(1, 1 << 62))
 def graph_pool_handle() -> tuple[int, int]:
     """Return an opaque memory-pool id that several graphs may share."""
     pid = (0, next(_pool_ids))
-    rt.get_state().pools.setdefault(pid, 0)
+    rt.get_state().memory.pool(pid)
     return pid
+
+
+def hold_tree(memory: Memory, name: str, v: Any, refs: list[ArgRef], *, checked: bool = True) -> Any:
+    """Replace every tensor in ``v`` by a non-owning alias; note a liveness check for each.
+
+    A graph keeps memory, not Python objects: what a node holds must not keep the
+    capturing code's tensors alive.  0-d eager tensors are host scalars, passed by value.
+    """
+    if isinstance(v, torch.Tensor):
+        if v.device.type != "cpu":
+            return v
+        if v.dim() == 0:
+            owner = memory.owners.get(int(v.untyped_storage()._cdata))
+            if owner is None or owner.pool is None:
+                return v
+        alias, ref = memory.hold(name, v, checked=checked)
+        refs.append(ref)
+        return alias
+    if isinstance(v, (list, tuple)) and any(isinstance(x, (torch.Tensor, list, tuple)) for x in v):
+        held = [hold_tree(memory, f"{name}[{i}]", x, refs, checked=checked) for i, x in enumerate(v)]
+        return held if isinstance(v, list) else tuple(held)
+    return v
 
 
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _poison(t: torch.Tensor) -> None:
-    if t.is_floating_point() and t.numel():
-        with torch.utils._python_dispatch._disable_current_modes():
-            t.fill_(float("nan"))
-
-
 # --- graph nodes ---------------------------------------------------------------------
 
 
 class _OpNode:
-    __slots__ = ("args", "fresh", "func", "kwargs")
+    __slots__ = ("args", "fresh", "func", "graph", "kwargs", "refs")
 
-    def __init__(self, func: Any, args: Any, kwargs: Any, fresh: list[tuple[int, Any]]) -> None:
+    def __init__(
+        self,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        fresh: list[tuple[int, Any]],
+        refs: tuple[ArgRef, ...],
+        graph: NPUGraph,
+    ) -> None:
         self.func, self.args, self.kwargs, self.fresh = func, args, kwargs, fresh
+        self.refs, self.graph = refs, graph
 
     def ready(self) -> bool:
         return True
 
     def run(self) -> None:
+        if self.refs:
+            check_refs(self.refs, f"replay of graph #{self.graph.graph_id}: aten op {self.func}")
         t0 = time.perf_counter()
         res = self.func(*self.args, **self.kwargs)
         rt.get_state().device_clock += time.perf_counter() - t0
@@ -95,19 +123,25 @@ class _OpNode:
 
 
 class KernelTask:
-    """A captured launch of a simulator kernel (PA / FIA): the op and its parameters."""
+    """A captured launch of a simulator kernel (PA / FIA): the op and its parameters.
 
-    __slots__ = ("graph", "group", "index", "op", "params")
+    ``params`` hold non-owning aliases of the tensor arguments; ``refs`` say which of
+    them must still be alive when the task runs (data, not the workspace scratch).
+    """
 
-    def __init__(self, op: Any, params: dict[str, Any], graph: NPUGraph, index: int) -> None:
-        self.op, self.params, self.graph, self.index = op, params, graph, index
+    __slots__ = ("graph", "group", "index", "op", "params", "refs")
+
+    def __init__(self, op: Any, params: dict[str, Any], refs: tuple[ArgRef, ...], graph: NPUGraph, index: int) -> None:
+        self.op, self.params, self.refs, self.graph, self.index = op, params, refs, graph, index
         self.group: TaskGroup | None = None
 
     def ready(self) -> bool:
         return True
 
     def run(self) -> None:
-        self.op.execute(self.params, where=self.describe())
+        where = self.describe()
+        check_refs(self.refs, where)
+        self.op.execute(self.params, where=where)
         if self.group is not None:
             self.group.pending_update = False
             self.group.executions += 1
@@ -235,10 +269,13 @@ class _GraphRun:
 
 
 class _TaskUpdate:
-    """A parameter rewrite of one task group, landing when its stream reaches it."""
+    """A parameter rewrite of one task group, landing when its stream reaches it.
 
-    def __init__(self, group: TaskGroup, host: dict[str, Any]) -> None:
-        self.group, self.host = group, host
+    It replaces *all* of the task's arguments (device addresses included), as hardware does.
+    """
+
+    def __init__(self, group: TaskGroup, params: dict[str, Any], refs: tuple[ArgRef, ...]) -> None:
+        self.group, self.params, self.refs = group, params, refs
 
     def ready(self) -> bool:
         return True
@@ -257,7 +294,8 @@ class _TaskUpdate:
                 task_group=g,
                 graph=g.graph,
             )
-        task.params.update(self.host)
+        task.params = self.params
+        task.refs = self.refs
         g.pending_update = True
         g.updates += 1
         return True
@@ -325,13 +363,19 @@ class CaptureSession:
                 "captured region."
             )
 
-    def adopt(self, t: torch.Tensor) -> None:
-        self.graph._buffers.append(t)
-        self.pending.add(_storage_key(t))
-        st = rt.get_state()
-        nbytes = t.untyped_storage().nbytes()
-        self.graph._bytes += nbytes
-        st.pools[self.graph._pool] = st.pools.get(self.graph._pool, 0) + nbytes
+    def alloc(self, shape: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate from the graph's pool; the graph keeps the memory, the caller the object."""
+        memory = rt.get_state().memory
+        with torch.utils._python_dispatch._disable_current_modes():
+            t = memory.allocate(self.graph._pool, shape, stride, dtype)
+            if t.numel():
+                self.graph._blocks.add(memory.owner(t))
+                self.pending.add(_storage_key(t))
+        return t
+
+    def hold(self, name: str, v: Any, refs: list[ArgRef], *, checked: bool = True) -> Any:
+        with torch.utils._python_dispatch._disable_current_modes():
+            return hold_tree(rt.get_state().memory, name, v, refs, checked=checked)
 
     def suspended(self) -> _Suspend:
         return _Suspend(self.recorder)
@@ -360,11 +404,6 @@ class CaptureSession:
             return func(*args, **kwargs)
         if func.is_view:
             return func(*args, **kwargs)  # metadata only: safe to run now
-        if func.overloadpacket in _ALLOC_PACKETS:
-            out = func(*args, **kwargs)
-            _poison(out)
-            self.adopt(out)
-            return out
         schema = func._schema
         try:
             meta_out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
@@ -376,6 +415,8 @@ class CaptureSession:
             ) from exc
         returns = schema.returns
         metas = meta_out if len(returns) > 1 else (meta_out,)
+        if func.overloadpacket in _ALLOC_PACKETS:  # nothing to run at replay
+            return self.alloc(meta_out.shape, meta_out.stride(), meta_out.dtype)
         named = _bind_args(schema, args, kwargs)
         outs: list[Any] = []
         fresh: list[tuple[int, Any]] = []
@@ -383,16 +424,11 @@ class CaptureSession:
             if r.alias_info is not None:
                 outs.append(_aliased(schema, r.alias_info, named))
             elif isinstance(m, torch.Tensor):
-                buf = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
-                _poison(buf)
-                self.adopt(buf)
+                buf = self.alloc(m.shape, m.stride(), m.dtype)
                 outs.append(buf)
                 fresh.append((i, buf))
             elif isinstance(m, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in m):
-                bufs = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype) for x in m]
-                for b in bufs:
-                    _poison(b)
-                    self.adopt(b)
+                bufs = [self.alloc(x.shape, x.stride(), x.dtype) for x in m]
                 outs.append(bufs)
                 fresh.append((i, bufs))
             else:
@@ -405,11 +441,16 @@ class CaptureSession:
                 for t in v if isinstance(v, (list, tuple)) else (v,):
                     if isinstance(t, torch.Tensor):
                         self.pending.add(_storage_key(t))
-        self.append(_OpNode(func, args, kwargs, fresh))
+        refs: list[ArgRef] = []
+        node_args = self.hold("input", args, refs)
+        node_kwargs = {k: self.hold(k, v, refs) for k, v in kwargs.items()}
+        node_fresh = [(i, self.hold("output", b, [])) for i, b in fresh]
+        self.append(_OpNode(func, node_args, node_kwargs, node_fresh, tuple(refs), self.graph))
         return outs[0] if len(returns) == 1 else tuple(outs)
 
     def record_kernel(self, op: Any, params: dict[str, Any]) -> KernelTask:
-        task = KernelTask(op, params, self.graph, len(self.graph._nodes))
+        held, refs = hold_params(op, params)
+        task = KernelTask(op, held, refs, self.graph, len(self.graph._nodes))
         group = self.open_group
         if group is not None:
             if group.task is not None:
@@ -477,8 +518,7 @@ class NPUGraph:
         self._captured = False
         self._capturing = False
         self._nodes: list[Any] = []
-        self._buffers: list[torch.Tensor] = []
-        self._bytes = 0
+        self._blocks: set[Any] = set()  # pool blocks this graph allocated (it keeps the memory)
         self._pool: tuple[int, int] = (0, 0)
         self._groups: list[TaskGroup] = []
         self._inflight: list[_GraphRun] = []
@@ -517,7 +557,7 @@ class NPUGraph:
             raise CaptureError(f"{st.capture.graph!r} is already capturing; captures do not nest")
         if pool is None:
             pool = graph_pool_handle()
-        st.pools.setdefault(pool, 0)
+        st.memory.pool(pool)
         self._pool = pool
         self._capture_stream = stream
         self._capturing = True
@@ -565,8 +605,6 @@ class NPUGraph:
             self._session.recorder.__exit__(None, None, None)
             self._session.guard.__exit__(None, None, None)
             st.capture = None
-        if self._bytes:
-            st.pools[self._pool] = max(0, st.pools.get(self._pool, 0) - self._bytes)
         self._reset_state()
 
     def pool(self) -> tuple[int, int]:
@@ -777,8 +815,20 @@ def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any], info: dict[
             continue
         _check_same(where, name, task.params.get(name), value)
     op.check_workspace(params, where, info)
-    host = {k: params[k] for k in op.host_args}
-    rt.get_state().enqueue(stream, _TaskUpdate(group, host))
+    held, refs = hold_params(op, params)
+    rt.get_state().enqueue(stream, _TaskUpdate(group, held, refs))
+
+
+def hold_params(op: Any, params: dict[str, Any]) -> tuple[dict[str, Any], tuple[ArgRef, ...]]:
+    """A kernel's parameters as a graph keeps them: aliases, and checks for data arguments."""
+    memory = rt.get_state().memory
+    refs: list[ArgRef] = []
+    with torch.utils._python_dispatch._disable_current_modes():
+        held = {
+            k: v if k in op.host_args else hold_tree(memory, k, v, refs, checked=k != "workspace")
+            for k, v in params.items()
+        }
+    return held, tuple(refs)
 
 
 def _check_same(where: str, name: str, captured: Any, given: Any) -> None:
@@ -787,11 +837,14 @@ def _check_same(where: str, name: str, captured: Any, given: Any) -> None:
             raise UpdateMismatchError(
                 f"{where}: argument {name!r} was {_brief(captured)} at capture, got {_brief(given)}"
             )
-        if captured.data_ptr() != given.data_ptr() or captured.shape != given.shape or captured.dtype != given.dtype:
+        # Hardware rewrites device addresses too (vllm-ascend passes a fresh PA
+        # workspace every update); shape and dtype must stay as captured.
+        if captured.shape != given.shape or captured.dtype != given.dtype:
+            if name == "workspace" and captured.dtype == given.dtype and captured.dim() == given.dim() == 1:
+                return  # sized for these lengths: checked against what the kernel needs
             raise UpdateMismatchError(
-                f"{where}: tensor argument {name!r} must be the captured buffer "
-                f"({_brief(captured)} at {captured.data_ptr():#x}), got {_brief(given)} at "
-                f"{given.data_ptr():#x}; copy new contents into the captured tensor instead"
+                f"{where}: tensor argument {name!r} was {_brief(captured)} at capture, got "
+                f"{_brief(given)}; an update may pass another tensor, but of the captured shape and dtype"
             )
         return
     if isinstance(captured, (list, tuple)) and isinstance(given, (list, tuple)):

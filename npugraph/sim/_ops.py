@@ -161,8 +161,7 @@ def _auto_capture(session: gr.CaptureSession, op: SimOp, params: dict[str, Any])
     gr.graph_task_group_begin(stream)
     if params.get("workspace") is None:
         size = op.max_workspace_bytes(params)
-        params["workspace"] = gr.make_host_copy(lambda: torch.empty(size, dtype=torch.uint8))
-        session.adopt(params["workspace"])
+        params["workspace"] = session.alloc((size,), (1,), torch.uint8)
     session.record_kernel(op, params)
     handle = gr.graph_task_group_end(stream)
     session.graph._auto_records.append({"op": op, "params": params, "handle": handle, "event": ev})
@@ -222,6 +221,7 @@ def auto_update(g: gr.NPUGraph, cpu_update_input: list[dict[str, Any]]) -> None:
             if isinstance(captured, torch.Tensor) and not isinstance(value, torch.Tensor):
                 value = torch.tensor(list(value), dtype=captured.dtype)  # e.g. PA context_lens
             params[key] = value
+        rec["params"] = params  # the record keeps the latest values, as torch_npu's does
         with rt.use_stream(us):
             gr.graph_task_update_begin(us, rec["handle"])
             launch(op, params)

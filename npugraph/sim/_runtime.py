@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+from npugraph.sim._memory import Memory
 from npugraph.sim.errors import DeadlockError, RaceError
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ class SimState:
         self.capture: CaptureSession | None = None
         self.default_stream = Stream._create(self, name="default", is_default=True)
         self.current_stream = self.default_stream
-        self.pools: dict[tuple[int, int], int] = {}
+        self.memory = Memory()
         self.auto_update_stream: Stream | None = None
         self.device_index = 0
         self.device_clock = 0.0  # seconds of simulated device time (Event.elapsed_time)

@@ -11,6 +11,7 @@ __all__ = [
     "WorkspaceTooSmall",
     "CaptureError",
     "UpdateMismatchError",
+    "UseAfterFree",
 ]
 
 
@@ -66,3 +67,15 @@ class CaptureError(SimError):
 
 class UpdateMismatchError(SimError):
     """The op issued inside a task update differs from the op captured in that group."""
+
+
+class UseAfterFree(SimError):
+    """A kernel or copy ran on memory its owner freed after the graph captured (or an
+    update pointed the task at) it.  Hardware reads or corrupts whatever lives there now.
+
+    ``argument`` names the kernel argument; the message names graph and task.
+    """
+
+    def __init__(self, message: str, *, argument: str = "") -> None:
+        super().__init__(message)
+        self.argument = argument

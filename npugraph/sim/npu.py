@@ -40,6 +40,7 @@ __all__ = [
     "device_count",
     "is_available",
     "is_current_stream_capturing",
+    "empty_cache",
 ]
 
 
@@ -91,3 +92,10 @@ def is_current_stream_capturing() -> bool:
     """True while the current stream is capturing a graph."""
     st = rt.get_state()
     return st.capture is not None and st.capture.stream is st.current_stream
+
+
+def empty_cache() -> None:
+    """Release cached free memory (the simulator caches none: a no-op).
+
+    Graph pools are not affected, as on hardware.
+    """

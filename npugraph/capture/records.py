@@ -1,0 +1,77 @@
+"""What capture recorded: frozen facts about each graph and each updatable task."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from npugraph.ops import OpSpec
+from npugraph.policy import KernelChoice
+
+__all__ = ["TaskRecord", "CapturedGraph"]
+
+
+@attrs.frozen(kw_only=True)
+class TaskRecord:
+    """One captured updatable attention task.
+
+    ``args`` are the kernel's arguments as captured, every tensor a *non-owning alias*
+    (``Device.weak_ref_tensor``): the graph's pool keeps the memory of its own
+    intermediates, and the model keeps its KV caches; the record keeps nothing alive.
+    ``host_at_capture`` are the host-side arguments the task was captured with.
+    """
+
+    index: int
+    layer: str
+    group: str
+    spec: OpSpec
+    handle: Any
+    event: Any
+    args: Mapping[str, Any]
+    host_at_capture: Mapping[str, tuple[int, ...]]
+    workspace_bytes: int
+    ubatch: int = 0  # micro-batch index (0 unless one forward runs several)
+
+    @property
+    def slot(self) -> str:
+        """The name this task's step lengths are tracked under: its KV-cache group,
+        qualified by the micro-batch when there are several."""
+        return self.group if self.ubatch == 0 else f"{self.group}#ubatch{self.ubatch}"
+
+    def kwargs(self) -> dict[str, Any]:
+        """The kernel's arguments as captured (aliases; lists copied)."""
+        return {k: list(v) if isinstance(v, list) else v for k, v in self.args.items()}
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        v = self.args.get(name)
+        return v if isinstance(v, torch.Tensor) else None
+
+
+@attrs.frozen(kw_only=True, eq=False)  # identity: the updater keys its per-graph state by graph
+class CapturedGraph:
+    """One captured graph of ``(namespace, key)``: what capture recorded, nothing per step.
+
+    ``outputs`` mirror the callable's return value with every tensor a non-owning
+    alias into the graph's pool: valid until another graph of the same pool replays.
+    ``static_inputs`` are the engine's input buffers a step copies into (held).
+    """
+
+    namespace: str
+    key: Hashable
+    graph: Any
+    choice: KernelChoice
+    tasks: tuple[TaskRecord, ...]
+    tokens: int
+    batch: int
+    workspace_bytes: int
+    outputs: Any
+    static_inputs: Mapping[str, torch.Tensor]
+    capture_seconds: float
+    pool: Any
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return tuple(t.layer for t in self.tasks)

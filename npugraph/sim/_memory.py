@@ -1,0 +1,208 @@
+"""Simulated device memory: pools own blocks, graphs own memory (not objects), aliases own nothing.
+
+The rules (contract §9) and how they are modelled on the CPU:
+
+* **A pool is an allocator.**  Allocations made during capture are blocks of the
+  graph's pool (private, or a shared ``graph_pool_handle()``).  The pool keeps every
+  block's memory; a block is *free* once no Python tensor outside the simulator uses
+  it, and a later capture into the same pool reuses it — so graphs sharing a pool
+  alias each other's intermediates and outputs, as on hardware.
+* **A graph keeps memory, not objects.**  Recorded nodes hold *internal aliases*: CPU
+  tensors over the same bytes that do not count as users, so a Python ``weakref`` to a
+  captured intermediate dies as soon as the capturing code drops it.
+* **``_weak_ref_tensor``** returns such an alias to the caller: same data pointer,
+  shape, stride and dtype; it keeps nothing alive.
+* **Eager memory** (allocated outside capture) belongs to its Python owners.  The
+  simulator holds one *keeper* per storage it has aliased, so that a dangling alias
+  never reads freed CPU memory; but once only the keeper is left the memory counts as
+  freed, and a kernel that would read or write it raises :class:`UseAfterFree`
+  (hardware reads whatever the caching allocator put there since).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from npugraph.sim.errors import UseAfterFree
+
+__all__ = ["Memory", "Owner", "Pool", "ArgRef", "check_refs"]
+
+_USE_COUNT = torch._C._storage_Use_Count
+
+
+def _one_holder() -> int:
+    t = torch.empty(1)
+    return int(_USE_COUNT(t.untyped_storage()._cdata))
+
+
+# What _storage_Use_Count reports for a storage with exactly one holder (the call itself
+# may count as one): "used by somebody besides the simulator" is anything above it.
+_ONE = _one_holder()
+_BLOCK_ALIGN = 512  # bytes, as the device caching allocator rounds
+
+
+class Owner:
+    """One piece of device memory the simulator knows: an eager storage or a pool block."""
+
+    __slots__ = ("_base", "_base_cdata", "cdata", "fresh", "keeper", "label", "nbytes", "pool", "ptr")
+
+    def __init__(self, keeper: torch.Tensor, pool: Pool | None, label: str) -> None:
+        storage = keeper.untyped_storage()
+        self.keeper = keeper  # the one reference the simulator holds on the real storage
+        self.cdata = int(storage._cdata)
+        self.ptr = int(storage.data_ptr())
+        self.nbytes = int(storage.nbytes())
+        self.pool = pool
+        self.label = label
+        self.fresh = True  # pool blocks: never handed out yet (poisoned on first use)
+        self._base: torch.Tensor | None = None
+        self._base_cdata = 0
+
+    def in_use(self) -> bool:
+        """Whether a Python tensor outside the simulator still holds this memory."""
+        return int(_USE_COUNT(self.cdata)) > _ONE
+
+    def base(self, memory: Memory) -> torch.Tensor:
+        """A uint8 alias over the whole memory that holds no reference to its owners."""
+        if self._base is None:
+            if self.nbytes:
+                raw = (ctypes.c_char * self.nbytes).from_address(self.ptr)
+                self._base = torch.frombuffer(raw, dtype=torch.uint8)
+            else:
+                self._base = torch.empty(0, dtype=torch.uint8)
+            self._base_cdata = int(self._base.untyped_storage()._cdata)
+            memory.owners[self._base_cdata] = self
+        return self._base
+
+    def aliased(self) -> bool:
+        """Whether any alias of this memory (a graph node's, a weak reference) is alive."""
+        return self._base is not None and int(_USE_COUNT(self._base_cdata)) > _ONE
+
+    def __repr__(self) -> str:
+        return f"<{self.label}: {self.nbytes} bytes at {self.ptr:#x}>"
+
+
+class Pool:
+    """A graph memory pool: blocks that live as long as the pool, reused once free."""
+
+    def __init__(self, pool_id: tuple[int, int]) -> None:
+        self.pool_id = pool_id
+        self.blocks: list[Owner] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    def block(self, nbytes: int, memory: Memory) -> Owner:
+        """A free block of at least ``nbytes`` (best fit), or a new one."""
+        best: Owner | None = None
+        for b in self.blocks:
+            if b.nbytes >= nbytes and (best is None or b.nbytes < best.nbytes) and not b.in_use():
+                best = b
+                if b.nbytes == nbytes:
+                    break
+        if best is not None:
+            best.fresh = False
+            return best
+        size = max(_BLOCK_ALIGN, -(-nbytes // _BLOCK_ALIGN) * _BLOCK_ALIGN)
+        block = Owner(torch.empty(size, dtype=torch.uint8), self, f"block of pool {self.pool_id}")
+        self.blocks.append(block)
+        memory.owners[block.cdata] = block
+        return block
+
+
+class ArgRef:
+    """A graph's hold on one tensor argument: the alias it computes with, and the memory's owner."""
+
+    __slots__ = ("checked", "name", "owner")
+
+    def __init__(self, name: str, owner: Owner, checked: bool) -> None:
+        self.name, self.owner, self.checked = name, owner, checked
+
+
+def check_refs(refs: tuple[ArgRef, ...], where: str) -> None:
+    """Raise :class:`UseAfterFree` if an eager data argument's memory was freed by its owners."""
+    for r in refs:
+        if r.checked and not r.owner.in_use():
+            raise UseAfterFree(
+                f"{where}: argument {r.name!r} ({r.owner.label}, {r.owner.nbytes} bytes at "
+                f"{r.owner.ptr:#x}) was freed by its owner after it was captured or updated; on "
+                "hardware the kernel would read or write whatever the caching allocator has put "
+                "there since (silent corruption). Keep the tensor alive as long as the graph may "
+                "replay, or update the task with a live tensor before replaying.",
+                argument=r.name,
+            )
+
+
+class Memory:
+    """All memory of the simulated device that graphs or aliases refer to."""
+
+    def __init__(self) -> None:
+        # storage cdata (a real storage, or an alias base) -> its owner
+        self.owners: dict[int, Owner] = {}
+        self.pools: dict[tuple[int, int], Pool] = {}
+        self._prune_at = 1024
+
+    def pool(self, pool_id: tuple[int, int]) -> Pool:
+        p = self.pools.get(pool_id)
+        if p is None:
+            p = self.pools[pool_id] = Pool(pool_id)
+        return p
+
+    def owner(self, t: torch.Tensor) -> Owner:
+        """The owner of ``t``'s memory (registered on first sight as eager memory)."""
+        storage = t.untyped_storage()
+        cdata = int(storage._cdata)
+        found = self.owners.get(cdata)
+        if found is not None:
+            return found
+        keeper = torch.empty(0, dtype=torch.uint8).set_(storage)
+        owner = Owner(keeper, None, f"eager {t.dtype} tensor of shape {list(t.shape)}")
+        self.owners[cdata] = owner
+        if len(self.owners) > self._prune_at:
+            self._prune()
+        return owner
+
+    def alias(self, t: torch.Tensor, owner: Owner | None = None) -> torch.Tensor:
+        """A tensor over ``t``'s bytes (same pointer, shape, stride, dtype) that owns nothing."""
+        owner = owner or self.owner(t)
+        base = owner.base(self)
+        if t.numel() == 0 or not owner.nbytes:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        offset = t.data_ptr() - owner.ptr
+        return torch.empty(0, dtype=t.dtype).set_(
+            base.untyped_storage(), offset // t.element_size(), t.shape, t.stride()
+        )
+
+    def hold(self, name: str, t: torch.Tensor, *, checked: bool = True) -> tuple[torch.Tensor, ArgRef]:
+        """What a graph node keeps of a tensor argument: an alias, and a liveness check.
+
+        Pool memory is the graph's own and is never checked; 0-d tensors are host
+        scalars passed by value (kept as they are).  ``checked=False`` for scratch
+        (workspaces), which hardware lets a kernel reuse serially.
+        """
+        owner = self.owner(t)
+        return self.alias(t, owner), ArgRef(name, owner, checked and owner.pool is None)
+
+    def allocate(self, pool_id: tuple[int, int], shape: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate a tensor from a graph pool (during capture); poisoned if the block is new."""
+        size = [int(s) for s in shape]
+        strides = [int(s) for s in stride]
+        numel_span = 1 + sum((s - 1) * st for s, st in zip(size, strides)) if all(size) else 0
+        nbytes = numel_span * torch.empty(0, dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty_strided(size, strides, dtype=dtype)
+        block = self.pool(pool_id).block(nbytes, self)
+        t = torch.empty(0, dtype=dtype).set_(block.keeper.untyped_storage(), 0, size, strides)
+        if block.fresh and t.is_floating_point():
+            t.fill_(float("nan"))  # a read before replay shows
+        return t
+
+    def _prune(self) -> None:
+        """Forget eager memory that neither its owners nor any alias use any more."""
+        dead = {id(o) for o in self.owners.values() if o.pool is None and not o.in_use() and not o.aliased()}
+        self.owners = {c: o for c, o in self.owners.items() if id(o) not in dead}
+        self._prune_at = max(1024, 2 * len(self.owners))
