@@ -9,8 +9,8 @@ import torch
 
 from npugraph import sim
 from npugraph.errors import CaptureFailed, PolicyError
-from npugraph.ops import AttentionCall
 from npugraph.measure import measure_policy
+from npugraph.ops import AttentionCall
 from npugraph.policy import StaticPolicy, load_policy
 
 from .helpers import build, run
