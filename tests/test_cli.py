@@ -119,3 +119,14 @@ def test_policy_measure_and_show(tmp_path, capsys):
     assert main(["policy", "show", str(path)]) == 0
     out = capsys.readouterr().out
     assert "policy for 4 heads" in out and "measured: PA" in out
+
+
+def test_selftest_on_the_simulator_passes(tmp_path, capsys):
+    path = tmp_path / "selftest.json"
+    assert main(["selftest", "--device", "sim", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "torch 2" in out and "0 failed" in out
+    doc = json.loads(path.read_text())
+    names = [c["name"] for c in doc["checks"]]
+    assert len(names) == 9 and all(c["passed"] for c in doc["checks"])
+    assert {"weak aliases after capture", "two graphs, one pool", "argument placement"} <= set(names)

@@ -1,0 +1,273 @@
+"""Memory as a device has it (contract §9): graphs own memory, not objects; pools reuse it.
+
+Each test here fails on a simulator that keeps the Python tensors of a capture alive
+(the kinder-than-hardware behaviour), or on an npugraph that relies on it.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import npugraph.sim as torch_npu
+from npugraph import Runtime
+from npugraph.errors import ReplayFailed
+from npugraph.models import Decoder, DecoderConfig, Workload
+from npugraph.models.engine import DecodeEngine
+from npugraph.reference import paged_attention_reference
+from npugraph.sim import npu
+
+SCALE = 0.125
+
+
+def _pa_inputs(t=2, n=4, kvn=2, d=64, nb=8, bs=4, cols=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, n, d, generator=g).half()
+    kc = torch.randn(nb, bs, kvn, d, generator=g).half()
+    vc = torch.randn(nb, bs, kvn, d, generator=g).half()
+    bt = torch.randperm(nb, generator=g)[: t * cols].reshape(t, cols).int()
+    return q, kc, vc, bt
+
+
+def _pa(q, kc, vc, bt, lens, out, ws=None):
+    torch_npu._npu_paged_attention(q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt, lens, out, workspace=ws)
+
+
+# --- the simulator ----------------------------------------------------------------------
+
+
+def test_graph_keeps_memory_not_the_python_objects():
+    x = torch.randn(16)
+    refs = []
+
+    def body():
+        y = x * 2  # an intermediate: only the graph's memory should outlive the capture
+        refs.append(weakref.ref(y))
+        return y + 1
+
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        out = body()
+    gc.collect()
+    assert refs[0]() is None, "a weakref to a captured intermediate is dead once the capturing code drops it"
+    out_ref = weakref.ref(out)
+    alias = torch_npu._C._weak_ref_tensor(out)
+    del out
+    gc.collect()
+    assert out_ref() is None, "nor does the graph keep its outputs' Python objects"
+    g.replay()
+    npu.synchronize()
+    assert torch.equal(alias, x * 2 + 1), "the graph still writes the memory, read through the alias"
+
+
+def test_weak_ref_tensor_is_a_non_owning_alias():
+    t = torch.randn(4, 6)[:, 1:5]  # a view with an offset and strides
+    a = torch_npu._C._weak_ref_tensor(t)
+    assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    a.fill_(3)
+    assert (t == 3).all(), "same memory"
+    r = weakref.ref(t)
+    del t
+    gc.collect()
+    assert r() is None, "the alias keeps nothing alive"
+
+
+def test_graphs_sharing_a_pool_alias_each_others_memory():
+    pool = npu.graph_pool_handle()
+    x = torch.arange(8.0)
+    ga, gb = npu.NPUGraph(), npu.NPUGraph()
+    with npu.graph(ga, pool=pool):
+        a = x * 2
+    a_alias = torch_npu._C._weak_ref_tensor(a)
+    del a  # as vLLM does: the wrapper keeps only a weak reference to the output
+    with npu.graph(gb, pool=pool):
+        b = x + 100
+    assert b.data_ptr() == a_alias.data_ptr(), "a freed block of the pool is reused by the next capture"
+    ga.replay()
+    npu.synchronize()
+    assert torch.equal(a_alias, x * 2)
+    gb.replay()
+    npu.synchronize()
+    assert torch.equal(a_alias, x + 100), "replaying graph B overwrites what graph A left there"
+
+
+def test_private_pools_do_not_alias():
+    x = torch.arange(8.0)
+    ga, gb = npu.NPUGraph(), npu.NPUGraph()
+    with npu.graph(ga):
+        a = x * 2
+    a_ptr = a.data_ptr()
+    del a
+    with npu.graph(gb):
+        b = x + 1
+    assert b.data_ptr() != a_ptr
+
+
+def test_freed_and_reallocated_block_table_is_a_use_after_free():
+    q, kc, vc, bt = _pa_inputs()
+    table = bt.clone()  # the engine's block-table buffer, captured by address
+    out = torch.empty_like(q)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    g, ev = npu.NPUGraph(), npu.ExternalEvent()
+    with npu.graph(g):
+        s = npu.current_stream()
+        ev.wait(s)
+        npu.graph_task_group_begin(s)
+        _pa(q, kc, vc, table, lens, out)
+        npu.graph_task_group_end(s)
+    del table  # the engine frees the buffer ...
+    table = bt.clone()  # ... and allocates a new one (another address, as far as the graph knows)
+    ev.record(npu.Stream())
+    with pytest.raises(torch_npu.UseAfterFree, match=r"argument 'block_table'.*freed by its owner") as info:
+        g.replay()
+    assert f"graph #{g.graph_id}" in str(info.value) and "_npu_paged_attention" in str(info.value)
+    assert info.value.argument == "block_table"
+
+
+def test_fresh_workspace_per_update_is_accepted():
+    """vllm-ascend's PA update: a workspace queried for these lengths at every update, dropped at once."""
+    q, kc, vc, bt = _pa_inputs(t=2)
+    out = torch.empty_like(q)
+    captured = torch.tensor([1, 1], dtype=torch.int32)
+    ws = torch_npu._npu_paged_attention_get_workspace(q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt, captured, out)
+    g, ev = npu.NPUGraph(), npu.ExternalEvent()
+    with npu.graph(g):
+        s = npu.current_stream()
+        ev.wait(s)
+        npu.graph_task_group_begin(s)
+        _pa(q, kc, vc, bt, captured, out, ws)
+        handle = npu.graph_task_group_end(s)
+    del ws
+    us = npu.Stream()
+    for lens in ([3, 16], [16, 1], [7, 7]):
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        with npu.stream(us):
+            npu.graph_task_update_begin(us, handle)
+            fresh = torch_npu._npu_paged_attention_get_workspace(
+                q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt, ctx, out
+            )
+            _pa(q, kc, vc, bt, ctx, out, fresh)
+            npu.graph_task_update_end(us)
+            ev.record(us)
+        del fresh  # dropped at once: scratch reused serially is what hardware tolerates
+        g.replay()
+        npu.synchronize()
+        ref = paged_attention_reference(q, kc, vc, bt, lens, SCALE)
+        assert (out.double() - ref).abs().max() < 4e-3
+
+
+def test_an_update_may_point_a_task_at_another_tensor():
+    q, kc, vc, bt = _pa_inputs()
+    out = torch.zeros_like(q)
+    lens = torch.tensor([4, 4], dtype=torch.int32)
+    g, ev = npu.NPUGraph(), npu.ExternalEvent()
+    with npu.graph(g):
+        s = npu.current_stream()
+        ev.wait(s)
+        npu.graph_task_group_begin(s)
+        _pa(q, kc, vc, bt, lens, out)
+        handle = npu.graph_task_group_end(s)
+    other = torch.zeros_like(q)
+    us = npu.Stream()
+    with npu.stream(us):
+        npu.graph_task_update_begin(us, handle)
+        _pa(q, kc, vc, bt, lens, other)
+        npu.graph_task_update_end(us)
+        ev.record(us)
+    g.replay()
+    npu.synchronize()
+    assert not out.any(), "the captured out is no longer written"
+    ref = paged_attention_reference(q, kc, vc, bt, [4, 4], SCALE)
+    assert (other.double() - ref).abs().max() < 4e-3
+
+
+def test_names_real_torch_npu_code_uses_exist():
+    assert isinstance(torch_npu._C._NPUTaskGroupHandle, type)
+    npu.empty_cache()
+
+
+# --- npugraph on it -----------------------------------------------------------------------
+
+
+def _decoder(sizes, layers=2):
+    cfg = DecoderConfig(layers=layers, num_blocks=64, max_model_len=128)
+    rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    model = Decoder(cfg, rt)
+    return cfg, rt, model, DecodeEngine(rt, model, sizes)
+
+
+def test_updates_and_replays_reach_intermediates_dropped_after_capture():
+    cfg, rt, model, eng = _decoder([4])
+    eng.capture()
+    gc.collect()
+    entry = rt.manager.entry("main", 4)
+    q = entry.tasks[1].tensor("query")  # layer 1's query: an alias; nobody holds the tensor any more
+    assert q is not None
+    for b in Workload(cfg, [4], seed=3).steps(6):
+        ref = eng.eager(b).clone()
+        got = eng.step(b)
+        assert torch.equal(got, ref)
+
+
+def test_capture_writes_nothing_not_even_the_kv_cache():
+    """A capture in the middle of serving: the callable is recorded, not run."""
+    cfg, rt, model, eng = _decoder([2])
+    for layer in model.layers:
+        layer.k_cache.fill_(0.5)
+    eng.buffers["slot_mapping"][:2] = torch.tensor([17, 18])  # a live request's slots
+    before = [layer.k_cache.clone() for layer in model.layers]
+    eng.capture()
+    assert all(torch.equal(layer.k_cache, b) for layer, b in zip(model.layers, before))
+
+
+def test_outputs_are_valid_until_another_graph_of_the_pool_replays():
+    rt = Runtime("sim", max_model_len=64)
+    x = torch.arange(8.0)
+    rt.capture(lambda: x * 2, key="a", tokens=8, require_attention=False)
+    rt.capture(lambda: x + 100, key="b", tokens=8, require_attention=False)
+    out_a = rt.replay("a")
+    rt.synchronize()
+    assert torch.equal(out_a, x * 2)
+    kept = out_a.clone()  # what a caller must do to keep it
+    rt.replay("b")
+    rt.synchronize()
+    assert torch.equal(out_a, x + 100), "graph b reused graph a's output memory"
+    assert torch.equal(kept, x * 2)
+
+
+def test_replay_returns_aliases_not_none():
+    cfg, rt, model, eng = _decoder([2])
+    eng.capture()
+    gc.collect()
+    b = next(iter(Workload(cfg, [2], seed=1).steps(1)))
+    out = rt.step(
+        2,
+        {"default": b.meta},
+        inputs={"input_ids": b.input_ids, "positions": b.positions, "slot_mapping": b.slot_mapping},
+    )
+    assert isinstance(out, torch.Tensor) and out.shape == (2, cfg.vocab_size)
+
+
+def test_a_freed_static_input_is_reported_at_replay_naming_the_graph():
+    rt = Runtime("sim", max_model_len=64)
+    x = torch.arange(8.0)
+    rt.capture(lambda: x * 2, key=8, require_attention=False)
+    del x
+    gc.collect()
+    with pytest.raises(ReplayFailed, match=r"replay of main/8 failed: UseAfterFree.*freed by its owner"):
+        rt.replay(8)
+
+
+def test_model_tensors_are_not_kept_alive_by_the_runtime():
+    cfg, rt, model, eng = _decoder([2])
+    eng.capture()
+    for b in Workload(cfg, [2], seed=2).steps(3):
+        eng.step(b)
+    refs = [weakref.ref(layer.k_cache) for layer in model.layers] + [weakref.ref(model.lm_head.weight)]
+    del model, eng, b
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert rt.manager.entry("main", 2).tasks, "the graph is still captured (addresses only)"
