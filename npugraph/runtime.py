@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
@@ -124,7 +125,17 @@ class Runtime:
             )
             self.manager.attention(layer, group, call, lens, ubatch)
             return
-        batch = max(rows, tokens // max(1, call.tokens_per_request))
+        batch = rows
+        qsl = meta.query_start_loc
+        if qsl is None:  # plain decode: one token per request, spare tokens are padding requests
+            batch = max(rows, tokens // max(1, call.tokens_per_request))
+        else:  # mixed prefill/decode: causal within each request; spare tokens form one padding request
+            starts = qsl.tolist() if isinstance(qsl, torch.Tensor) else list(qsl)
+            longest = max((b - a for a, b in itertools.pairwise(starts)), default=1)
+            if longest > call.tokens_per_request:
+                call = attrs.evolve(call, tokens_per_request=longest)
+            if starts and starts[-1] < tokens and meta.num_reqs >= rows:
+                batch = rows + 1
         if batch > rows:
             call = attrs.evolve(call, block_table=_pad_rows(call.block_table, batch))
         lens = convert(

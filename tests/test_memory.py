@@ -119,7 +119,8 @@ def test_freed_and_reallocated_block_table_is_a_use_after_free():
         _pa(q, kc, vc, table, lens, out)
         npu.graph_task_group_end(s)
     del table  # the engine frees the buffer ...
-    table = bt.clone()  # ... and allocates a new one (another address, as far as the graph knows)
+    new_table = bt.clone()  # ... and allocates a new one (another address, as far as the graph knows)
+    assert new_table.shape == bt.shape
     ev.record(npu.Stream())
     with pytest.raises(torch_npu.UseAfterFree, match=r"argument 'block_table'.*freed by its owner") as info:
         g.replay()
@@ -253,9 +254,9 @@ def test_replay_returns_aliases_not_none():
 
 def test_a_freed_static_input_is_reported_at_replay_naming_the_graph():
     rt = Runtime("sim", max_model_len=64)
-    x = torch.arange(8.0)
-    rt.capture(lambda: x * 2, key=8, require_attention=False)
-    del x
+    inputs = {"x": torch.arange(8.0)}
+    rt.capture(lambda x: x * 2, inputs["x"], key=8, require_attention=False)
+    del inputs
     gc.collect()
     with pytest.raises(ReplayFailed, match=r"replay of main/8 failed: UseAfterFree.*freed by its owner"):
         rt.replay(8)

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import gc
+import itertools
 import logging
 import os
+import random
+import sys
+import types
 from unittest import mock
 
+import attrs
 import pytest
 import torch
 
 if not os.environ.get("NPUGRAPH_REQUIRE_VLLM"):
     pytest.importorskip("vllm")
 
+from vllm.compilation.counter import compilation_counter
+from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.config import CompilationMode, CUDAGraphMode, VllmConfig
 from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
@@ -20,6 +28,8 @@ from npugraph import AttentionMetadata, Runtime
 from npugraph.errors import NpuGraphError
 from npugraph.integrations import vllm as integ
 from npugraph.models import Decoder, DecoderConfig, Workload
+from npugraph.reference import paged_attention_reference
+from tests.helpers import reference_logits
 
 pytestmark = pytest.mark.vllm
 SIZES = [1, 2, 4, 8]
@@ -39,15 +49,22 @@ class VllmDecoder(torch.nn.Module):
 
 
 class _PiecewiseHead(torch.nn.Module):
-    """A piece of the model under a PIECEWISE wrapper (vLLM puts them inside the compiled graph)."""
+    """A piece of the model under a PIECEWISE wrapper (vLLM puts them inside the compiled graph).
 
-    def __init__(self, head: torch.nn.Module, vllm_config) -> None:
+    Its input sits in a persistent buffer, as a piecewise graph's inputs do in vLLM (the
+    output of the previous piece, at a fixed address).
+    """
+
+    def __init__(self, head: torch.nn.Linear, vllm_config, max_tokens: int) -> None:
         super().__init__()
         self.inner = head
+        self.static = torch.zeros(max_tokens, head.in_features, dtype=head.weight.dtype)
         self.__dict__["wrapped"] = integ.NpuGraphWrapper(head, vllm_config, CUDAGraphMode.PIECEWISE)
 
     def forward(self, x):
-        return self.wrapped(x)
+        t = x.shape[0]
+        self.static[:t].copy_(x)
+        return self.wrapped(self.static[:t])
 
 
 class _AscendLikeMetadata:
@@ -61,8 +78,10 @@ class _AscendLikeMetadata:
 class Runner:
     """A minimal model runner: persistent buffers, the dispatcher, forward contexts."""
 
-    def __init__(self, mode=CUDAGraphMode.FULL_DECODE_ONLY, piecewise_head=False, check_addresses=False):
-        self.cfg = DecoderConfig(layers=3, num_blocks=96, max_model_len=128)
+    def __init__(
+        self, mode=CUDAGraphMode.FULL_DECODE_ONLY, piecewise_head=False, check_addresses=False, dtype=torch.bfloat16
+    ):
+        self.cfg = DecoderConfig(layers=3, num_blocks=96, max_model_len=128, dtype=dtype)
         vc = VllmConfig()
         cc = vc.compilation_config
         cc.cudagraph_mode = mode  # after construction: the CPU platform resets it
@@ -77,7 +96,7 @@ class Runner:
         self.rt = integ.attach_runtime(vc, Runtime("sim", max_model_len=self.cfg.max_model_len))
         self.decoder = Decoder(self.cfg, self.rt)
         if piecewise_head:
-            self.decoder.lm_head = _PiecewiseHead(self.decoder.lm_head, vc)
+            self.decoder.lm_head = _PiecewiseHead(self.decoder.lm_head, vc, max(SIZES))
         self.model = VllmDecoder(self.decoder)
         self.wrapper = integ.NpuGraphWrapper(self.model, vc, CUDAGraphMode.FULL, check_addresses=check_addresses)
         self.dispatcher = CudagraphDispatcher(vc)
@@ -308,3 +327,284 @@ def test_micro_batched_metadata_becomes_one_mapping_per_micro_batch():
     assert out[0]["l0"].seq_lens.tolist() == [3, 4] and out[1]["l0"] is meta
     with pytest.raises(NpuGraphError, match="must be a dict keyed by attention layer name"):
         integ._step_metadata([meta])
+
+
+# --- FULL_AND_PIECEWISE serving, and the wrapper's contract with vLLM ---------------------
+
+
+@attrs.frozen(kw_only=True)
+class _ServingStep:
+    """One scheduler step: decodes first, then at most one prefill (a mixed batch)."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    query_lens: list[int]
+    table: torch.Tensor  # [R, cols]
+    uniform: bool
+
+
+def _serving_steps(cfg, n, seed=0, max_reqs=4):
+    """Continuous batching with prefills: requests arrive (prompt of 2-4 tokens), decode, finish."""
+    rng = random.Random(seed)
+    free = list(range(1, cfg.num_blocks))
+    rng.shuffle(free)
+    running = []  # [blocks, context, remaining, last_token]
+    for _ in range(n):
+        for r in [r for r in running if r[2] <= 0]:
+            free.extend(r[0])
+            running.remove(r)
+        prefill = None
+        if len(running) < max_reqs and (not running or rng.random() < 0.5):
+            length = rng.randint(2, 4)
+            need = -(-(length + 40) // cfg.block_size)
+            prefill = [[free.pop() for _ in range(need)], 0, rng.randint(2, 8), rng.randrange(cfg.vocab_size), length]
+        reqs = list(running) + ([prefill] if prefill else [])
+        ids, pos, slots, seq_lens, qlens = [], [], [], [], []
+        table = torch.zeros(len(reqs), cfg.max_blocks_per_seq, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            blocks, ctx = r[0], r[1]
+            q = r[4] if r is prefill else 1
+            for p in range(ctx, ctx + q):
+                ids.append(r[3] if r is not prefill else rng.randrange(cfg.vocab_size))
+                pos.append(p)
+                slots.append(blocks[p // cfg.block_size] * cfg.block_size + p % cfg.block_size)
+            seq_lens.append(ctx + q)
+            qlens.append(q)
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        yield _ServingStep(
+            ids=ids, positions=pos, slots=slots, seq_lens=seq_lens, query_lens=qlens, table=table, uniform=not prefill
+        )
+        for r in running:
+            r[1] += 1
+            r[2] -= 1
+            r[3] = rng.randrange(cfg.vocab_size)
+        if prefill:
+            prefill[1] = prefill[4]
+            running.append(prefill)
+
+
+def _serve(runner, step):
+    """What vLLM's runner does per step: dispatch, fill the persistent buffers, forward."""
+    n = len(step.ids)
+    mode, bd = runner.dispatcher.dispatch(n, uniform_decode=step.uniform)
+    t = bd.num_tokens
+    for buf, vals in ((runner.ids, step.ids), (runner.pos, step.positions), (runner.slots, step.slots)):
+        buf[:n].copy_(torch.tensor(vals, dtype=torch.int64))
+        buf[n:t].zero_()
+    qsl = torch.tensor([0, *itertools.accumulate(step.query_lens)], dtype=torch.int32)
+    meta = AttentionMetadata(
+        seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32), block_table=step.table, query_start_loc=qsl
+    )
+    out = runner._forward(mode, bd, meta)
+    runner.rt.synchronize()
+    return mode, bd, meta, out
+
+
+def test_full_and_piecewise_serving_over_mixed_batches():
+    runner = Runner(mode=CUDAGraphMode.FULL_AND_PIECEWISE, piecewise_head=True, dtype=torch.float16)
+    runner.capture()
+    set_cudagraph_capturing_enabled(False)  # as vLLM does once capture is over
+    try:
+        modes = []
+        for i, step in enumerate(_serving_steps(runner.cfg, 60, seed=3)):
+            mode, bd, meta, out = _serve(runner, step)
+            modes.append(mode)
+            n, t = len(step.ids), bd.num_tokens
+            got = out[:n].clone()
+            if mode == CUDAGraphMode.FULL:  # vLLM pads metadata in FULL mode; npugraph pads it itself
+                padded = AttentionMetadata(
+                    seq_lens=torch.cat([meta.seq_lens, torch.zeros(t - n, dtype=torch.int32)]),
+                    block_table=torch.cat([step.table, torch.zeros(t - n, step.table.shape[1], dtype=torch.int32)]),
+                )
+                ref = runner.decoder(runner.ids[:t], runner.pos[:t], runner.slots[:t], padded)
+            else:  # PIECEWISE: padded tokens, unpadded metadata; no forward context: all eager
+                ref = runner.decoder(runner.ids[:t], runner.pos[:t], runner.slots[:t], meta)
+            assert torch.equal(got, ref[:n]), f"step {i} ({mode.name}) differs from eager"
+            if i % 5 == 0:
+                ind = reference_logits(
+                    runner.decoder, runner.ids, runner.pos, runner.slots, step.seq_lens, step.query_lens, step.table
+                )
+                err = (got - ind).abs().max().item()
+                assert err < 0.02 * max(1.0, ind.abs().max().item()), f"step {i}: {err} from the float64 reference"
+    finally:
+        set_cudagraph_capturing_enabled(True)
+    assert modes.count(CUDAGraphMode.FULL) >= 15 and modes.count(CUDAGraphMode.PIECEWISE) >= 15, modes
+    pieces = [e for e in runner.rt.manager.entries() if e.namespace != "main"]
+    assert max(runner.rt.updater.state(e).replays for e in pieces) >= 2, "a piece replays again and again"
+
+
+def test_a_piece_without_attention_replays_again_and_again():
+    runner = Runner(mode=CUDAGraphMode.FULL_AND_PIECEWISE, piecewise_head=True)
+    runner.capture()
+    head = runner.decoder.lm_head
+    x = torch.randn(4, runner.cfg.hidden, dtype=runner.cfg.dtype)
+    bd = BatchDescriptor(num_tokens=4)
+    with set_forward_context(
+        {}, runner.vllm_config, num_tokens=4, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, batch_descriptor=bd
+    ):
+        outs = [head(x).clone() for _ in range(3)]
+    assert all(torch.equal(o, head.inner(x)) for o in outs)
+
+
+def test_eager_attention_takes_unpadded_metadata_with_padded_tokens():
+    """PIECEWISE steps pad the tokens but not the metadata (vLLM: pad_attn = mode == FULL)."""
+    rt = Runtime("sim", max_model_len=64)
+    model = Decoder(DecoderConfig(layers=1, num_blocks=16, max_model_len=64, dtype=torch.float16), rt)
+    attn = model.layers[0].attn
+    kc, vc = model.layers[0].k_cache, model.layers[0].v_cache
+    kc.normal_()
+    vc.normal_()
+    q = torch.randn(4, attn.num_heads, kc.shape[-1], dtype=torch.float16)
+    table = torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 0, 0]], dtype=torch.int32)
+    meta = AttentionMetadata(seq_lens=torch.tensor([20, 5, 17], dtype=torch.int32), block_table=table)
+    assert rt.manager.policy.choose("main", 4, 4, []).kernel == "pa", "size 4 runs PA"
+    out = attn(q, kc, vc, meta)  # 4 query tokens, 3 requests
+    assert not out[3].any(), "the padding token produces zeros"
+    ref = paged_attention_reference(q[:3], kc, vc, table, [20, 5, 17], attn.scale)
+    assert (out[:3].double() - ref).abs().max() < 4e-3
+
+
+def test_capture_is_refused_once_vllm_turns_capturing_off():
+    runner = Runner()
+    runner.capture()
+    set_cudagraph_capturing_enabled(False)
+    try:
+        t = 3  # not a captured size
+        dummy = AttentionMetadata(seq_lens=torch.ones(t, dtype=torch.int32), block_table=runner.table[:t])
+        with pytest.raises(RuntimeError, match="capturing detected at an inappropriate time"):
+            runner._forward(CUDAGraphMode.FULL, BatchDescriptor(num_tokens=t, num_reqs=t, uniform=True), dummy)
+        assert not runner.rt.manager.has("main", BatchDescriptor(num_tokens=t, num_reqs=t, uniform=True))
+        batch = next(iter(_batches(runner, 1)))
+        mode, bd, out = runner.step(batch)  # captured keys still replay
+        assert torch.equal(out, runner.eager(batch, bd.num_tokens))
+    finally:
+        set_cudagraph_capturing_enabled(True)
+
+
+def test_one_runnable_call_and_one_counter_increment_per_capture():
+    runner = Runner()
+    calls = []
+    real_forward = runner.model.forward
+    runner.model.forward = lambda *a, **k: calls.append(1) or real_forward(*a, **k)
+    before = compilation_counter.num_cudagraph_captured
+    runner.capture()
+    assert len(calls) == len(SIZES), "the runnable runs once per capture (vLLM warmed it up already)"
+    assert compilation_counter.num_cudagraph_captured - before == len(SIZES)
+
+
+def test_gc_disable_also_disables_empty_cache_during_capture():
+    from vllm.compilation.cuda_graph import CUDAGraphOptions
+
+    from npugraph.sim import npu as sim_npu
+
+    seen = []
+
+    class EmptiesCaches(torch.nn.Module):
+        def forward(self, x):
+            torch.accelerator.empty_cache()
+            sim_npu.empty_cache()
+            gc.collect()
+            return x * 2
+
+    runner = Runner()
+    wrapper = integ.NpuGraphWrapper(
+        EmptiesCaches(),
+        runner.vllm_config,
+        CUDAGraphMode.PIECEWISE,
+        CUDAGraphOptions(gc_disable=True),
+        runtime=runner.rt,
+        namespace="cc",
+    )
+    x = torch.randn(4)
+    with (
+        mock.patch.object(torch.accelerator, "empty_cache", wraps=lambda: seen.append("accelerator")),
+        mock.patch.object(sim_npu, "empty_cache", wraps=lambda: seen.append("npu")),
+        mock.patch.object(gc, "collect", wraps=lambda *a: seen.append("gc") or 0),
+        set_forward_context(
+            {},
+            runner.vllm_config,
+            num_tokens=4,
+            cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE,
+            batch_descriptor=BatchDescriptor(num_tokens=4),
+        ),
+    ):
+        wrapper(x)
+        assert seen == [], "none of them ran during the capture"
+        torch.accelerator.empty_cache()
+        assert seen == ["accelerator"], "and they are restored afterwards"
+
+
+def test_address_check_follows_vllms_debug_logging():
+    runner = Runner()
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    try:
+        vllm_logger.setLevel(logging.DEBUG)
+        assert integ.NpuGraphWrapper(runner.model, runner.vllm_config, CUDAGraphMode.FULL).check_addresses
+        vllm_logger.setLevel(logging.INFO)
+        assert not integ.NpuGraphWrapper(runner.model, runner.vllm_config, CUDAGraphMode.FULL).check_addresses
+    finally:
+        vllm_logger.setLevel(level)
+
+
+def test_weak_ref_output_of_a_view_still_replays():
+    class ViewOut(torch.nn.Module):
+        def forward(self, x):
+            return (x * 3).view(2, -1)[:, 1:]
+
+    runner = Runner()
+    wrapper = integ.NpuGraphWrapper(
+        ViewOut(), runner.vllm_config, CUDAGraphMode.PIECEWISE, runtime=runner.rt, namespace="v"
+    )
+    x = torch.arange(8.0)
+    bd = BatchDescriptor(num_tokens=8)
+    ctx = dict(num_tokens=8, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, batch_descriptor=bd)
+    with set_forward_context({}, runner.vllm_config, **ctx):
+        wrapper(x)  # capture; the caller drops the output
+    gc.collect()
+    x.copy_(torch.arange(8.0) + 1)
+    with set_forward_context({}, runner.vllm_config, **ctx):
+        out = wrapper(x)
+    runner.rt.synchronize()
+    assert out is not None and torch.equal(out, ((torch.arange(8.0) + 1) * 3).view(2, -1)[:, 1:])
+
+
+def test_uninstall_restores_every_vllm_ascend_name(monkeypatch):
+    from vllm.platforms import current_platform
+
+    originals = {}
+    for name in ("vllm_ascend", "vllm_ascend.compilation", "vllm_ascend.worker"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    for name in ("vllm_ascend.compilation.acl_graph", "vllm_ascend.worker.model_runner_v1"):
+        module = types.ModuleType(name)
+        for attr in ("ACLGraphWrapper", "update_attn_params", "update_mla_attn_params", "update_draft_graph_params"):
+            value = type(attr, (), {}) if attr == "ACLGraphWrapper" else (lambda *a, _n=attr: _n)
+            setattr(module, attr, value)
+            originals[(name, attr)] = value
+        monkeypatch.setitem(sys.modules, name, module)
+    integ.install(current_platform)
+    try:
+        for (name, attr), value in originals.items():
+            now = getattr(sys.modules[name], attr)
+            assert now is (integ.NpuGraphWrapper if attr == "ACLGraphWrapper" else integ._noop), (name, attr)
+    finally:
+        integ.uninstall(current_platform)
+    for (name, attr), value in originals.items():
+        assert getattr(sys.modules[name], attr) is value, f"{name}.{attr} restored"
+        assert not hasattr(sys.modules[name], f"_npugraph_original_{attr}")
+
+
+def test_plugin_without_vllm_logs_one_line_and_device_is_validated(monkeypatch, caplog):
+    monkeypatch.setenv(integ.ENV_ENABLE, "1")
+    monkeypatch.setenv(integ.ENV_DEVICE, "gpu")
+    with pytest.raises(NpuGraphError, match="NPUGRAPH_DEVICE='gpu' is not a device npugraph knows"):
+        integ.register()
+    monkeypatch.setenv(integ.ENV_DEVICE, "sim")
+    monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # import vllm.platforms now fails
+    integ._log_once.cache_clear()
+    with caplog.at_level(logging.INFO, logger="npugraph.vllm"):
+        integ.register()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "vLLM cannot be imported" in lines[0]

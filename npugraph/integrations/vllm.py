@@ -28,12 +28,14 @@ import functools
 import gc
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+from unittest import mock
 
 import torch
 
-from npugraph.errors import NpuGraphError
+from npugraph.errors import ConfigError, NpuGraphError
 from npugraph.replay import AttentionMetadata, StepMetadata
 from npugraph.runtime import Runtime
 
@@ -71,7 +73,7 @@ def runtime_for(vllm_config: Any) -> Runtime:
                 "npugraph needs max_model_len: the VllmConfig has no model_config; call "
                 "npugraph.integrations.vllm.attach_runtime(vllm_config, Runtime(...)) first"
             )
-        device = os.environ.get(ENV_DEVICE) or ("npu" if _platform_has_npu_graphs() else "sim")
+        device = _env_device() or ("npu" if _platform_has_npu_graphs() else "sim")
         rt = attach_runtime(vllm_config, Runtime(device, max_model_len=int(model.max_model_len)))
     return rt
 
@@ -133,18 +135,35 @@ def _step_metadata(attn_metadata: Any) -> StepMetadata:
     return one(attn_metadata)
 
 
+def _env_device() -> str | None:
+    """``NPUGRAPH_DEVICE``, checked: ``npu``, ``sim`` or unset."""
+    value = os.environ.get(ENV_DEVICE)
+    if value is None or value == "":
+        return None
+    if value not in ("npu", "sim"):
+        raise ConfigError(f"{ENV_DEVICE}={value!r} is not a device npugraph knows; use 'npu' or 'sim' (or unset it)")
+    return value
+
+
+def _noop_call(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 @contextlib.contextmanager
-def _gc_disabled(enabled: bool) -> Iterator[None]:
-    """Skip ``gc.collect`` during capture (vLLM's ``gc_disable`` option)."""
+def _gc_disabled(enabled: bool, device_npu: Any) -> Iterator[None]:
+    """Skip ``gc.collect`` and the allocators' ``empty_cache`` during capture (vLLM's
+    ``gc_disable``): each would run once per captured piece and make capture slow."""
     if not enabled:
         yield
         return
-    real = gc.collect
-    gc.collect = lambda *a, **k: 0  # type: ignore[assignment]
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(gc, "collect", _noop_call))
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None and hasattr(accelerator, "empty_cache"):
+            stack.enter_context(mock.patch.object(accelerator, "empty_cache", _noop_call))
+        if hasattr(device_npu, "empty_cache"):  # torch.npu on Ascend, the simulator's npu module here
+            stack.enter_context(mock.patch.object(device_npu, "empty_cache", _noop_call))
         yield
-    finally:
-        gc.collect = real
 
 
 def _inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tuple[str, int]]:
@@ -202,7 +221,11 @@ class NpuGraphWrapper:
         base = namespace or "main"
         self._full = runtime_mode == CUDAGraphMode.FULL
         self.namespace = base if self._full else self.runtime.unique_namespace(f"{base}.piecewise")
-        self.check_addresses = logger.isEnabledFor(logging.DEBUG) if check_addresses is None else check_addresses
+        if check_addresses is None:  # as vLLM's wrapper: on with its debug logging (VLLM_LOGGING_LEVEL=DEBUG)
+            check_addresses = logging.getLogger("vllm").isEnabledFor(logging.DEBUG) or logger.isEnabledFor(
+                logging.DEBUG
+            )
+        self.check_addresses = check_addresses
         self._addresses: dict[Any, list[tuple[str, int]]] = {}
         self._strong: dict[Any, Any] = {}
         self._captured: set[Any] = set()
@@ -242,11 +265,16 @@ class NpuGraphWrapper:
         return self.runtime.replay(key, namespace=self.namespace)
 
     def _capture(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from vllm.compilation.counter import compilation_counter
+        from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
+
         opts = self.cudagraph_options
         if opts.debug_log_enable:
             logger.debug("npugraph: capturing %s graph %s/%s", self.runtime_mode.name, self.namespace, key)
+        # Once vLLM has turned capturing off (serving), a new batch descriptor must fail, not capture.
+        validate_cudagraph_capturing_enabled()
         self._addresses[key] = _inputs(args, kwargs)
-        with _gc_disabled(opts.gc_disable):
+        with _gc_disabled(opts.gc_disable, self.runtime.device.npu):
             out = self.runtime.capture(
                 self.runnable,
                 *args,
@@ -256,6 +284,7 @@ class NpuGraphWrapper:
                 require_attention=self._full,
                 **kwargs,
             )
+        compilation_counter.num_cudagraph_captured += 1
         if not opts.weak_ref_output:
             self._strong[key] = out  # the caller asked the wrapper to own the outputs
         return self.runtime.manager.entry(self.namespace, key).outputs
@@ -317,14 +346,18 @@ def install(platform: Any = None) -> None:
     if not hasattr(cls, "_npugraph_original_wrapper_cls"):
         cls._npugraph_original_wrapper_cls = cls.__dict__.get("get_static_graph_wrapper_cls")
         cls.get_static_graph_wrapper_cls = classmethod(lambda c: WRAPPER_PATH)
-    for module_name, names in (
-        ("vllm_ascend.compilation.acl_graph", ("ACLGraphWrapper",)),
-        ("vllm_ascend.worker.model_runner_v1", ("ACLGraphWrapper",)),
-    ):
-        _patch(module_name, names, NpuGraphWrapper)
-    for module_name in ("vllm_ascend.compilation.acl_graph", "vllm_ascend.worker.model_runner_v1"):
-        _patch(module_name, ("update_attn_params", "update_mla_attn_params", "update_draft_graph_params"), _noop)
+    for module_name, names in _PATCHED:
+        for name in names:
+            _patch(module_name, (name,), NpuGraphWrapper if name == "ACLGraphWrapper" else _noop)
     _log_once(f"npugraph: installed as the graph wrapper of {cls.__name__}")
+
+
+# vllm-ascend names install() replaces (where the module and the name exist), and uninstall() restores.
+_UPDATES = ("update_attn_params", "update_mla_attn_params", "update_draft_graph_params")
+_PATCHED = (
+    ("vllm_ascend.compilation.acl_graph", ("ACLGraphWrapper", *_UPDATES)),
+    ("vllm_ascend.worker.model_runner_v1", ("ACLGraphWrapper", *_UPDATES)),
+)
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -342,8 +375,19 @@ def _patch(module_name: str, names: tuple[str, ...], value: Any) -> None:
             setattr(module, name, value)
 
 
+def _unpatch(module_name: str, names: tuple[str, ...]) -> None:
+    module = sys.modules.get(module_name)
+    if module is None:
+        return
+    for name in names:
+        marker = f"_npugraph_original_{name}"
+        if hasattr(module, marker):
+            setattr(module, name, getattr(module, marker))
+            delattr(module, marker)
+
+
 def uninstall(platform: Any = None) -> None:
-    """Undo :func:`install` on ``platform`` (tests, or switching back at runtime)."""
+    """Undo :func:`install` on ``platform``: every name it replaced gets its original back."""
     if platform is None:
         from vllm.platforms import current_platform as platform
     cls = type(platform)
@@ -353,15 +397,21 @@ def uninstall(platform: Any = None) -> None:
         if original is not None:
             cls.get_static_graph_wrapper_cls = original
         del cls._npugraph_original_wrapper_cls
+    for module_name, names in _PATCHED:
+        _unpatch(module_name, names)
 
 
 def register() -> None:
     """vLLM general-plugin entry point: install npugraph when ``NPUGRAPH_ENABLE=1``."""
     if os.environ.get(ENV_ENABLE, "").lower() not in ("1", "true", "yes", "on"):
         return
-    from vllm.platforms import current_platform
-
-    if os.environ.get(ENV_DEVICE) is None and not _platform_has_npu_graphs(current_platform):
+    device = _env_device()
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as exc:
+        _log_once(f"npugraph: {ENV_ENABLE}=1 but vLLM cannot be imported ({exc}); nothing installed")
+        return
+    if device is None and not _platform_has_npu_graphs(current_platform):
         _log_once(
             f"npugraph: platform {type(current_platform).__name__} has no NPU graphs; vLLM left "
             f"untouched (set {ENV_DEVICE}=sim to use npugraph's simulator)"
