@@ -47,9 +47,10 @@ def _setup(layers: int, size: int, kernel: str, cost: bool) -> tuple[Runtime, An
     rt = Runtime("sim", max_model_len=_MAX_MODEL_LEN, policy=FixedPolicy(kernel))
     stack = AttentionStack(rt, layers=layers)
     cols = _MAX_MODEL_LEN // stack.block_size
-    table = torch.randint(0, stack.num_blocks, (size, cols), dtype=torch.int32)
-    q = torch.randn(size, stack.heads, stack.head_size).to(stack.dtype)
-    meta = AttentionMetadata(seq_lens=torch.ones(size, dtype=torch.int32), block_table=table)
+    dev = rt.device.memory
+    table = torch.randint(0, stack.num_blocks, (size, cols), dtype=torch.int32, device="cpu").to(dev)
+    q = torch.randn(size, stack.heads, stack.head_size, device="cpu").to(dtype=stack.dtype, device=dev)
+    meta = AttentionMetadata(seq_lens=torch.ones(size, dtype=torch.int32, device="cpu"), block_table=table)
     rt.capture(stack, q, meta, key=size)
     return rt, stack, table, q
 
@@ -81,7 +82,7 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[
                 kw = dict(zip(names, params))
                 seq = meta.seq_lens.tolist()
                 if is_pa:
-                    kw["context_lens"] = torch.tensor(seq, dtype=torch.int32)
+                    kw["context_lens"] = torch.tensor(seq, dtype=torch.int32, device="cpu")
                     q_args = {k: v for k, v in kw.items() if k != "workspace"}
                     # re-queried before every layer (PR #3986); the captured buffer is kept
                     ops._npu_paged_attention_get_workspace(**q_args)
@@ -134,7 +135,7 @@ def bench_update(
     for i in range(warmup + repeats):
         rng.shuffle(order)  # interleaved, in a fresh order each round
         for name in order:
-            lens = torch.tensor([rng.randint(1, _MAX_MODEL_LEN) for _ in range(size)], dtype=torch.int32)
+            lens = torch.tensor([rng.randint(1, _MAX_MODEL_LEN) for _ in range(size)], dtype=torch.int32, device="cpu")
             fn = methods[name]
             prep = getattr(fn, "prepare", None)
             if prep is not None:
@@ -219,11 +220,12 @@ def bench_capture(sizes_counts: Sequence[int] = (8, 32, 67), layers: Sequence[in
             stack = AttentionStack(rt, layers=n)
             keys = list(range(1, s + 1))
             cols = _MAX_MODEL_LEN // stack.block_size
-            table = torch.zeros(max(keys), cols, dtype=torch.int32)
-            q = torch.randn(max(keys), stack.heads, stack.head_size).to(stack.dtype)
+            dev = rt.device.memory
+            table = torch.zeros(max(keys), cols, dtype=torch.int32, device=dev)
+            q = torch.randn(max(keys), stack.heads, stack.head_size, device="cpu").to(dtype=stack.dtype, device=dev)
 
             def make(k: Any, q: torch.Tensor = q, table: torch.Tensor = table, stack: Any = stack) -> tuple:
-                meta = AttentionMetadata(seq_lens=torch.ones(k, dtype=torch.int32), block_table=table[:k])
+                meta = AttentionMetadata(seq_lens=torch.ones(k, dtype=torch.int32, device="cpu"), block_table=table[:k])
                 return stack, (q[:k], meta), {}
 
             t0 = time.perf_counter()

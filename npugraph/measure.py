@@ -39,15 +39,25 @@ def _time_kernel(
     )
     cols = -(-cfg["max_model_len"] // cfg["block_size"])
     gen = torch.Generator().manual_seed(size)
-    table = torch.randint(0, cfg["num_blocks"], (size, cols), dtype=torch.int32, generator=gen)
-    q = torch.randn(size, cfg["heads"], cfg["head_size"], generator=gen).to(cfg["dtype"])
-    rt.capture(stack, q, AttentionMetadata(seq_lens=torch.ones(size, dtype=torch.int32), block_table=table), key=size)
+    dev = rt.device.memory
+    # drawn on the host (reproducible on every device), then placed where the kernel reads them
+    table = torch.randint(0, cfg["num_blocks"], (size, cols), dtype=torch.int32, generator=gen, device="cpu").to(dev)
+    q = torch.randn(size, cfg["heads"], cfg["head_size"], generator=gen, device="cpu").to(
+        dtype=cfg["dtype"], device=dev
+    )
+    ones = torch.ones(size, dtype=torch.int32, device="cpu")
+    rt.capture(stack, q, AttentionMetadata(seq_lens=ones, block_table=table), key=size)
     npu = rt.device.npu
     start, end = npu.Event(enable_timing=True), npu.Event(enable_timing=True)
     out = []
     for i, lens in enumerate(lengths):
         rt.update(
-            size, {"default": AttentionMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table)}
+            size,
+            {
+                "default": AttentionMetadata(
+                    seq_lens=torch.tensor(lens, dtype=torch.int32, device="cpu"), block_table=table
+                )
+            },
         )
         start.record(npu.current_stream())
         rt.replay(size)

@@ -124,7 +124,8 @@ def _run_steps(b: _Bench, size: int, steps: int, order: str) -> str:
     worst = 0.0
     for _ in range(steps):
         meta, padded, lens = b.step_meta(size)
-        q = torch.randn(size, _HEADS, _HEAD, generator=torch.Generator().manual_seed(b.rng.randrange(1 << 30)))
+        gen = torch.Generator().manual_seed(b.rng.randrange(1 << 30))
+        q = torch.randn(size, _HEADS, _HEAD, generator=gen, device="cpu")
         q = q.to(dtype=torch.float16, device=b.rt.device.memory)
         out = b.rt.step(size, {"default": meta}, inputs={"query": q})
         b.rt.synchronize()

@@ -84,7 +84,7 @@ def to_attention_metadata(obj: Any) -> AttentionMetadata:
         return obj
     seq = getattr(obj, "seq_lens_list", None)
     if seq is not None:
-        seq_lens = torch.tensor(seq, dtype=torch.int32)
+        seq_lens = torch.tensor(seq, dtype=torch.int32, device="cpu")  # host-side: the kernels' tiling reads it
     else:
         seq_lens = _first_attr(obj, ("seq_lens_cpu", "seq_lens"))
         if seq_lens is None:

@@ -16,7 +16,7 @@ __all__ = ["FIA", "causal_mask"]
 def causal_mask(device: torch.device) -> torch.Tensor:
     """The 2048x2048 compressed causal mask ``sparse_mode=3`` expects (1 = masked), on ``device``."""
     # A constant that is never written, so every graph on that device may share it.
-    return torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
+    return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(diagonal=1)
 
 
 def _arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor | None) -> dict[str, Any]:

@@ -149,7 +149,7 @@ def _check_block_ids(table: torch.Tensor, kv: list[int], block_size: int, num_bl
                 j = next(j for j, b in enumerate(used) if b < 0 or b >= num_blocks)
                 _bad_block(where, i, j, used[j], num_blocks)
         return
-    in_use = torch.arange(width).unsqueeze(0) < torch.tensor(used_cols).unsqueeze(1)
+    in_use = torch.arange(width, device="cpu").unsqueeze(0) < torch.tensor(used_cols, device="cpu").unsqueeze(1)
     bad = ((sub < 0) | (sub >= num_blocks)) & in_use
     if bool(bad.any()):
         i, j = (int(x) for x in bad.nonzero()[0])

@@ -120,11 +120,36 @@ def _host_copy(name: str, value: Any) -> Any:
         raise TypeError(f"argument {name!r} must be a list of ints, got {value!r}") from exc
 
 
+def check_placement(op: SimOp, params: dict[str, Any]) -> None:
+    """Refuse arguments on the wrong side, as a device does: device tensors on the query's
+    device, host-side arguments (lengths) as CPU tensors or lists."""
+    query = params.get("query")
+    if not isinstance(query, torch.Tensor):
+        return
+    for name, value in params.items():
+        if name in op.host_args:
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                raise _fail(
+                    op.name,
+                    name,
+                    f"is a host-side argument (its values go into the kernel's tiling at launch) but is a "
+                    f"tensor on {value.device}; pass a CPU tensor or a list",
+                )
+            continue
+        for i, t in enumerate(value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(t, torch.Tensor) and t.dim() and t.device != query.device:
+                label = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
+                raise _fail(
+                    op.name, label, f"is on {t.device} but the query is on {query.device}; the kernel reads both"
+                )
+
+
 def launch(op: SimOp, params: dict[str, Any]) -> None:
     """Issue ``op`` on the current stream in whatever mode the stream is in."""
     st = rt.get_state()
     st.charge("op_launch")
     st.counters["op:" + op.name] += 1
+    check_placement(op, params)
     for name in op.host_args:
         params[name] = _host_copy(name, params.get(name))
     info = op.check(params)
