@@ -7,10 +7,10 @@ pieces it is made of: :mod:`npugraph.capture`, :mod:`npugraph.replay`,
 :mod:`npugraph.ops`, :mod:`npugraph.device`, :mod:`npugraph.sim`.
 """
 
+from npugraph._version import __version__
 from npugraph.attention import DecodeAttention
 from npugraph.errors import NpuGraphError
 from npugraph.replay.lens import AttentionMetadata
 from npugraph.runtime import Runtime
 
-__all__ = ["AttentionMetadata", "DecodeAttention", "NpuGraphError", "Runtime"]
-__version__ = "0.1.0"
+__all__ = ["AttentionMetadata", "DecodeAttention", "NpuGraphError", "Runtime", "__version__"]

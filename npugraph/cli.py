@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from npugraph import __version__, bench, sim
+from npugraph import bench, sim
+from npugraph._version import __version__
 from npugraph.device import load_device
 from npugraph.dump import cli as dump_cli
 from npugraph.errors import NpuGraphError

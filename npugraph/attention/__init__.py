@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from npugraph.ops.base import AttentionCall
-from npugraph.replay.lens import AttentionMetadata
-
-if TYPE_CHECKING:
-    from npugraph.runtime import Runtime
+from npugraph.ops import AttentionCall
+from npugraph.replay import AttentionMetadata
+from npugraph.runtime import Runtime
 
 __all__ = ["DecodeAttention", "AttentionMetadata"]
 

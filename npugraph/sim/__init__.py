@@ -17,18 +17,16 @@ from typing import Any
 import torch
 
 from npugraph.sim import npu
-from npugraph.sim._graph import NPUTaskGroupHandle
-from npugraph.sim._ops import (
-    _npu_fused_infer_attention_score_get_max_workspace,
-    _npu_fused_infer_attention_score_out_graph,
+from npugraph.sim._fia import _npu_fused_infer_attention_score_get_max_workspace, npu_fused_infer_attention_score
+from npugraph.sim._fia_v2 import (
     _npu_fused_infer_attention_score_v2_get_max_workspace,
-    _npu_paged_attention,
-    _npu_paged_attention_get_workspace,
-    npu_fused_infer_attention_score,
     npu_fused_infer_attention_score_v2,
 )
+from npugraph.sim._fused import _npu_fused_infer_attention_score_out_graph
+from npugraph.sim._pa import _npu_paged_attention, _npu_paged_attention_get_workspace
 from npugraph.sim._runtime import HostCostModel, SimConfig, get_state
 from npugraph.sim._runtime import reset as _reset
+from npugraph.sim._taskgroups import NPUTaskGroupHandle
 from npugraph.sim.errors import (
     CaptureError,
     DeadlockError,

@@ -25,10 +25,11 @@ import ctypes
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from npugraph.sim.errors import UseAfterFree
 
-__all__ = ["Memory", "Owner", "Pool", "ArgRef", "check_refs"]
+__all__ = ["Memory", "Owner", "Pool", "ArgRef", "check_refs", "hold_tree", "hold_params"]
 
 _USE_COUNT = torch._C._storage_Use_Count
 
@@ -206,3 +207,36 @@ class Memory:
         dead = {id(o) for o in self.owners.values() if o.pool is None and not o.in_use() and not o.aliased()}
         self.owners = {c: o for c, o in self.owners.items() if id(o) not in dead}
         self._prune_at = max(1024, 2 * len(self.owners))
+
+
+def hold_tree(memory: Memory, name: str, v: Any, refs: list[ArgRef], *, checked: bool = True) -> Any:
+    """Replace every tensor in ``v`` by a non-owning alias; note a liveness check for each.
+
+    A graph keeps memory, not Python objects: what a node holds must not keep the
+    capturing code's tensors alive.  0-d eager tensors are host scalars, passed by value.
+    """
+    if isinstance(v, torch.Tensor):
+        if v.device.type != "cpu":
+            return v
+        if v.dim() == 0:
+            owner = memory.owners.get(int(v.untyped_storage()._cdata))
+            if owner is None or owner.pool is None:
+                return v
+        alias, ref = memory.hold(name, v, checked=checked)
+        refs.append(ref)
+        return alias
+    if isinstance(v, (list, tuple)) and any(isinstance(x, (torch.Tensor, list, tuple)) for x in v):
+        held = [hold_tree(memory, f"{name}[{i}]", x, refs, checked=checked) for i, x in enumerate(v)]
+        return held if isinstance(v, list) else tuple(held)
+    return v
+
+
+def hold_params(memory: Memory, op: Any, params: dict[str, Any]) -> tuple[dict[str, Any], tuple[ArgRef, ...]]:
+    """A kernel's parameters as a graph keeps them: aliases, and checks for data arguments."""
+    refs: list[ArgRef] = []
+    with _disable_current_modes():
+        held = {
+            k: v if k in op.host_args else hold_tree(memory, k, v, refs, checked=k != "workspace")
+            for k, v in params.items()
+        }
+    return held, tuple(refs)

@@ -20,15 +20,12 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import attrs
 
 from npugraph.sim._memory import Memory
-from npugraph.sim.errors import DeadlockError, RaceError
-
-if TYPE_CHECKING:
-    from npugraph.sim._graph import CaptureSession
+from npugraph.sim.errors import CaptureError, DeadlockError, RaceError
 
 __all__ = [
     "HostCostModel",
@@ -119,7 +116,7 @@ class SimState:
         self.rng = random.Random(config.adversarial_seed)
         self.counters: collections.Counter[str] = collections.Counter()
         self.active: list[Stream] = []
-        self.capture: CaptureSession | None = None
+        self.capture: Any = None  # the CaptureSession in progress (npugraph.sim._capture)
         self.default_stream = Stream._create(self, name="default", is_default=True)
         self.current_stream = self.default_stream
         self.memory = Memory()
@@ -322,8 +319,6 @@ class Event:
 
 
 def _capture_unsupported(what: str) -> Exception:
-    from npugraph.sim.errors import CaptureError
-
     return CaptureError(f"{what}: the simulator captures a single stream; fork/join not modelled")
 
 

@@ -7,17 +7,15 @@ from contextlib import contextmanager
 from typing import Any
 
 from npugraph.sim import _runtime as rt
-from npugraph.sim._graph import (
-    NPUGraph,
+from npugraph.sim._graph import NPUGraph, graph, graph_pool_handle
+from npugraph.sim._runtime import Event, ExternalEvent, Stream
+from npugraph.sim._taskgroups import (
     NPUTaskGroupHandle,
-    graph,
-    graph_pool_handle,
     graph_task_group_begin,
     graph_task_group_end,
     graph_task_update_begin,
     graph_task_update_end,
 )
-from npugraph.sim._runtime import Event, ExternalEvent, Stream
 
 __all__ = [
     "NPUGraph",

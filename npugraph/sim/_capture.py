@@ -1,0 +1,250 @@
+"""Capture by recording: every aten op issued during a capture becomes a graph node.
+
+Capture pushes a ``TorchDispatchMode`` that records every aten op instead of running
+it: view ops (metadata only) run at once; every other op has its outputs shaped on
+meta tensors, allocated from the graph's pool (poisoned with NaN when the block is
+new, so that a read before replay shows), and is re-executed in order by replay.
+In-place ops and ``out=`` variants are recorded against the memory they mutate, so
+nothing (the KV cache included) changes until replay.  Reading a captured result on
+the host during capture raises, as on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from npugraph.sim import _runtime as rt
+from npugraph.sim._memory import ArgRef, hold_params, hold_tree
+from npugraph.sim._nodes import ExtRecordNode, ExtWaitNode, KernelTask, OpNode, storage_key
+from npugraph.sim.errors import CaptureError
+
+__all__ = ["CaptureSession", "make_host_copy"]
+
+_aten = torch.ops.aten
+
+
+_ALLOC_PACKETS = {
+    _aten.empty,
+    _aten.empty_strided,
+    _aten.empty_like,
+    _aten.new_empty,
+    _aten.new_empty_strided,
+}
+
+
+_HOST_READ_OPS = {_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default}
+
+
+_HOST_READ_METHODS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__array__,
+}
+
+
+class _HostReadGuard(TorchFunctionMode):
+    def __init__(self, session: CaptureSession) -> None:
+        super().__init__()
+        self.session = session
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
+            self.session.check_host_read(args[0], func.__name__)
+        return func(*args, **kwargs)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, session: CaptureSession) -> None:
+        super().__init__()
+        self.session = session
+        self.passthrough = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.passthrough:
+            return func(*args, **kwargs)
+        return self.session.record_aten(func, tuple(args), kwargs)
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    if isinstance(x, torch.device):
+        return torch.device("meta")
+    return x
+
+
+class CaptureSession:
+    """State of one capture in progress (the simulator's ``aclmdlRICapture``)."""
+
+    def __init__(self, g: Any, stream: rt.Stream, auto: bool) -> None:
+        self.graph = g
+        self.stream = stream
+        self.auto = auto
+        self.open_group: Any | None = None
+        self.pending: set[int] = set()
+        self.recorder = _Recorder(self)
+        self.guard = _HostReadGuard(self)
+        self.last_wait: ExtWaitNode | None = None
+
+    # host reads
+    def check_host_read(self, t: torch.Tensor, how: str) -> None:
+        if t.device.type != "meta" and storage_key(t) in self.pending:
+            raise CaptureError(
+                f"operation not permitted when stream is capturing: {how}() reads a "
+                f"{tuple(t.shape)} {t.dtype} tensor produced inside NPU graph capture on the "
+                "host; its value only exists after replay. Move the host read out of the "
+                "captured region."
+            )
+
+    def alloc(self, shape: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate from the graph's pool; the graph keeps the memory, the caller the object."""
+        memory = rt.get_state().memory
+        with torch.utils._python_dispatch._disable_current_modes():
+            t = memory.allocate(self.graph._pool, shape, stride, dtype)
+            if t.numel():
+                self.graph._blocks.add(memory.owner(t))
+                self.pending.add(storage_key(t))
+        return t
+
+    def hold(self, name: str, v: Any, refs: list[ArgRef], *, checked: bool = True) -> Any:
+        with torch.utils._python_dispatch._disable_current_modes():
+            return hold_tree(rt.get_state().memory, name, v, refs, checked=checked)
+
+    def suspended(self) -> _Suspend:
+        return _Suspend(self.recorder)
+
+    def append(self, node: Any) -> None:
+        if self.open_group is not None and not isinstance(node, KernelTask):
+            raise CaptureError(
+                f"{node.describe()} issued inside task group #{self.open_group.group_id}: a "
+                "task group holds the tasks of exactly one op call"
+            )
+        self.graph._nodes.append(node)
+
+    def record_external(self, event: rt.ExternalEvent, wait: bool) -> None:
+        if wait:
+            node = ExtWaitNode(event)
+            self.last_wait = node
+            self.append(node)
+        else:
+            self.append(ExtRecordNode(event, self.graph))
+
+    def record_aten(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if func in _HOST_READ_OPS:
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    self.check_host_read(a, str(func.overloadpacket.__name__))
+            return func(*args, **kwargs)
+        if func.is_view:
+            return func(*args, **kwargs)  # metadata only: safe to run now
+        schema = func._schema
+        try:
+            meta_out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        except Exception as exc:
+            raise CaptureError(
+                f"cannot capture {func}: its output shape could not be inferred without "
+                f"running it ({type(exc).__name__}: {exc}). Data-dependent shapes cannot be "
+                "captured in a device graph."
+            ) from exc
+        returns = schema.returns
+        metas = meta_out if len(returns) > 1 else (meta_out,)
+        if func.overloadpacket in _ALLOC_PACKETS:  # nothing to run at replay
+            return self.alloc(meta_out.shape, meta_out.stride(), meta_out.dtype)
+        named = _bind_args(schema, args, kwargs)
+        outs: list[Any] = []
+        fresh: list[tuple[int, Any]] = []
+        for i, (r, m) in enumerate(zip(returns, metas)):
+            if r.alias_info is not None:
+                outs.append(_aliased(schema, r.alias_info, named))
+            elif isinstance(m, torch.Tensor):
+                buf = self.alloc(m.shape, m.stride(), m.dtype)
+                outs.append(buf)
+                fresh.append((i, buf))
+            elif isinstance(m, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in m):
+                bufs = [self.alloc(x.shape, x.stride(), x.dtype) for x in m]
+                outs.append(bufs)
+                fresh.append((i, bufs))
+            else:
+                raise CaptureError(
+                    f"cannot capture {func}: it returns a host value ({type(m).__name__}) computed from device data"
+                )
+        for arg in schema.arguments:
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                v = named.get(arg.name)
+                for t in v if isinstance(v, (list, tuple)) else (v,):
+                    if isinstance(t, torch.Tensor):
+                        self.pending.add(storage_key(t))
+        refs: list[ArgRef] = []
+        node_args = self.hold("input", args, refs)
+        node_kwargs = {k: self.hold(k, v, refs) for k, v in kwargs.items()}
+        node_fresh = [(i, self.hold("output", b, [])) for i, b in fresh]
+        self.append(OpNode(func, node_args, node_kwargs, node_fresh, tuple(refs), self.graph))
+        return outs[0] if len(returns) == 1 else tuple(outs)
+
+    def record_kernel(self, op: Any, params: dict[str, Any]) -> KernelTask:
+        held, refs = hold_params(rt.get_state().memory, op, params)
+        task = KernelTask(op, held, refs, self.graph, len(self.graph._nodes))
+        group = self.open_group
+        if group is not None:
+            if group.task is not None:
+                raise CaptureError(
+                    f"a second op ({op.qualname}) issued inside task group "
+                    f"#{group.group_id}, which already holds {group.task.op.qualname}: a "
+                    "task group holds the tasks of exactly one op call"
+                )
+            group.task = task
+            task.group = group
+            if self.last_wait is not None and self.graph._nodes[-1] is self.last_wait:
+                self.last_wait.group = group
+        self.graph._nodes.append(task)
+        for name in op.output_args:
+            v = params.get(name)
+            for t in v if isinstance(v, (list, tuple)) else (v,):
+                if isinstance(t, torch.Tensor):
+                    self.pending.add(storage_key(t))
+        return task
+
+
+class _Suspend:
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+
+    def __enter__(self) -> None:
+        self.recorder.passthrough += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.recorder.passthrough -= 1
+
+
+def _bind_args(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    named: dict[str, Any] = {}
+    for a, v in zip(schema.arguments, args):
+        named[a.name] = v
+    named.update(kwargs)
+    return named
+
+
+def _aliased(schema: Any, alias: Any, named: dict[str, Any]) -> Any:
+    for arg in schema.arguments:
+        if arg.alias_info is not None and arg.alias_info.before_set == alias.before_set:
+            return named[arg.name]
+    raise CaptureError(f"cannot resolve the aliased output of {schema.name}")
+
+
+def make_host_copy(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` outside the capture recorder (host-side work of an op entry point)."""
+    st = rt.get_state()
+    if st.capture is None:
+        return fn()
+    with st.capture.suspended():
+        return fn()

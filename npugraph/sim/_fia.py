@@ -1,0 +1,422 @@
+"""FIA: ``npu_fused_infer_attention_score`` (layouts BSH/BSND/BNSD/TND, paged or dense)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from npugraph.sim import _runtime as rt
+from npugraph.sim import kernels as K
+from npugraph.sim._launch import OpPacket, SimOp, brief_host, fail, host_copy, launch, max_workspace, need_tensor
+
+__all__ = [
+    "npu_fused_infer_attention_score",
+    "_npu_fused_infer_attention_score_get_max_workspace",
+    "fia_check",
+    "fia_compute",
+    "fia_workspace",
+    "alloc_outputs",
+]
+
+INT_MAX = 2147483647
+
+
+_LAYOUTS = ("BSH", "BSND", "BNSD", "TND")
+
+
+_UNSUPPORTED_FIA = (
+    "pse_shift",
+    "dequant_scale1",
+    "quant_scale1",
+    "dequant_scale2",
+    "quant_scale2",
+    "quant_offset2",
+    "antiquant_scale",
+    "antiquant_offset",
+    "key_antiquant_scale",
+    "key_antiquant_offset",
+    "value_antiquant_scale",
+    "value_antiquant_offset",
+    "query_padding_size",
+    "kv_padding_size",
+    "key_shared_prefix",
+    "value_shared_prefix",
+    "actual_shared_prefix_len",
+    "query_rope",
+    "key_rope",
+    "key_rope_antiquant_scale",
+)
+
+
+def fia_check(p: dict[str, Any]) -> dict[str, Any]:
+    """Normalise an FIA call: layouts to [B, N, S, D], lengths per batch."""
+    op = "npu_fused_infer_attention_score"
+    for name in _UNSUPPORTED_FIA:
+        if p.get(name) is not None:
+            raise NotImplementedError(f"{op}: the simulator does not model {name!r}")
+    layout = p["input_layout"]
+    if layout not in _LAYOUTS:
+        raise fail(op, "input_layout", f"must be one of {_LAYOUTS}, got {layout!r}")
+    q, k, v = p["query"], p["key"], p["value"]
+    n = int(p["num_heads"])
+    kvn = int(p["num_key_value_heads"]) or n
+    if n <= 0 or n % kvn:
+        raise fail(op, "num_heads", f"({n}) must be a positive multiple of num_key_value_heads ({kvn})")
+    bt = p.get("block_table")
+    block_size = int(p["block_size"])
+    qlens = p.get("actual_seq_lengths")
+    kvlens = p.get("actual_seq_lengths_kv")
+    sparse = int(p["sparse_mode"])
+    if sparse not in (0, 3):
+        raise fail(op, "sparse_mode", f"{sparse} is not modelled (0 and 3 are)")
+    if sparse == 3 and p.get("atten_mask") is None:
+        raise fail(op, "atten_mask", "is required with sparse_mode=3 (the 2048x2048 compressed mask)")
+    # query → [B, N, S, D]
+    if layout == "TND":
+        need_tensor(op, "query", q, 3)
+        t, qn, d = q.shape
+        if qlens is None:
+            raise fail(op, "actual_seq_lengths", "is required with input_layout='TND' (cumulative ends)")
+        ends = list(qlens)
+        if any(b > a for a, b in zip(ends[1:], ends)) or (ends and ends[-1] != t) or not ends:
+            raise fail(
+                op,
+                "actual_seq_lengths",
+                f"must be non-decreasing cumulative query ends whose last entry equals T={t}, got {brief_host(ends)}",
+            )
+        batch = len(ends)
+        starts = [0, *ends[:-1]]
+        q_per = [e - s for s, e in zip(starts, ends)]
+        sq = max(q_per)
+    else:
+        dims = 3 if layout == "BSH" else 4
+        need_tensor(op, "query", q, dims)
+        if layout == "BSH":
+            batch, sq, h = q.shape
+            if h % n:
+                raise fail(op, "query", f"hidden size {h} is not a multiple of num_heads={n}")
+            qn, d = n, h // n
+        elif layout == "BSND":
+            batch, sq, qn, d = q.shape
+        else:
+            batch, qn, sq, d = q.shape
+        if qlens is None or sq == 1:  # ignored when the query length is 1
+            q_per = [sq] * batch
+        else:
+            if len(qlens) != batch:
+                raise fail(op, "actual_seq_lengths", f"has {len(qlens)} entries for batch {batch}")
+            q_per = list(qlens)
+            if any(x < 0 or x > sq for x in q_per):
+                raise fail(op, "actual_seq_lengths", f"entries must lie in [0, {sq}]")
+        starts = ends = []
+    if qn != n:
+        raise fail(op, "num_heads", f"is {n} but query has {qn} heads")
+    # keys
+    if bt is not None:
+        need_tensor(op, "block_table", bt, 2)
+        if bt.dtype != torch.int32:
+            raise fail(op, "block_table", f"must be int32, got {bt.dtype}")
+        if bt.shape[0] != batch:
+            raise fail(op, "block_table", f"has {bt.shape[0]} rows for batch {batch}")
+        if k.dim() == 3:
+            kvh = k.shape[2]
+            if kvh % kvn:
+                raise fail(op, "key", f"cache hidden size {kvh} is not a multiple of {kvn} kv heads")
+            dk = kvh // kvn
+        elif k.dim() == 4:
+            if layout == "BNSD":
+                _, kh, _, dk = k.shape
+            else:
+                _, _, kh, dk = k.shape
+            if kh != kvn:
+                raise fail(op, "key", f"has {kh} kv heads, num_key_value_heads is {kvn}")
+        else:
+            raise fail(op, "key", f"paged cache must have 3 or 4 dims, got {list(k.shape)}")
+        cache_bs = k.shape[2] if (k.dim() == 4 and layout == "BNSD") else k.shape[1]
+        if block_size != cache_bs:
+            raise fail(op, "block_size", f"is {block_size} but the cache blocks hold {cache_bs}")
+        max_kv = bt.shape[1] * block_size
+        if kvlens is None:
+            raise fail(op, "actual_seq_lengths_kv", "is required with a block_table")
+        kv_per = list(kvlens)
+        if len(kv_per) != batch:
+            raise fail(op, "actual_seq_lengths_kv", f"has {len(kv_per)} entries for batch {batch}")
+        dv = v.shape[-1] if v.dim() == 4 else v.shape[2] // kvn
+    else:
+        if layout == "TND":
+            need_tensor(op, "key", k, 3)
+            _, kh, dk = k.shape
+            dv = v.shape[2]
+            kends = list(kvlens) if kvlens is not None else None
+            if kends is None or len(kends) != batch or (kends and kends[-1] != k.shape[0]):
+                raise fail(
+                    op,
+                    "actual_seq_lengths_kv",
+                    "must list cumulative key ends (last = key T) per batch with a non-paged TND key",
+                )
+            kstarts = [0, *kends[:-1]]
+            kv_per = [e - s for s, e in zip(kstarts, kends)]
+            max_kv = max(kv_per)
+        else:
+            need_tensor(op, "key", k, q.dim())
+            if layout == "BSH":
+                skv, kh = k.shape[1], k.shape[2] // (d or 1)
+                dk = d
+                dv = v.shape[2] // kh if kh else d
+            elif layout == "BSND":
+                skv, kh, dk = k.shape[1], k.shape[2], k.shape[3]
+                dv = v.shape[3]
+            else:
+                kh, skv, dk = k.shape[1], k.shape[2], k.shape[3]
+                dv = v.shape[3]
+            max_kv = skv
+            if k.shape[0] != batch:
+                raise fail(op, "key", f"batch {k.shape[0]} differs from the query's {batch}")
+            kv_per = list(kvlens) if kvlens is not None else [skv] * batch
+            if len(kv_per) != batch:
+                raise fail(op, "actual_seq_lengths_kv", f"has {len(kv_per)} entries for batch {batch}")
+        if kh != kvn:
+            raise fail(op, "num_key_value_heads", f"is {kvn} but key has {kh} kv heads")
+    if dk != d:
+        raise fail(op, "key", f"head size {dk} differs from the query's {d}")
+    for i, x in enumerate(kv_per):
+        if x < 0 or x > max_kv:
+            raise fail(op, "actual_seq_lengths_kv", f"[{i}] = {x} is outside [0, {max_kv}]")
+    return {
+        "layout": layout,
+        "batch": batch,
+        "heads": n,
+        "kv_heads": kvn,
+        "sq": sq,
+        "d": d,
+        "dv": dv,
+        "q_per": q_per,
+        "kv_per": kv_per,
+        "starts": starts,
+        "max_kv": max_kv,
+        "max_q": sq,
+        "rows": q.shape[0] if layout == "TND" else batch * sq,
+    }
+
+
+def _fia_out_shapes(p: dict[str, Any], info: dict[str, Any]) -> tuple[list[int], list[int]]:
+    q = p["query"]
+    layout, n, dv = info["layout"], info["heads"], info["dv"]
+    if layout == "TND":
+        out = [q.shape[0], n, dv]
+        lse = [q.shape[0], n, 1]
+    elif layout == "BSH":
+        out = [q.shape[0], q.shape[1], n * dv]
+        lse = [info["batch"], n, info["sq"], 1]
+    elif layout == "BSND":
+        out = [q.shape[0], q.shape[1], n, dv]
+        lse = [info["batch"], n, info["sq"], 1]
+    else:
+        out = [q.shape[0], n, q.shape[2], dv]
+        lse = [info["batch"], n, info["sq"], 1]
+    if not p["softmax_lse_flag"]:
+        lse = [1]
+    return out, lse
+
+
+def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
+    q, k, v = p["query"], p["key"], p["value"]
+    out, lse_out = p["out"]
+    layout = info["layout"]
+    b, n, kvn, sq, d, dv = (info[x] for x in ("batch", "heads", "kv_heads", "sq", "d", "dv"))
+    q_per = torch.tensor(info["q_per"], dtype=torch.int64)
+    kv_per = torch.tensor(info["kv_per"], dtype=torch.int64)
+    # query → [B, N, Sq, D]
+    if layout == "TND":
+        starts = torch.tensor(info["starts"], dtype=torch.int64)
+        idx = starts.unsqueeze(1) + torch.arange(sq).unsqueeze(0)  # [B, Sq]
+        idx = torch.where(torch.arange(sq).unsqueeze(0) < q_per.unsqueeze(1), idx, 0)
+        qb = q[idx].permute(0, 2, 1, 3)  # [B, N, Sq, D]
+    elif layout == "BSH":
+        qb = q.reshape(b, sq, n, d).permute(0, 2, 1, 3)
+    elif layout == "BSND":
+        qb = q.permute(0, 2, 1, 3)
+    else:
+        qb = q
+    lkv = int(kv_per.max()) if b else 0
+    bt = p.get("block_table")
+    if bt is not None:
+        where = "npu_fused_infer_attention_score: block_table"
+        if k.dim() == 4 and layout == "BNSD":  # [NB, KVN, BS, D] → [NB, BS, KVN, D]
+            kc, vc = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        else:
+            kc = k.reshape(k.shape[0], k.shape[1], kvn, d)
+            vc = v.reshape(v.shape[0], v.shape[1], kvn, dv)
+        kb = K.gather_paged(kc, bt, kv_per, lkv, int(p["block_size"]), where).permute(0, 2, 1, 3)
+        vb = K.gather_paged(vc, bt, kv_per, lkv, int(p["block_size"]), where).permute(0, 2, 1, 3)
+    elif layout == "TND":
+        kstarts = torch.cumsum(kv_per, 0) - kv_per
+        kidx = kstarts.unsqueeze(1) + torch.arange(lkv).unsqueeze(0)
+        kidx = torch.where(torch.arange(lkv).unsqueeze(0) < kv_per.unsqueeze(1), kidx, 0)
+        kb, vb = k[kidx].permute(0, 2, 1, 3), v[kidx].permute(0, 2, 1, 3)
+    elif layout == "BSH":
+        kb = k.reshape(b, k.shape[1], kvn, d).permute(0, 2, 1, 3)
+        vb = v.reshape(b, v.shape[1], kvn, dv).permute(0, 2, 1, 3)
+    elif layout == "BSND":
+        kb, vb = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+    else:
+        kb, vb = k, v
+    mask = None
+    if int(p["sparse_mode"]) == 0 and p.get("atten_mask") is not None:
+        mask = p["atten_mask"]
+    o, lse = K.attention(qb, kb, vb, q_per, kv_per, float(p["scale"]), causal=int(p["sparse_mode"]) == 3, mask=mask)
+    # o: [B, N, Sq, Dv]; rows past a request's query length are zero
+    valid_q = (torch.arange(sq).view(1, 1, sq, 1) < q_per.view(b, 1, 1, 1)) if b else None
+    if valid_q is not None:
+        o = torch.where(valid_q, o, torch.zeros((), dtype=o.dtype))
+    if layout == "TND":
+        t = q.shape[0]
+        tok = torch.arange(t)
+        bidx = torch.searchsorted(torch.tensor([*info["starts"][1:], t + 1]), tok, right=True)
+        sidx = tok - torch.tensor(info["starts"])[bidx]
+        out.copy_(o[bidx, :, sidx])
+        lse_rows = lse[bidx, :, sidx].unsqueeze(-1)
+    elif layout == "BSH":
+        out.copy_(o.permute(0, 2, 1, 3).reshape(out.shape))
+        lse_rows = lse.unsqueeze(-1)
+    elif layout == "BSND":
+        out.copy_(o.permute(0, 2, 1, 3))
+        lse_rows = lse.unsqueeze(-1)
+    else:
+        out.copy_(o)
+        lse_rows = lse.unsqueeze(-1)
+    if p["softmax_lse_flag"]:
+        lse_out.copy_(lse_rows.reshape(lse_out.shape))
+    else:
+        lse_out.zero_()
+
+
+def fia_workspace(p: dict[str, Any], info: dict[str, Any]) -> int:
+    return K.fia_workspace_bytes(info["rows"], info["heads"], info["dv"], max(info["kv_per"], default=0))
+
+
+def _fia_op(name: str, overload: str, host: tuple[str, ...]) -> SimOp:
+    return SimOp(
+        name,
+        overload,
+        host_args=host,
+        output_args=("out",),
+        check=fia_check,
+        compute=fia_compute,
+        workspace=fia_workspace,
+        auto=True,
+    )
+
+
+_FIA_OUT = _fia_op("npu_fused_infer_attention_score", "out", ("actual_seq_lengths", "actual_seq_lengths_kv"))
+
+
+FIA = _fia_op("npu_fused_infer_attention_score", "default", ("actual_seq_lengths", "actual_seq_lengths_kv"))
+
+
+def _fia_params(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    pse_shift: Any = None,
+    atten_mask: torch.Tensor | None = None,
+    actual_seq_lengths: Any = None,
+    actual_seq_lengths_kv: Any = None,
+    dequant_scale1: Any = None,
+    quant_scale1: Any = None,
+    dequant_scale2: Any = None,
+    quant_scale2: Any = None,
+    quant_offset2: Any = None,
+    antiquant_scale: Any = None,
+    antiquant_offset: Any = None,
+    key_antiquant_scale: Any = None,
+    key_antiquant_offset: Any = None,
+    value_antiquant_scale: Any = None,
+    value_antiquant_offset: Any = None,
+    block_table: torch.Tensor | None = None,
+    query_padding_size: Any = None,
+    kv_padding_size: Any = None,
+    key_shared_prefix: Any = None,
+    value_shared_prefix: Any = None,
+    actual_shared_prefix_len: Any = None,
+    query_rope: Any = None,
+    key_rope: Any = None,
+    key_rope_antiquant_scale: Any = None,
+    num_heads: int = 1,
+    scale: float = 1.0,
+    pre_tokens: int = INT_MAX,
+    next_tokens: int = INT_MAX,
+    input_layout: str = "BSH",
+    num_key_value_heads: int = 0,
+    sparse_mode: int = 0,
+    inner_precise: int = 0,
+    block_size: int = 0,
+    antiquant_mode: int = 0,
+    key_antiquant_mode: int = 0,
+    value_antiquant_mode: int = 0,
+    softmax_lse_flag: bool = False,
+    query_quant_mode: int = 0,
+    workspace: torch.Tensor | None = None,
+    out: Any = None,
+) -> dict[str, Any]:
+    return dict(locals())
+
+
+def alloc_outputs(op: SimOp, p: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    info = op.check(p)
+    out_shape, lse_shape = _fia_out_shapes(p, info)
+    q = p["query"]
+    out = torch.empty(out_shape, dtype=q.dtype)
+    lse = torch.zeros(lse_shape, dtype=torch.float32)
+    return out, lse
+
+
+def _fia_default(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Any:
+    if "out" in kwargs or "workspace" in kwargs:
+        raise TypeError("npu_fused_infer_attention_score() got an unexpected keyword 'out'/'workspace' (use .out)")
+    p = _fia_params(query, key, value, **kwargs)
+    for name in FIA.host_args:
+        p[name] = host_copy(name, p.get(name))
+    p["out"] = list(alloc_outputs(FIA, p))
+    launch(FIA, p)
+    return p["out"][0], p["out"][1]
+
+
+def fia_out(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Any:
+    p = _fia_params(query, key, value, **kwargs)
+    outs = p.get("out")
+    if not isinstance(outs, (list, tuple)) or len(outs) != 2:
+        raise ValueError("out must have 2 tensors (attention_out, softmax_lse)")
+    p["out"] = list(outs)
+    if rt.get_state().current_stream._updating is None:  # an update compares with the captured outs
+        _check_out_shapes(_FIA_OUT, p)
+    launch(_FIA_OUT, p)
+    return outs[0], outs[1]
+
+
+def _check_out_shapes(op: SimOp, p: dict[str, Any]) -> None:
+    for name in op.host_args:
+        p[name] = host_copy(name, p.get(name))
+    info = op.check(p)
+    out_shape, lse_shape = _fia_out_shapes(p, info)
+    out, lse = p["out"]
+    if list(out.shape) != out_shape or out.dtype != p["query"].dtype:
+        raise fail(
+            op.name,
+            "out[0]",
+            f"must be {out_shape} {p['query'].dtype}, got {list(out.shape)} {out.dtype}",
+        )
+    if p["softmax_lse_flag"] and list(lse.shape) != lse_shape:
+        raise fail(op.name, "out[1]", f"(softmax_lse) must be {lse_shape}, got {list(lse.shape)}")
+
+
+npu_fused_infer_attention_score = OpPacket(_fia_default, fia_out, "npu_fused_infer_attention_score")
+
+
+def _npu_fused_infer_attention_score_get_max_workspace(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
+    """Return a workspace large enough for every length these shapes allow."""
+    return max_workspace(FIA, _fia_params(query, key, value, **kwargs))

@@ -1,0 +1,40 @@
+"""The 4-in-1 FIA update (``_C._npu_fused_infer_attention_score_out_graph``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from npugraph.sim import _runtime as rt
+from npugraph.sim._fia import fia_out
+from npugraph.sim._taskgroups import NPUTaskGroupHandle, graph_task_update_begin, graph_task_update_end
+
+__all__ = ["_npu_fused_infer_attention_score_out_graph"]
+
+
+def _npu_fused_infer_attention_score_out_graph(
+    update_stream: rt.Stream,
+    handle: NPUTaskGroupHandle,
+    event: rt.ExternalEvent,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-in-1 fast path: update begin + FIA ``.out`` + update end + event record."""
+    st = rt.get_state()
+    prev = st.current_stream
+    st.current_stream = update_stream
+    try:
+        graph_task_update_begin(update_stream, handle)
+        try:
+            res = fia_out(query, key, value, **kwargs)
+        except BaseException:
+            update_stream._updating = None
+            raise
+        graph_task_update_end(update_stream)
+        event.record(update_stream)
+    finally:
+        st.current_stream = prev
+    return res

@@ -1,0 +1,173 @@
+"""The nodes a captured graph is made of, and one replay of it (run node by node)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from npugraph.sim import _runtime as rt
+from npugraph.sim._memory import ArgRef, check_refs
+
+__all__ = ["OpNode", "KernelTask", "ExtWaitNode", "ExtRecordNode", "GraphRun", "storage_key"]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class OpNode:
+    __slots__ = ("args", "fresh", "func", "graph", "kwargs", "refs")
+
+    def __init__(
+        self,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        fresh: list[tuple[int, Any]],
+        refs: tuple[ArgRef, ...],
+        graph: Any,
+    ) -> None:
+        self.func, self.args, self.kwargs, self.fresh = func, args, kwargs, fresh
+        self.refs, self.graph = refs, graph
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self) -> None:
+        if self.refs:
+            check_refs(self.refs, f"replay of graph #{self.graph.graph_id}: aten op {self.func}")
+        t0 = time.perf_counter()
+        res = self.func(*self.args, **self.kwargs)
+        rt.get_state().device_clock += time.perf_counter() - t0
+        if not self.fresh:
+            return
+        outs = res if isinstance(res, (tuple, list)) else (res,)
+        for i, buf in self.fresh:
+            if isinstance(buf, list):
+                for b, r in zip(buf, outs[i]):
+                    b.copy_(r)
+            else:
+                buf.copy_(outs[i])
+
+    def describe(self) -> str:
+        return f"aten op {self.func}"
+
+
+class KernelTask:
+    """A captured launch of a simulator kernel (PA / FIA): the op and its parameters.
+
+    ``params`` hold non-owning aliases of the tensor arguments; ``refs`` say which of
+    them must still be alive when the task runs (data, not the workspace scratch).
+    """
+
+    __slots__ = ("graph", "group", "index", "op", "params", "refs")
+
+    def __init__(self, op: Any, params: dict[str, Any], refs: tuple[ArgRef, ...], graph: Any, index: int) -> None:
+        self.op, self.params, self.refs, self.graph, self.index = op, params, refs, graph, index
+        self.group: Any | None = None
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self) -> None:
+        where = self.describe()
+        check_refs(self.refs, where)
+        self.op.execute(self.params, where=where)
+        if self.group is not None:
+            self.group.pending_update = False
+            self.group.executions += 1
+
+    def describe(self) -> str:
+        g = f" (task group #{self.group.group_id})" if self.group else ""
+        return f"{self.op.qualname} at node {self.index} of graph #{self.graph.graph_id}{g}"
+
+
+class ExtWaitNode:
+    __slots__ = ("event", "group")
+
+    def __init__(self, event: rt.ExternalEvent) -> None:
+        self.event = event
+        self.group: Any | None = None  # the task group that follows, if any
+
+    def ready(self) -> bool:
+        return bool(self.event._flag)
+
+    def run(self) -> None:
+        self.event._flag = 0
+
+    def describe(self) -> str:
+        return f"wait on {rt.external_event_name(self.event)}"
+
+
+class ExtRecordNode:
+    __slots__ = ("event", "graph")
+
+    def __init__(self, event: rt.ExternalEvent, graph: Any) -> None:
+        self.event = event
+        self.graph = graph
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self) -> None:
+        rt.fire_external_record(self.event, where=f"by a replay of {self.graph!r}")
+
+    def describe(self) -> str:
+        return f"record of {rt.external_event_name(self.event)}"
+
+
+class GraphRun:
+    """One replay of a graph, queued on a stream and executed node by node."""
+
+    def __init__(self, g: Any) -> None:
+        self.graph = g
+        self.pc = 0
+        self.nodes = g._nodes
+
+    def ready(self) -> bool:
+        return self.pc >= len(self.nodes) or self.nodes[self.pc].ready()
+
+    def step(self, max_nodes: int) -> bool:
+        nodes, n = self.nodes, len(self.nodes)
+        try:
+            # A device graph has no autograd: replay like the no-grad work it recorded.
+            with torch.no_grad():
+                self._run(nodes, n, max_nodes)
+        except BaseException:
+            self._finish()
+            raise
+        if self.pc >= n:
+            self._finish()
+            return True
+        return False
+
+    def _run(self, nodes: list[Any], n: int, max_nodes: int) -> None:
+        done = 0
+        while self.pc < n and done < max_nodes:
+            node = nodes[self.pc]
+            if not node.ready():
+                return
+            node.run()
+            self.pc += 1
+            done += 1
+
+    def _finish(self) -> None:
+        if self in self.graph._inflight:
+            self.graph._inflight.remove(self)
+
+    def describe(self) -> dict[str, Any]:
+        node = self.nodes[self.pc]
+        group = getattr(node, "group", None)
+        text = f"replay of graph #{self.graph.graph_id} at node {self.pc}: {node.describe()}"
+        if isinstance(node, ExtWaitNode):
+            text += ", which is never recorded"
+            if group is not None and group.task is not None:
+                text += f" (it guards task group #{group.group_id}, {group.task.op.qualname})"
+        return {
+            "text": text,
+            "graph": self.graph,
+            "event": getattr(node, "event", None),
+            "task_group": group,
+        }

@@ -1,0 +1,199 @@
+"""The layering is a property of the code: imports run downward, capture records are frozen.
+
+Every import of an npugraph module is read from the source (function-level and
+``TYPE_CHECKING`` ones included) and checked against the layers below.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import attrs
+import pytest
+
+from npugraph.capture import CapturedGraph, TaskRecord
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "npugraph"
+
+# Lower layers first. A module may import its own package and anything in a lower layer.
+LAYERS: list[tuple[str, ...]] = [
+    ("npugraph.sim", "npugraph.errors", "npugraph._version"),
+    ("npugraph.files", "npugraph.device", "npugraph.reference"),
+    ("npugraph.ops",),
+    ("npugraph.policy",),  # choosing a kernel is pure: below capture
+    ("npugraph.capture",),
+    ("npugraph.replay",),
+    ("npugraph.dump",),  # reads the core's state; the core never imports it
+    ("npugraph.runtime",),
+    ("npugraph.attention",),
+    ("npugraph.models", "npugraph.integrations"),
+    ("npugraph.measure", "npugraph.selftest", "npugraph.bench"),  # run models on the runtime
+    ("npugraph.cli",),
+    ("npugraph",),
+]
+CORE = ("npugraph.capture", "npugraph.replay")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str, modules: dict[str, pathlib.Path]) -> str:
+    """The npugraph module an import name refers to (a submodule if one exists, else its package)."""
+    while name not in modules:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _imports(path: pathlib.Path, own: str, modules: dict[str, pathlib.Path] = MODULES) -> list[tuple[str, int, bool]]:
+    """(imported npugraph module, line, at module level) for every import in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top = {id(n) for n in tree.body}
+    for n in tree.body:  # imports under `if TYPE_CHECKING:` count as module level
+        if isinstance(n, ast.If):
+            top |= {id(x) for x in ast.walk(n)}
+    out = []
+    package = own if path.name == "__init__.py" else own.rpartition(".")[0]
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            names = [f"{base}.{a.name}" for a in node.names] if base.startswith("npugraph") else [base]
+        for name in names:
+            if name == "npugraph" or name.startswith("npugraph."):
+                out.append((_resolve(name, modules), node.lineno, id(node) in top))
+    return out
+
+
+GRAPH = {mod: _imports(path, mod) for mod, path in MODULES.items()}
+
+
+def _package(mod: str) -> str:
+    """The longest layer entry ``mod`` belongs to (``npugraph.sim`` for ``npugraph.sim._pa``)."""
+    return max((p for g in LAYERS for p in g if mod == p or mod.startswith(p + ".")), key=len, default="")
+
+
+def _layer(mod: str) -> int:
+    pkg = _package(mod)
+    return next((i for i, group in enumerate(LAYERS) if pkg in group), -1)
+
+
+def test_every_module_has_a_layer():
+    assert all(_layer(m) >= 0 for m in MODULES), [m for m in MODULES if _layer(m) < 0]
+
+
+def test_no_import_cycles():
+    edges = {m: sorted({t for t, _, _ in GRAPH[m] if t != m}) for m in MODULES}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in edges[m]:
+            if state.get(t) == 1:
+                cycles.append([*stack[stack.index(t) :], t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(MODULES):
+        if m not in state:
+            visit(m)
+    assert cycles == [], "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_function_level_imports_of_npugraph():
+    bad = [f"{m}:{line} imports {t} inside a function" for m, imps in GRAPH.items() for t, line, top in imps if not top]
+    assert bad == [], "\n".join(bad)
+
+
+def test_imports_only_run_downward():
+    bad = []
+    for m, imps in GRAPH.items():
+        for t, line, _ in imps:
+            if _package(t) == _package(m):
+                continue
+            if _layer(t) >= _layer(m):
+                bad.append(f"{m}:{line} imports {t}, which is not below it")
+    assert bad == [], "\n".join(bad)
+
+
+def test_the_simulator_imports_nothing_of_npugraph_outside_itself():
+    bad = [
+        f"{m}:{line} imports {t}"
+        for m, imps in GRAPH.items()
+        if m.startswith("npugraph.sim")
+        for t, line, _ in imps
+        if not t.startswith("npugraph.sim")
+    ]
+    assert bad == [], bad
+
+
+@pytest.mark.parametrize(
+    "forbidden",
+    [
+        "npugraph.runtime",
+        "npugraph.models",
+        "npugraph.cli",
+        "npugraph.dump",
+        "npugraph.integrations",
+        "npugraph.measure",
+    ],
+)
+def test_the_core_knows_no_runtime_engine_model_cli_or_dump_tool(forbidden):
+    bad = [
+        f"{m}:{line} imports {t}"
+        for m, imps in GRAPH.items()
+        if m.startswith(CORE)
+        for t, line, _ in imps
+        if t == forbidden or t.startswith(forbidden + ".")
+    ]
+    assert bad == [], bad
+
+
+def test_the_checker_sees_module_and_function_level_imports(tmp_path):
+    pkg = tmp_path / "npugraph"
+    (pkg / "capture").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "capture" / "__init__.py").write_text("from npugraph.runtime import Runtime\n")
+    (pkg / "runtime.py").write_text("def f():\n    from npugraph.capture import x\n")
+    mods = {_module_name_at(p, tmp_path): p for p in pkg.rglob("*.py")}
+    imps = {m: _imports(p, m, mods) for m, p in mods.items()}
+    assert ("npugraph.runtime", 1, True) in imps["npugraph.capture"]
+    assert ("npugraph.capture", 2, False) in imps["npugraph.runtime"]
+
+
+def _module_name_at(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def test_capture_records_are_frozen():
+    for cls in (TaskRecord, CapturedGraph):
+        assert attrs.has(cls) and cls.__setattr__ is not object.__setattr__
+        inst = object.__new__(cls)
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            inst.index = 1  # type: ignore[attr-defined]
