@@ -59,6 +59,7 @@ class Runtime:
         postmortem_dir: str | None = None,
         trace_depth: int = 16,
         eager_fallback: Callable[[Hashable, StepMetadata, Mapping[str, torch.Tensor]], Any] | None = None,
+        defer_block_check: bool | None = None,
     ) -> None:
         if order not in _ORDERS:
             raise ConfigError(f"order must be 'update-first' or 'replay-first', got {order!r}")
@@ -72,6 +73,7 @@ class Runtime:
             fused_update=fused_update,
             on_error=self._on_error,
             on_update=self.trace.note,
+            defer_block_check=defer_block_check,
         )
         self.postmortem = PostMortem(self.manager, self.updater, self.trace, postmortem_dir)
         self.order = order
@@ -269,7 +271,11 @@ class Runtime:
                 dst[n:].fill_(pads.get(name, 0))
 
     def synchronize(self) -> None:
-        """Wait for the device; name the namespace, key and layer if it would hang."""
+        """Wait for the device; name the namespace, key and layer if it would hang.
+
+        Then report a bad block id found by the device-side check of a device-resident
+        block table (:class:`~npugraph.errors.MetadataError` naming step, key and layer).
+        """
         dev = self.device
         try:
             dev.npu.synchronize()
@@ -285,6 +291,7 @@ class Runtime:
             err = ReplayFailed(describe_device_error(self.manager, exc))
             self.postmortem.on_error(err, None)
             raise err from exc
+        self.updater.check_deferred()
 
     # --- introspection ---------------------------------------------------------------
     def summary(self) -> list[dict[str, Any]]:

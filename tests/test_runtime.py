@@ -158,7 +158,10 @@ def test_half_way_update_failure_blocks_replay_until_a_full_update():
     ref = eng.eager(b).clone()
     bad = AttentionMetadata(seq_lens=torch.full((4,), 9999, dtype=torch.int32), block_table=b.meta.block_table)
     meta = {f"main.layers.{i}.attn": (b.meta if i < 2 else bad) for i in range(4)}
-    with pytest.raises(UpdateFailed, match=r"update of main/4 failed: ValueError: .*context_lens"):
+    with pytest.raises(
+        UpdateFailed,
+        match=r"update of main/4 failed at layer 'main.layers.2.attn' \(task 2\): ValueError: .*context_lens",
+    ):
         rt.update(4, meta)
     with pytest.raises(NotReplayableError, match="main/4 is not replayable"):
         rt.replay(4)

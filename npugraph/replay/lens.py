@@ -8,7 +8,7 @@ import torch
 from npugraph.errors import MetadataError
 from npugraph.ops.base import StepLens, pad_lens
 
-__all__ = ["AttentionMetadata", "pad_lens", "convert"]
+__all__ = ["AttentionMetadata", "pad_lens", "convert", "bad_block_ids"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -58,12 +58,15 @@ def convert(
     capacity_blocks: int,
     where: str,
     validate: bool = True,
+    check_block_ids: bool | None = None,
 ) -> StepLens:
     """Validate ``meta`` against a captured graph and pad it to that graph's size.
 
     ``where`` names the graph and layer in error messages.  The checks of shapes,
     types and query/key lengths always run; ``validate`` adds the bounds of every
-    length and block id (the cost grows with the blocks the requests use).
+    length and, when ``check_block_ids`` (default: the table is on the host), of every
+    block id in use — reading a device table here would synchronize, so the updater
+    checks those on the device instead (the cost grows with the blocks in use).
     """
     if not isinstance(meta, AttentionMetadata):
         raise MetadataError(
@@ -124,7 +127,7 @@ def convert(
                 f"{where}: seq_lens[{i}] = {longest} needs more than the {min(cols, capacity_blocks)} "
                 f"blocks of {block_size} tokens the block table holds"
             )
-        if table.device.type == "cpu":
+        if check_block_ids if check_block_ids is not None else table.device.type == "cpu":
             _check_block_ids(table, kv, block_size, num_blocks, where)
     return pad_lens(kv, q_ends, batch, tokens)
 
@@ -149,11 +152,32 @@ def _check_block_ids(table: torch.Tensor, kv: list[int], block_size: int, num_bl
                 j = next(j for j, b in enumerate(used) if b < 0 or b >= num_blocks)
                 _bad_block(where, i, j, used[j], num_blocks)
         return
-    in_use = torch.arange(width, device="cpu").unsqueeze(0) < torch.tensor(used_cols, device="cpu").unsqueeze(1)
-    bad = ((sub < 0) | (sub >= num_blocks)) & in_use
+    bad = _bad_mask(sub, used_cols, num_blocks)
     if bool(bad.any()):
         i, j = (int(x) for x in bad.nonzero()[0])
         _bad_block(where, i, j, int(sub[i, j]), num_blocks)
+
+
+def _bad_mask(sub: torch.Tensor, used_cols: list[int], num_blocks: int) -> torch.Tensor:
+    """Where ``sub`` (the columns in use of R rows) holds a block id outside the cache."""
+    dev = sub.device
+    in_use = torch.arange(sub.shape[1], device=dev).unsqueeze(0) < torch.tensor(used_cols, device=dev).unsqueeze(1)
+    return ((sub < 0) | (sub >= num_blocks)) & in_use
+
+
+def bad_block_ids(
+    table: torch.Tensor, kv: list[int] | tuple[int, ...], block_size: int, num_blocks: int
+) -> torch.Tensor:
+    """A 0-d bool tensor on ``table``'s device: does a block in use lie outside the cache?
+
+    Device work only (no host read): the updater folds it into a flag that
+    ``Runtime.synchronize`` reads once the device is idle anyway.
+    """
+    used_cols = [-(-length // block_size) for length in kv]
+    width = max(used_cols, default=0)
+    if width == 0:
+        return torch.zeros((), dtype=torch.bool, device=table.device)
+    return _bad_mask(table[: len(kv), :width], used_cols, num_blocks).any()
 
 
 def _bad_block(where: str, i: int, j: int, block: int, num_blocks: int) -> None:

@@ -20,7 +20,7 @@ from npugraph.errors import (
     UpdateFailed,
 )
 from npugraph.ops import OpSpec, StepLens
-from npugraph.replay.lens import AttentionMetadata, convert
+from npugraph.replay.lens import AttentionMetadata, bad_block_ids, convert
 
 __all__ = ["ReplayUpdater", "StepMetadata", "UpdatePlan", "GraphState", "describe_device_error"]
 
@@ -118,10 +118,17 @@ class ReplayUpdater:
         fused_update: bool | None = None,
         on_error: Callable[[NpuGraphError, CapturedGraph | None], None] | None = None,
         on_update: Callable[[CapturedGraph, GraphState], None] | None = None,
+        defer_block_check: bool | None = None,
     ) -> None:
         self.manager = manager
         self.device = manager.device
         self.validate = validate
+        # None: block ids of device-resident tables are checked on the device (a host read
+        # would synchronize) and reported by check_deferred(); host tables on the host.
+        self.defer_block_check = defer_block_check
+        self._flags: torch.Tensor | None = None  # one per recent deferred check
+        self._flag_where: list[str] = [""] * _FLAG_SLOTS
+        self._flag_next = 0
         self.skip_unchanged = skip_unchanged
         if fused_update is None:
             # The 4-in-1 pays off where it is C++ without the GIL (hardware); the
@@ -215,27 +222,27 @@ class ReplayUpdater:
         # Until a complete update lands, replaying would run a mix of steps' lengths.
         state.replayable = False
         try:
-            host, copies = self._prepare(entry, plan, state, metadata)
-        except NpuGraphError as exc:
-            self._report(exc, entry)
+            step = self._prepare(entry, plan, state, metadata)
+        except NpuGraphError as bad:
+            self._report(bad, entry)
             raise
         try:
-            state.last_reissued = self._issue(entry, plan, state, host, copies)
-        except NpuGraphError as exc:
-            self._report(exc, entry)
-            raise
-        except self.device.race_errors as exc:
-            err: NpuGraphError = GraphRace(describe_device_error(self.manager, exc, entry))
+            state.last_reissued = self._issue(entry, plan, state, step)
+        except _TaskFailed as failed:
+            cause = failed.error
+            where = "copying block tables" if failed.index < 0 else f"layer {plan.layers[failed.index]!r}"
+            if isinstance(cause, self.device.race_errors):
+                err: NpuGraphError = GraphRace(
+                    f"update of {namespace}/{key!r} at {where}: " + describe_device_error(self.manager, cause, entry)
+                )
+            else:
+                err = UpdateFailed(
+                    f"update of {namespace}/{key!r} failed at {where} (task {failed.index}): "
+                    f"{type(cause).__name__}: {str(cause).rstrip('.')}. The graph will not replay until a "
+                    "complete update succeeds."
+                )
             self._report(err, entry)
-            raise err from exc
-        except Exception as exc:
-            err = UpdateFailed(
-                f"update of {namespace}/{key!r} failed{_in_layer(self.manager, exc, entry)}: "
-                f"{type(exc).__name__}: {str(exc).rstrip('.')}. The graph will not replay until a complete "
-                "update succeeds."
-            )
-            self._report(err, entry)
-            raise err from exc
+            raise err from cause
         state.replayable = True
         state.steps += 1
         steps = self._ns(namespace)
@@ -244,12 +251,11 @@ class ReplayUpdater:
         if self._on_update is not None:
             self._on_update(entry, state)
 
-    def _prepare(
-        self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata
-    ) -> tuple[list[dict[str, Any]], dict[int, tuple[Any, AttentionMetadata]]]:
-        """Resolve, validate and convert metadata; no device call and no state change here."""
+    def _prepare(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata) -> _Step:
+        """Resolve, validate and convert metadata; no device call here."""
         metas = _resolve(entry, plan, metadata)
         copies: dict[int, tuple[Any, AttentionMetadata]] = {}
+        deferred: list[_DeferredCheck] = []
         host_by: dict[tuple[int, str], dict[str, Any]] = {}
         lens_by: dict[int, StepLens] = {}
         new_lens: dict[str, StepLens] = {}
@@ -258,6 +264,10 @@ class ReplayUpdater:
             lens = lens_by.get(mid)
             if lens is None:  # each distinct metadata object once
                 bs, nblocks, cols, batch, tokens = plan.geometry[i]
+                where = f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}"
+                table = getattr(meta, "block_table", None)
+                on_device = isinstance(table, torch.Tensor) and table.device.type != "cpu"
+                defer = self.validate and (self.defer_block_check if self.defer_block_check is not None else on_device)
                 lens = convert(
                     meta,
                     batch=batch,
@@ -266,9 +276,20 @@ class ReplayUpdater:
                     block_size=bs,
                     num_blocks=nblocks,
                     capacity_blocks=cols,
-                    where=f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}",
+                    where=where,
                     validate=self.validate,
+                    check_block_ids=not defer,
                 )
+                if defer and lens.num_reqs:
+                    deferred.append(
+                        _DeferredCheck(
+                            table=meta.block_table,
+                            kv=lens.kv_lens[: lens.num_reqs],
+                            block_size=bs,
+                            num_blocks=nblocks,
+                            where=f"step {state.steps + 1} of {where}",
+                        )
+                    )
                 slot = plan.slots[i]
                 prev = state.last_lens.get(slot)
                 if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
@@ -296,50 +317,67 @@ class ReplayUpdater:
                     state.last_host[(plan.slots[i], plan.spec_names[i])] = (lens, hv)
                     host_by[hk] = hv
         state.last_lens.update(new_lens)
-        return [host_by[(id(m), n)] for m, n in zip(metas, plan.spec_names)], copies
+        host = [host_by[(id(m), n)] for m, n in zip(metas, plan.spec_names)]
+        return _Step(host=host, copies=copies, deferred=tuple(deferred))
 
     def _issue(
         self,
         entry: CapturedGraph,
         plan: UpdatePlan,
         state: GraphState,
-        host: list[dict[str, Any]],
-        copies: dict[int, tuple[Any, AttentionMetadata]],
+        step: _Step,
     ) -> int:
-        """Issue the step's device work; return how many tasks were re-issued."""
+        """Issue the step's device work; return how many tasks were re-issued.
+
+        A failure is raised as :class:`_TaskFailed` naming the task it happened at
+        (``-1``: before any task, while copying block tables).
+        """
         npu = self.device.npu
         us = self.stream
-        skipped = 0
         steps = self._ns(entry.namespace)
         if steps.step > 0:
             # Order after the previous replay: it must consume the previous step's
             # lengths and events before this step's land (no host synchronize).
             us.wait_event(steps.done[(steps.step - 1) % 2])
         with npu.stream(us):
-            for buf, meta in copies.values():
-                src = meta.block_table
-                if buf.data_ptr() != src.data_ptr():
-                    rows = min(int(src.shape[0]), int(buf.shape[0]))
-                    cols = min(int(src.shape[1]), int(buf.shape[1]))
-                    buf[:rows, :cols].copy_(src[:rows, :cols], non_blocking=True)
-            begin = npu.graph_task_update_begin
-            end = npu.graph_task_update_end
-            fused_fn = self._fused
-            applied = state.applied
-            pending = state.event_pending
-            skip = self.skip_unchanged
-            handles, events, kernels, fused = plan.handles, plan.events, plan.kernels, plan.fused
-            kwargs, qkv = plan.kwargs, plan.qkv
+            try:
+                for check in step.deferred:
+                    self._flag(check)
+                for buf, meta in step.copies.values():
+                    src = meta.block_table
+                    if buf.data_ptr() != src.data_ptr():
+                        rows = min(int(src.shape[0]), int(buf.shape[0]))
+                        cols = min(int(src.shape[1]), int(buf.shape[1]))
+                        buf[:rows, :cols].copy_(src[:rows, :cols], non_blocking=True)
+            except Exception as exc:
+                raise _TaskFailed(-1, exc) from exc
+            reissued = self._issue_tasks(us, plan, state, step.host)
+        if state.replay_waiting:
+            # The replay already queued consumes these events.
+            state.replay_waiting = False
+            state.event_pending[:] = [False] * len(state.event_pending)
+        return reissued
+
+    def _issue_tasks(self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]]) -> int:
+        """Re-issue every task whose host values changed; record every task's event once."""
+        npu = self.device.npu
+        begin, end, fused_fn = npu.graph_task_update_begin, npu.graph_task_update_end, self._fused
+        applied, pending, skip = state.applied, state.event_pending, self.skip_unchanged
+        handles, events, kernels, fused = plan.handles, plan.events, plan.kernels, plan.fused
+        kwargs, qkv = plan.kwargs, plan.qkv
+        reissued = 0
+        i = -1
+        try:
             for i in range(len(handles)):
                 hv = host[i]
                 if skip and applied[i] is hv:
-                    skipped += 1
                     if not pending[i]:
                         events[i].record(us)
                         pending[i] = True
                     continue
                 kw = kwargs[i]
                 kw.update(hv)  # the plan's own dict: host entries are rewritten in place
+                reissued += 1
                 if fused[i] and not pending[i]:
                     q, k, v = qkv[i]  # type: ignore[misc]
                     fused_fn(us, handles[i], events[i], q, k, v, **kw)  # type: ignore[misc]
@@ -361,11 +399,45 @@ class ReplayUpdater:
                 if not pending[i]:
                     events[i].record(us)
                     pending[i] = True
-        if state.replay_waiting:
-            # The replay already queued consumes these events.
-            state.replay_waiting = False
-            pending[:] = [False] * len(pending)
-        return len(host) - skipped
+        except Exception as exc:
+            raise _TaskFailed(i, exc) from exc
+        return reissued
+
+    def _flag(self, check: _DeferredCheck) -> None:
+        """Queue the device-side block-id check of one table into the next flag slot."""
+        table = check.table
+        if self._flags is None or self._flags.device != table.device:
+            self._flags = torch.zeros(_FLAG_SLOTS, dtype=torch.bool, device=table.device)
+        slot = self._flag_next
+        self._flag_next = (slot + 1) % _FLAG_SLOTS
+        self._flag_where[slot] = check.where
+        self._flags[slot] = bad_block_ids(table, check.kv, check.block_size, check.num_blocks)
+
+    def check_deferred(self) -> None:
+        """Raise :class:`~npugraph.errors.MetadataError` for a bad block id found on the device.
+
+        Call it when the device is idle (``Runtime.synchronize`` does): reading the flags
+        then costs no synchronize.  The step that carried the bad id has already run, so
+        its output is wrong; the graph stays replayable and later steps are unaffected.
+        """
+        flags = self._flags
+        if flags is None:
+            return
+        hits = flags.nonzero().flatten().tolist()
+        if not hits:
+            return
+        flags.zero_()
+        # oldest first, counting from the slot written next
+        hits.sort(key=lambda h: (h - self._flag_next) % _FLAG_SLOTS)
+        where = self._flag_where[hits[0]]
+        more = f" (and {len(hits) - 1} later check(s))" if len(hits) > 1 else ""
+        err = MetadataError(
+            f"{where}: a block id in use in its device-resident block table is not a block of the KV "
+            f"cache{more}. That step has already run and read a wrong block, so its output is wrong; "
+            "fix the block table the engine passes (the graph stays replayable)."
+        )
+        self._report(err, None)
+        raise err
 
     # --- replay ----------------------------------------------------------------------
     def replay(self, namespace: str, key: Hashable) -> None:
@@ -424,6 +496,37 @@ class ReplayUpdater:
     def _report(self, err: NpuGraphError, entry: CapturedGraph | None) -> None:
         if self._on_error is not None:
             self._on_error(err, entry)
+
+
+_FLAG_SLOTS = 64  # deferred block-id checks remembered between two synchronizes
+
+
+@attrs.frozen(kw_only=True)
+class _DeferredCheck:
+    """A block-id check of a device-resident table, run on the device."""
+
+    table: Any
+    kv: tuple[int, ...]
+    block_size: int
+    num_blocks: int
+    where: str
+
+
+@attrs.frozen(kw_only=True)
+class _Step:
+    """One update, prepared: host values per task, block tables to copy, deferred checks."""
+
+    host: list[dict[str, Any]]
+    copies: dict[int, tuple[Any, AttentionMetadata]]
+    deferred: tuple[_DeferredCheck, ...]
+
+
+class _TaskFailed(Exception):
+    """A device call of an update failed at task ``index`` (-1: before the first task)."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(index, error)
+        self.index, self.error = index, error
 
 
 def _spec(plan: UpdatePlan, i: int) -> OpSpec:

@@ -98,6 +98,8 @@ def attention(
     """
     b, n, sq, d = q.shape
     kvn, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if sk == 0:  # no request has a key (an empty step): every row is zeros
+        return q.new_zeros(b, n, sq, dv), torch.full((b, n, sq), float("-inf"))
     g = n // kvn
     qf = q.float().reshape(b, kvn, g * sq, d)
     s = torch.matmul(qf, k.float().transpose(-1, -2)).reshape(b, kvn, g, sq, sk) * scale
