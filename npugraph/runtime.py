@@ -118,19 +118,20 @@ class Runtime:
         """
         tokens = int(call.query.shape[0])
         rows = int(call.block_table.shape[0])
+        tpr = call.tokens_per_request
         if self.manager.phase is Phase.CAPTURE:
-            lens = pad_lens(
-                meta.seq_lens.tolist(),
-                None if meta.query_start_loc is None else meta.query_start_loc.tolist()[1:],
-                rows,
-                tokens,
-            )
+            r = meta.num_reqs
+            if meta.query_start_loc is not None:
+                q_ends: list[int] | None = meta.query_start_loc.tolist()[1:]
+            else:
+                q_ends = None if tpr == 1 else [tpr * (i + 1) for i in range(r)]
+            lens = pad_lens(meta.seq_lens.tolist(), q_ends, rows, tokens)
             self.manager.attention(layer, group, call, lens, ubatch)
             return
         batch = rows
         qsl = meta.query_start_loc
-        if qsl is None:  # plain decode: one token per request, spare tokens are padding requests
-            batch = max(rows, tokens // max(1, call.tokens_per_request))
+        if qsl is None:  # uniform: tokens_per_request each, spare tokens are padding requests
+            batch = max(rows, tokens // max(1, tpr))
         else:  # mixed prefill/decode: causal within each request; spare tokens form one padding request
             starts = qsl.tolist() if isinstance(qsl, torch.Tensor) else list(qsl)
             longest = max((b - a for a, b in itertools.pairwise(starts)), default=1)
@@ -150,6 +151,7 @@ class Runtime:
             capacity_blocks=int(call.block_table.shape[1]),
             where=f"eager {namespace} layer {layer!r}",
             validate=self.validate,
+            tokens_per_request=tpr if meta.query_start_loc is None else 1,
         )
         choice = self.manager.kernel_for(namespace, tokens)
         if choice is None or choice.kernel not in SPECS or SPECS[choice.kernel].unsupported(call):

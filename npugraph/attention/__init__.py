@@ -29,6 +29,7 @@ class DecodeAttention:
         scale: float | None = None,
         namespace: str = "main",
         group: str = "default",
+        tokens_per_request: int = 1,
     ) -> None:
         self.runtime = runtime
         self.layer_name = layer_name
@@ -37,6 +38,8 @@ class DecodeAttention:
         self.scale = scale if scale is not None else head_size**-0.5
         self.namespace = namespace
         self.group = group
+        # > 1: speculative verification, each request's tokens attend causally (FIA)
+        self.tokens_per_request = tokens_per_request
 
     def __call__(
         self,
@@ -60,6 +63,7 @@ class DecodeAttention:
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             scale=self.scale,
+            tokens_per_request=self.tokens_per_request,
         )
         self.runtime.attention(self.layer_name, call, meta, namespace=self.namespace, group=self.group, ubatch=ubatch)
         return out

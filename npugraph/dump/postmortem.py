@@ -13,14 +13,14 @@ from npugraph.replay import ReplayUpdater
 
 __all__ = ["MAX_POSTMORTEMS", "PostMortem"]
 
-MAX_POSTMORTEMS = 32  # per process: a failing loop must not fill the disk
+MAX_POSTMORTEMS = 32  # per runtime: a failing loop must not fill the disk
 
 
 class PostMortem:
     """Write the manifest and update trace to ``folder`` when a step fails.
 
     Files are created exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600) in a
-    folder created with mode 0700, at most :data:`MAX_POSTMORTEMS` per process; a
+    folder created with mode 0700, at most :data:`MAX_POSTMORTEMS` per runtime; a
     failure while writing one is noted in the error's message and never replaces it.
     """
 

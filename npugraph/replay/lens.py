@@ -59,13 +59,15 @@ def convert(
     where: str,
     validate: bool = True,
     check_block_ids: bool | None = None,
+    tokens_per_request: int = 1,
 ) -> StepLens:
     """Validate ``meta`` against a captured graph and pad it to that graph's size.
 
     ``where`` names the graph and layer in error messages.  The checks of shapes,
     types and query/key lengths always run; ``validate`` adds the bounds of every
     length and, when ``check_block_ids`` (default: the table is on the host), of every
-    block id in use — reading a device table here would synchronize, so the updater
+    block id in use.  Without ``query_start_loc`` every request has ``tokens_per_request``
+    query tokens (1: decode; more: speculative verification) — reading a device table here would synchronize, so the updater
     checks those on the device instead (the cost grows with the blocks in use).
     """
     if not isinstance(meta, AttentionMetadata):
@@ -100,6 +102,10 @@ def convert(
                     f"{where}: request {i} has {q_len} query tokens but seq_lens[{i}] = {kv[i]}; the key "
                     "length counts this step's tokens too"
                 )
+        if q_ends and q_ends[-1] > tokens:
+            raise MetadataError(f"{where}: {q_ends[-1]} query tokens do not fit the captured {tokens}")
+    elif tokens_per_request > 1:
+        q_ends = [tokens_per_request * (i + 1) for i in range(r)]
         if q_ends and q_ends[-1] > tokens:
             raise MetadataError(f"{where}: {q_ends[-1]} query tokens do not fit the captured {tokens}")
     elif r > tokens:

@@ -175,6 +175,8 @@ class ReplayUpdater:
 
     def _build_plan(self, entry: CapturedGraph) -> UpdatePlan:
         fused, geometry, tables, kwargs, qkv = [], [], [], [], []
+        # Aliases are per task; one buffer (by address and layout) is copied into once per step.
+        buffers: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Any] = {}
         for t in entry.tasks:
             kw = {k: v for k, v in t.kwargs().items() if k not in t.spec.host_args}
             use_fused = bool(t.spec.fused_update and self._fused is not None)
@@ -187,7 +189,7 @@ class ReplayUpdater:
             q = t.tensor("query")
             assert bt is not None and kc is not None and q is not None, "op specs declare these arguments"
             geometry.append((int(kc.shape[1]), int(kc.shape[0]), int(bt.shape[1]), int(bt.shape[0]), int(q.shape[0])))
-            tables.append(bt)
+            tables.append(buffers.setdefault((bt.data_ptr(), tuple(bt.shape), tuple(bt.stride())), bt))
         return UpdatePlan(
             layers=tuple(t.layer for t in entry.tasks),
             groups=tuple(t.group for t in entry.tasks),
@@ -279,6 +281,7 @@ class ReplayUpdater:
                     where=where,
                     validate=self.validate,
                     check_block_ids=not defer,
+                    tokens_per_request=max(1, tokens // max(1, batch)),
                 )
                 if defer and lens.num_reqs:
                     deferred.append(
@@ -539,9 +542,13 @@ def _same_table(a: AttentionMetadata, b: AttentionMetadata) -> bool:
 
     Device tables are compared by address only: reading them would synchronize."""
     ta, tb = a.block_table, b.block_table
-    if ta is tb or (ta.data_ptr() == tb.data_ptr() and ta.shape == tb.shape and ta.stride() == tb.stride()):
+    if ta is tb:
         return True
-    if a.num_reqs != b.num_reqs or ta.shape[1] != tb.shape[1] or ta.device.type != "cpu" or tb.device.type != "cpu":
+    if a.num_reqs != b.num_reqs or ta.shape[1] != tb.shape[1]:
+        return False
+    if ta.data_ptr() == tb.data_ptr() and ta.stride() == tb.stride():
+        return True  # the same rows of one table (views may differ in length)
+    if ta.device.type != "cpu" or tb.device.type != "cpu":
         return False
     rows = a.num_reqs
     return bool(torch.equal(ta[:rows], tb[:rows]))

@@ -1,0 +1,268 @@
+"""npugraph's runtime path (padding, conversion, update, op declarations) against a reference
+that runs none of it.
+
+The test owns the KV caches (it writes them itself, so it knows every request's history)
+and builds each step's lengths and block tables; the reference
+(:func:`npugraph.reference.paged_attention_reference`) gathers each real request's keys
+position by position from those and computes attention in float64.  Replayed outputs
+are compared with it, per layer, on every step, and padding rows must be zeros.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from npugraph import AttentionMetadata, DecodeAttention, Runtime, sim
+from npugraph.errors import MetadataError
+from npugraph.policy import FixedPolicy, StaticPolicy
+from npugraph.reference import paged_attention_reference
+
+HEADS, KV_HEADS, HEAD, BLOCK, BLOCKS, MAX_LEN = 4, 2, 64, 16, 48, 128
+TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
+
+
+class Harness:
+    """Attention layers over caches the test wrote, captured at ``sizes``; outputs per layer.
+
+    ``groups`` maps layer name to its KV-cache group; each group has its own block-table
+    buffer.  ``ubatches`` > 1 runs every layer once per micro-batch in one forward.
+    """
+
+    def __init__(
+        self,
+        sizes,
+        *,
+        layers=2,
+        groups=None,
+        policy=None,
+        dtype=torch.float16,
+        tokens_per_request=1,
+        ubatches=1,
+        seed=0,
+        **rt_kwargs,
+    ):
+        self.rt = Runtime("sim", max_model_len=MAX_LEN, policy=policy, **rt_kwargs)
+        self.dtype, self.tpr, self.ubatches = dtype, tokens_per_request, ubatches
+        self.names = [f"layer{i}" for i in range(layers)]
+        self.groups = groups or dict.fromkeys(self.names, "default")
+        gen = torch.Generator().manual_seed(seed)
+        shape = (BLOCKS, BLOCK, KV_HEADS, HEAD)
+        self.caches = {
+            n: (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+            for n in self.names
+        }
+        self.attn = {
+            n: DecodeAttention(
+                self.rt,
+                n,
+                num_heads=HEADS,
+                num_kv_heads=KV_HEADS,
+                head_size=HEAD,
+                group=self.groups[n],
+                tokens_per_request=tokens_per_request,
+            )
+            for n in self.names
+        }
+        top = max(sizes)
+        self.query = torch.zeros(ubatches, top * tokens_per_request, HEADS, HEAD, dtype=dtype)
+        self.tables = {
+            g: torch.zeros(ubatches, top, MAX_LEN // BLOCK, dtype=torch.int32) for g in set(self.groups.values())
+        }
+        self.rng = random.Random(seed)
+        for size in sorted(sizes, reverse=True):
+            t = size * tokens_per_request
+            metas = [
+                {
+                    g: AttentionMetadata(
+                        seq_lens=torch.full((size,), tokens_per_request, dtype=torch.int32), block_table=tb[u, :size]
+                    )
+                    for g, tb in self.tables.items()
+                }
+                for u in range(ubatches)
+            ]
+            self.rt.capture(
+                self.forward, self.query[:, :t], metas, key=size, tokens=t, static_inputs={"query": self.query[:, :t]}
+            )
+
+    def forward(self, query, metas):
+        outs = []
+        for u in range(self.ubatches):
+            row = []
+            for n in self.names:
+                k, v = self.caches[n]
+                row.append(self.attn[n](query[u], k, v, metas[u][self.groups[n]], ubatch=u))
+            outs.append(torch.stack(row))
+        return torch.stack(outs)  # [ubatch, layer, T, N, D]
+
+    def random_meta(self, r, lens=None):
+        """R requests with random lengths (at least their query tokens) and distinct blocks."""
+        lens = lens or [self.rng.randint(self.tpr, MAX_LEN) for _ in range(r)]
+        table = torch.zeros(r, MAX_LEN // BLOCK, dtype=torch.int32)
+        for i, n in enumerate(lens):
+            used = -(-n // BLOCK)
+            table[i, :used] = torch.tensor(self.rng.sample(range(BLOCKS), used), dtype=torch.int32)
+        qsl = None if self.tpr == 1 else torch.arange(0, (r + 1) * self.tpr, self.tpr, dtype=torch.int32)
+        return AttentionMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, query_start_loc=qsl)
+
+    def reference(self, name, q, meta):
+        k, v = self.caches[name]
+        r = meta.num_reqs
+        qlens = [self.tpr] * r
+        return paged_attention_reference(
+            q[: r * self.tpr], k, v, meta.block_table, meta.seq_lens.tolist(), self.attn[name].scale, qlens
+        )
+
+    def step(self, size, metadata, q):
+        out = self.rt.step(size, metadata, inputs={"query": q})
+        self.rt.synchronize()
+        return out
+
+    def check(self, out, q, metas_by_layer, ubatch=0):
+        """Every layer's real rows match the reference; padding rows are zeros."""
+        for li, n in enumerate(self.names):
+            meta = metas_by_layer[n]
+            real = meta.num_reqs * self.tpr
+            ref = self.reference(n, q[ubatch], meta)
+            got = out[ubatch, li, :real].double()
+            err = (got - ref).abs().max().item() if real else 0.0
+            assert err < TOL[self.dtype], f"layer {n} ubatch {ubatch}: {err} from the float64 reference"
+            assert not out[ubatch, li, real:].any(), f"layer {n}: padding rows must be zeros"
+
+
+def _q(h, size, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(h.ubatches, size * h.tpr, HEADS, HEAD, generator=g).to(h.dtype)
+
+
+@pytest.mark.parametrize("order", ["update-first", "replay-first"])
+@pytest.mark.parametrize("kernel", ["pa", "fia"])
+def test_decode_against_the_reference(kernel, order):
+    h = Harness([4, 8], policy=FixedPolicy(kernel), order=order)
+    for step in range(12):
+        size = 8 if step % 3 else 4
+        meta = h.random_meta(h.rng.randint(0, size))
+        q = _q(h, size, step)
+        out = h.step(size, {"default": meta}, q)
+        h.check(out, q, dict.fromkeys(h.names, meta))
+
+
+def test_the_fused_update_path_against_the_reference():
+    h = Harness([8], policy=FixedPolicy("fia"), fused_update=True)
+    assert h.rt.updater.plan(h.rt.manager.entry("main", 8)).fused[0]
+    for step in range(6):
+        meta = h.random_meta(h.rng.randint(1, 8))
+        q = _q(h, 8, step)
+        h.check(h.step(8, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
+def test_adversarial_scheduling_against_the_reference():
+    sim.configure(adversarial_seed=5)
+    h = Harness([4, 8], order="replay-first")
+    for step in range(8):
+        size = (4, 8)[step % 2]
+        meta = h.random_meta(h.rng.randint(1, size))
+        q = _q(h, size, step)
+        h.check(h.step(size, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
+def test_speculative_steps_against_the_reference():
+    """Two tokens per request, causal; padding requests take the spare tokens, never a real one."""
+    h = Harness([4], tokens_per_request=2, dtype=torch.float32)
+    assert h.rt.manager.entry("main", 4).choice.kernel == "fia"
+    for step, r in enumerate([4, 3, 1, 2, 4]):
+        meta = h.random_meta(r)
+        q = _q(h, 4, step)
+        h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
+def test_a_short_last_request_is_not_padded_into_a_shifted_causal_window():
+    """One request, 2 tokens per request captured, 1 real token: refused, never attention over 19 keys."""
+    h = Harness([1], tokens_per_request=2, dtype=torch.float32)
+    meta = AttentionMetadata(
+        seq_lens=torch.tensor([20], dtype=torch.int32),
+        block_table=h.random_meta(1, [20]).block_table,
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+    )
+    with pytest.raises(
+        MetadataError, match=r"all 1 captured request rows are real but the step has 1 of 2 query tokens"
+    ):
+        h.rt.update(1, {"default": meta})
+
+
+def test_an_empty_step_gives_zeros_on_both_kernels():
+    for kernel in ("pa", "fia"):
+        h = Harness([4], policy=FixedPolicy(kernel))
+        empty = h.random_meta(0)
+        q = _q(h, 4, 0)
+        out = h.step(4, {"default": empty}, q)
+        assert not out.any(), kernel
+        meta = h.random_meta(3)  # and the next step is right again
+        h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
+def test_per_layer_metadata_that_differs_between_layers():
+    """Keyed by layer name, each layer gets its own lengths (sharing one table), never another's."""
+    h = Harness([8], layers=3, policy=StaticPolicy())
+    for step in range(4):
+        base = h.random_meta(6, [MAX_LEN] * 6)
+        metas = {}
+        for i, n in enumerate(h.names):
+            lens = torch.tensor([h.rng.randint(1, MAX_LEN) for _ in range(6)], dtype=torch.int32)
+            metas[n] = AttentionMetadata(seq_lens=lens, block_table=base.block_table)
+        metas_in = dict(metas)
+        metas_in["default"] = h.random_meta(6)  # a group entry that must lose to the layer names
+        q = _q(h, 8, step)
+        h.check(h.step(8, metas_in, q), q, metas)
+    doc = h.rt.manifest()
+    (key,) = doc["namespaces"]["main"]["keys"]
+    for task, n in zip(key["tasks"], h.names):
+        host = task["last_update"]["host"]
+        assert host["actual_seq_lengths_kv"][:6] == metas[n].seq_lens.tolist(), (
+            "the manifest shows each layer's own lengths"
+        )
+
+
+def test_layers_with_other_block_tables_on_one_buffer_are_refused():
+    h = Harness([8], layers=2)
+    a, b = h.random_meta(4), h.random_meta(4)
+    with pytest.raises(
+        MetadataError, match=r"layer 'layer1': its metadata has another block table than layer 'layer0'"
+    ):
+        h.rt.update(8, {"layer0": a, "layer1": b})
+
+
+def test_several_kv_cache_groups():
+    groups = {"layer0": "window", "layer1": "global", "layer2": "window"}
+    h = Harness([4, 8], layers=3, groups=groups)
+    for step in range(6):
+        size = 8 if step % 2 else 4
+        r = h.rng.randint(1, size)
+        by_group = {"window": h.random_meta(r, [h.rng.randint(1, 32) for _ in range(r)]), "global": h.random_meta(r)}
+        q = _q(h, size, step)
+        h.check(h.step(size, by_group, q), q, {n: by_group[g] for n, g in groups.items()})
+
+
+def test_micro_batches_each_from_their_own_metadata():
+    groups = {"layer0": "a", "layer1": "b"}
+    h = Harness([4], layers=2, groups=groups, ubatches=2)
+    for step in range(4):
+        per = []
+        for _ in range(2):
+            r = h.rng.randint(1, 4)
+            per.append({"a": h.random_meta(r), "b": h.random_meta(r)})
+        q = _q(h, 4, step)
+        out = h.step(4, per, q)
+        for u in range(2):
+            h.check(out, q, {n: per[u][g] for n, g in groups.items()}, ubatch=u)
+
+
+def test_unchanged_lengths_still_record_events_and_stay_right():
+    h = Harness([4])
+    meta = h.random_meta(3)
+    for step in range(4):  # the same lengths every step: tasks are skipped, events recorded
+        q = _q(h, 4, step)
+        h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+    assert h.rt.updater.state(h.rt.manager.entry("main", 4)).last_reissued == 0
