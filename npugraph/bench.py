@@ -32,10 +32,10 @@ from npugraph.models.engine import DecodeEngine
 from npugraph.models.stack import AttentionStack
 from npugraph.ops import pad_lens
 from npugraph.policy import FixedPolicy
-from npugraph.replay import AttentionMetadata
+from npugraph.replay import AttentionMetadata, convert
 from npugraph.runtime import Runtime
 
-__all__ = ["bench_update", "run_bench", "bench_capture", "bench_replay_vs_eager"]
+__all__ = ["bench_update", "run_bench", "bench_capture", "bench_replay_vs_eager", "bench_validation"]
 
 _MAX_MODEL_LEN = 2048
 
@@ -263,3 +263,69 @@ def bench_replay_vs_eager(steps: int = 40, layers: int = 8) -> dict[str, Any]:
     sim.configure()
     e, r = statistics.median(eager) * 1e6, statistics.median(replay) * 1e6
     return {"eager_us_median": e, "replay_us_median": r, "replay_over_eager": r / e}
+
+
+def bench_validation(
+    requests: Sequence[int] = (64, 256), layers: int = 32, repeats: int = 10, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Validation's share of a step's update at real shapes (max_model_len 32768, block 128).
+
+    The block table has 256 columns; validation reads only the columns in use, so its
+    cost follows the blocks the step uses, not the table's width.
+    """
+    rows = []
+    max_len, block = 32768, 128
+    for r in requests:
+        sim.configure()
+        rt = Runtime("sim", max_model_len=max_len, policy=FixedPolicy("fia"))
+        stack = AttentionStack(rt, layers=layers, block_size=block, num_blocks=64)
+        cols = max_len // block
+        dev = rt.device.memory
+        table = torch.zeros(r, cols, dtype=torch.int32, device=dev)
+        q = torch.randn(r, stack.heads, stack.head_size, device="cpu").to(dtype=stack.dtype, device=dev)
+        rt.capture(
+            stack,
+            q,
+            AttentionMetadata(seq_lens=torch.ones(r, dtype=torch.int32, device="cpu"), block_table=table),
+            key=r,
+        )
+        entry = rt.manager.entry("main", r)
+        rng = random.Random(seed)
+        conv, upd = [], []
+        for i in range(repeats + 2):
+            lens = [rng.randint(1, max_len) for _ in range(r)]
+            host = torch.randint(0, 64, (r, cols), dtype=torch.int32, device="cpu")
+            meta = AttentionMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32, device="cpu"), block_table=host)
+            t0 = time.perf_counter()
+            convert(
+                meta,
+                batch=r,
+                tokens=r,
+                max_model_len=max_len,
+                block_size=block,
+                num_blocks=64,
+                capacity_blocks=cols,
+                where="bench",
+            )
+            t1 = time.perf_counter()
+            rt.update(r, {"default": meta})  # never replayed: the kernels' math would dominate the run
+            t2 = time.perf_counter()
+            if i >= 2:
+                conv.append(t1 - t0)
+                upd.append(t2 - t1)
+        c, u = statistics.median(conv) * 1e6, statistics.median(upd) * 1e6
+        rows.append(
+            {
+                "requests": r,
+                "layers": layers,
+                "max_model_len": max_len,
+                "block_size": block,
+                "table_columns": cols,
+                "validation_us": c,
+                "update_us": u,
+                "validation_share": c / u,
+                "tasks": len(entry.tasks),
+            }
+        )
+    sim.configure()
+    return rows

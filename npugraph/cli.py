@@ -274,6 +274,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"summary [{cm}] (32+ layers): npugraph/baseline {s['ratio_vs_baseline_median']:.2f}, "
             f"npugraph/floor {s['overhead_vs_floor_median']:.2f}"
         )
+    result["validation"] = bench.bench_validation()
+    for r in result["validation"]:
+        print(
+            f"validation at {r['requests']} requests, {r['table_columns']} table columns, {r['layers']} layers: "
+            f"{r['validation_us']:.0f} us of a {r['update_us']:.0f} us update ({r['validation_share']:.1%})"
+        )
     if args.extra:
         result["capture"] = bench.bench_capture()
         for r in result["capture"]:

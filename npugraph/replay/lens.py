@@ -158,6 +158,9 @@ def _check_block_ids(table: torch.Tensor, kv: list[int], block_size: int, num_bl
                 j = next(j for j, b in enumerate(used) if b < 0 or b >= num_blocks)
                 _bad_block(where, i, j, used[j], num_blocks)
         return
+    lo, hi = torch.aminmax(sub)
+    if int(lo) >= 0 and int(hi) < num_blocks:
+        return  # the common case: every id in the columns in use (and beside them) is valid
     bad = _bad_mask(sub, used_cols, num_blocks)
     if bool(bad.any()):
         i, j = (int(x) for x in bad.nonzero()[0])
