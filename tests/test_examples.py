@@ -1,12 +1,23 @@
-"""The README's example runs as written."""
+"""The README's example runs as written, and its logits are right."""
 
 from __future__ import annotations
 
 import runpy
 from pathlib import Path
 
+import torch
 
-def test_quickstart_runs(capsys):
-    runpy.run_path(str(Path(__file__).parent.parent / "examples" / "quickstart.py"), run_name="__main__")
+from tests.helpers import reference_logits
+
+
+def test_quickstart_runs_and_its_last_logits_are_right(capsys):
+    ns = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "quickstart.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "'kernel': 'pa'" in out and "'kernel': 'fia'" in out
+    model, b, logits = ns["model"], ns["b"], ns["logits"]
+    eager = model(b.input_ids, b.positions, b.slot_mapping, b.padded_meta)[: b.num_reqs]
+    ns["rt"].synchronize()
+    assert torch.equal(logits, eager), "the replayed step equals the same step run eagerly"
+    lens = b.meta.seq_lens.tolist()
+    ind = reference_logits(model, b.input_ids, b.positions, b.slot_mapping, lens, [1] * len(lens), b.meta.block_table)
+    assert (logits - ind).abs().max() < 0.05 * ind.abs().max(), "and the float64-attention reference"

@@ -77,12 +77,18 @@ def test_micro_batched_graph_updates_each_micro_batch_from_its_own_metadata():
         m0 = _meta([5 + step, 30, 77][: 3 - step % 2], 3 - step % 2, gen)
         m1 = _meta([100 - step, 9], 2, gen)
         q.copy_(torch.randn(8, 4, 64).half())
-        ref = [x.clone() for x in model(q[:4], q[4:], _padded(m0, 4), _padded(m1, 4))]
-        out = None
-        rt.update(8, [{"default": m0}, {"main.layers.0.attn": m1, "default": m1}])
+        # micro-batch 1: layer 0 by its name, the others by the group, with other lengths
+        m1_group = AttentionMetadata(seq_lens=torch.tensor([3, 60], dtype=torch.int32), block_table=m1.block_table)
+        ref0 = model(q[:4], q[4:], _padded(m0, 4), _padded(m1, 4))[0].clone()
+        ref1 = q[4:]
+        for i, (attn, (k, v)) in enumerate(zip(model.attn, model.caches)):
+            ref1 = attn(ref1, k, v, _padded(m1 if i == 0 else m1_group, 4), ubatch=1)
+        rt.update(8, [{"default": m0}, {"main.layers.0.attn": m1, "default": m1_group}])
         out = rt.replay(8)
         rt.synchronize()
-        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), f"step {step}"
+        assert torch.equal(out[0], ref0) and torch.equal(out[1], ref1), f"step {step}"
+        wrong = model(q[:4], q[4:], _padded(m0, 4), _padded(m1, 4))[1]
+        assert not torch.equal(out[1], wrong), "layer name and group gave different lengths"
     assert validate_manifest(rt.manifest()) == []
     with pytest.raises(MetadataError, match="the graph has 2 micro-batches but the step's metadata lists 1"):
         rt.update(8, [{"default": m0}])

@@ -90,6 +90,13 @@ def test_without_a_model_the_real_kernel_times_are_measured():
     policy = measure_policy([2], **MEASURE)
     m = policy.measurements[2]
     assert len(m.pa_us) == 3 and all(x > 0 for x in m.pa_us + m.fia_us)
+    pa, fia = m.pa_median, m.fia_median
+    choice = policy.choices[2]
+    assert f"PA {pa:.1f}us vs FIA {fia:.1f}us" in choice.reason, "the reason quotes the medians it chose by"
+    if abs(pa - fia) > policy.margin * min(pa, fia):
+        assert choice.kernel == ("pa" if pa < fia else "fia"), "the faster kernel wins outside the margin"
+    else:
+        assert choice.kernel == "pa" and "default keeps pa" in choice.reason
 
 
 def test_policy_file_round_trips_and_is_refused_for_other_shapes(tmp_path):

@@ -57,7 +57,10 @@ def test_uncaptured_key_runs_the_eager_fallback_when_configured():
     rt.eager_fallback = fallback
     out = rt.step(4, {"default": b.meta}, inputs=_inputs(b))
     assert seen == [4] and out.shape[0] == 4
-    assert rt.step(2, {"default": _batch(cfg, 2).meta}) is not None  # captured keys still replay
+    b2 = _batch(cfg, 2)
+    ref = eng.eager(b2).clone()
+    assert torch.equal(eng.step(b2), ref), "captured keys still replay, not through the fallback"
+    assert seen == [4]
 
 
 def test_missing_layer_is_named():
@@ -73,13 +76,39 @@ def test_missing_layer_is_named():
 
 
 def test_metadata_resolved_by_layer_name_not_order():
-    cfg, rt, _, eng = build(sizes=[4], layers=3)
+    """Each layer gets other lengths; the mapping lists them out of capture order."""
+    cfg, rt, model, eng = build(sizes=[4], layers=3)
     b = _batch(cfg, 4)
-    ref = eng.eager(b).clone()
-    names = [f"main.layers.{i}.attn" for i in (2, 0, 1)]  # not capture order
-    out = rt.step(4, {n: b.meta for n in names}, inputs=_inputs(b))
+    per_layer = {}
+    for i in (2, 0, 1):  # not capture order
+        lens = (b.meta.seq_lens - i).clamp(min=1)
+        per_layer[f"main.layers.{i}.attn"] = AttentionMetadata(seq_lens=lens, block_table=b.meta.block_table)
+    out = rt.step(4, per_layer, inputs=_inputs(b))
     rt.synchronize()
+    ref = _eager_per_layer(model, b, per_layer)
     assert torch.equal(out[: b.num_reqs], ref)
+    same = rt.step(4, {"default": b.meta}, inputs=_inputs(b))
+    rt.synchronize()
+    assert not torch.equal(same[: b.num_reqs], ref), "the per-layer lengths made a difference"
+
+
+def _eager_per_layer(model, b, per_layer):
+    """The decoder run eagerly with each layer's own (padded) metadata."""
+    size = b.size
+    padded = {}
+    for name, m in per_layer.items():
+        lens = torch.zeros(size, dtype=torch.int32)
+        lens[: m.num_reqs] = m.seq_lens
+        padded[name] = AttentionMetadata(seq_lens=lens, block_table=b.padded_meta.block_table)
+    x = model.embed(b.input_ids)
+    cos, sin = model.cos[b.positions], model.sin[b.positions]
+    with torch.no_grad():
+        for layer in model.layers:
+            x = layer(x, cos, sin, b.slot_mapping, padded[layer.attn.layer_name])
+        out = model.lm_head(model.norm(x)).float()
+    rt = model.layers[0].attn.runtime
+    rt.synchronize()
+    return out[: b.num_reqs]
 
 
 def test_lengths_over_max_model_len_and_bad_block_ids_are_refused():

@@ -34,7 +34,10 @@ class UpdateRecord:
             "key": repr(self.key),
             "time": self.time,
             "reissued": self.reissued,
-            "groups": {g: {"kv_lens": list(sl.kv_lens), "q_ends": list(sl.q_ends)} for g, sl in self.groups.items()},
+            "groups": {
+                g: {"kv_lens": list(sl.kv_lens), "q_ends": list(sl.q_ends), "num_reqs": sl.num_reqs}
+                for g, sl in self.groups.items()
+            },
         }
 
 
