@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.npugraph-installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: demo test bench lint install install-vllm clean
+.PHONY: demo test bench lint install install-vllm clean mutation
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,13 @@ lint: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	$(MAKE) lint
 	NPUGRAPH_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q
+
+# Mutation testing of the core update path (npugraph/replay, ops, capture) with the fast
+# tests ([tool.mutmut] in pyproject.toml); not part of `make test` (it takes long).
+mutation: $(STAMP)
+	rm -rf mutants
+	$(BIN)/mutmut run --max-children 2
+	$(BIN)/mutmut results
 
 bench: $(STAMP)
 	$(BIN)/npugraph bench --json bench.json
