@@ -212,3 +212,92 @@ def test_fia_bad_layout_and_heads():
         torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=4, input_layout="NTD")
     with pytest.raises(ValueError, match="'num_heads' is 3 but query has 4 heads"):
         torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=3, input_layout="TND", actual_seq_lengths=[2])
+
+
+def _band_visible(sq, sk, pre, nxt):
+    i = torch.arange(sq).unsqueeze(1)
+    j = torch.arange(sk).unsqueeze(0)
+    off = j - (i + (sk - sq))
+    return (off >= -pre) & (off <= nxt)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layout=st.sampled_from(["TND", "BNSD"]),
+    dtype=DTYPES,
+    heads=st.sampled_from([1, 4]),
+    dr=st.sampled_from([4, 16]),
+    qper=st.sampled_from([1, 2]),
+    data=st.data(),
+)
+def test_fia_with_rope_is_absorbed_mla(layout, dtype, heads, dr, qper, data):
+    """score = scale * (q_nope.k_nope + q_rope.k_rope), values = the latent cache, one KV head."""
+    b, d, bs, cols, nb = 3, 32, 4, 4, 16
+    kvl = [data.draw(st.integers(qper, cols * bs)) for _ in range(b)]
+    bt = torch.stack([torch.randperm(nb)[:cols] for _ in range(b)]).to(torch.int32)
+    latent = torch.randn(nb, bs, 1, d, dtype=dtype)
+    rope = torch.randn(nb, bs, 1, dr, dtype=dtype)
+    t = b * qper
+    qn, qr = torch.randn(t, heads, d, dtype=dtype), torch.randn(t, heads, dr, dtype=dtype)
+    kw = dict(
+        num_heads=heads, num_key_value_heads=1, scale=0.2, block_table=bt, block_size=bs, actual_seq_lengths_kv=kvl
+    )
+    if qper > 1:
+        kw.update(sparse_mode=3, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))
+    if layout == "TND":
+        kw.update(input_layout="TND", actual_seq_lengths=[qper * (i + 1) for i in range(b)])
+        out, _ = torch_npu.npu_fused_infer_attention_score(
+            qn, latent.view(nb, bs, d), latent.view(nb, bs, d), query_rope=qr, key_rope=rope.view(nb, bs, dr), **kw
+        )
+    else:  # BNSD: query [B, N, S, D], paged caches [NB, KVN, BS, D]
+        q4 = qn.view(b, qper, heads, d).transpose(1, 2)
+        r4 = qr.view(b, qper, heads, dr).transpose(1, 2)
+        lat4 = latent.permute(0, 2, 1, 3).contiguous()
+        out, _ = torch_npu.npu_fused_infer_attention_score(
+            q4, lat4, lat4, query_rope=r4, key_rope=rope.permute(0, 2, 1, 3).contiguous(), input_layout="BNSD", **kw
+        )
+        out = out.transpose(1, 2).reshape(t, heads, d)
+    npu.synchronize()
+    for i in range(b):
+        rows = slice(i * qper, (i + 1) * qper)
+        k = torch.cat([_gather(latent, bt[i], kvl[i], bs), _gather(rope, bt[i], kvl[i], bs)], -1)
+        v = _gather(latent, bt[i], kvl[i], bs)
+        q = torch.cat([qn[rows], qr[rows]], -1).transpose(0, 1)
+        ref = _oracle(q, k, v, 0.2, causal=qper > 1).transpose(0, 1)
+        assert (out[rows].double() - ref).abs().max() <= TOL[dtype]
+
+
+@settings(max_examples=25, deadline=None)
+@given(window=st.integers(1, 12), qper=st.sampled_from([1, 3]), data=st.data())
+def test_fia_band_mode_is_a_sliding_window(window, qper, data):
+    b, n, d, bs, cols, nb = 2, 2, 16, 4, 4, 12
+    kvl = [data.draw(st.integers(qper, cols * bs)) for _ in range(b)]
+    bt = torch.stack([torch.randperm(nb)[:cols] for _ in range(b)]).to(torch.int32)
+    kc, vc = torch.randn(nb, bs, n * d), torch.randn(nb, bs, n * d)
+    q = torch.randn(b * qper, n, d)
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q,
+        kc,
+        vc,
+        num_heads=n,
+        num_key_value_heads=n,
+        scale=0.3,
+        input_layout="TND",
+        block_table=bt,
+        block_size=bs,
+        actual_seq_lengths=[qper * (i + 1) for i in range(b)],
+        actual_seq_lengths_kv=kvl,
+        sparse_mode=4,
+        pre_tokens=window - 1,
+        next_tokens=0,
+        atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1),
+    )
+    npu.synchronize()
+    for i in range(b):
+        k = _gather(kc.view(nb, bs, n, d), bt[i], kvl[i], bs).double()
+        v = _gather(vc.view(nb, bs, n, d), bt[i], kvl[i], bs).double()
+        qi = q[i * qper : (i + 1) * qper].transpose(0, 1).double()
+        mask = _band_visible(qper, kvl[i], window - 1, 0)
+        s = (qi @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+        ref = (torch.softmax(s, -1) @ v).transpose(0, 1)
+        assert (out[i * qper : (i + 1) * qper].double() - ref).abs().max() <= 1e-4

@@ -43,15 +43,44 @@ _UNSUPPORTED_FIA = (
     "key_shared_prefix",
     "value_shared_prefix",
     "actual_shared_prefix_len",
-    "query_rope",
-    "key_rope",
     "key_rope_antiquant_scale",
 )
+
+
+def _with_rope(p: dict[str, Any]) -> dict[str, Any]:
+    """Absorbed MLA: fold ``query_rope``/``key_rope`` into query and key along the head dim.
+
+    score = scale * (q_nope . k_nope + q_rope . k_rope) is the dot product of the
+    concatenations; the values stay ``value`` (the latent cache).  One KV head (MLA's),
+    layouts TND, BNSD, BSND.
+    """
+    qr, kr = p.get("query_rope"), p.get("key_rope")
+    if qr is None and kr is None:
+        return p
+    op = "npu_fused_infer_attention_score"
+    if qr is None or kr is None:
+        raise fail(op, "query_rope" if qr is None else "key_rope", "must be given with the other rope argument")
+    kvn = int(p["num_key_value_heads"]) or int(p["num_heads"])
+    if kvn != 1:
+        raise fail(op, "num_key_value_heads", f"is {kvn}; query_rope/key_rope (MLA) need one KV head")
+    if p["input_layout"] not in ("TND", "BNSD", "BSND"):
+        raise fail(op, "input_layout", f"{p['input_layout']!r} with query_rope: use TND, BNSD or BSND")
+    q, k = p["query"], p["key"]
+    for name, x, base in (("query_rope", qr, q), ("key_rope", kr, k)):
+        need_tensor(op, name, x, base.dim())
+        if list(x.shape[:-1]) != list(base.shape[:-1]):
+            raise fail(op, name, f"shape {list(x.shape)} must match {list(base.shape[:-1])} before the last dim")
+    out = dict(p)
+    out["query"] = torch.cat([q, qr], dim=-1)
+    out["key"] = torch.cat([k, kr], dim=-1)
+    out["query_rope"] = out["key_rope"] = None
+    return out
 
 
 def fia_check(p: dict[str, Any]) -> dict[str, Any]:
     """Normalise an FIA call: layouts to [B, N, S, D], lengths per batch."""
     op = "npu_fused_infer_attention_score"
+    p = _with_rope(p)
     for name in _UNSUPPORTED_FIA:
         if p.get(name) is not None:
             raise NotImplementedError(f"{op}: the simulator does not model {name!r}")
@@ -68,10 +97,12 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
     qlens = p.get("actual_seq_lengths")
     kvlens = p.get("actual_seq_lengths_kv")
     sparse = int(p["sparse_mode"])
-    if sparse not in (0, 3):
-        raise fail(op, "sparse_mode", f"{sparse} is not modelled (0 and 3 are)")
-    if sparse == 3 and p.get("atten_mask") is None:
-        raise fail(op, "atten_mask", "is required with sparse_mode=3 (the 2048x2048 compressed mask)")
+    if sparse not in (0, 3, 4):
+        raise fail(op, "sparse_mode", f"{sparse} is not modelled (0, 3 and 4 are)")
+    if sparse in (3, 4) and p.get("atten_mask") is None:
+        raise fail(op, "atten_mask", f"is required with sparse_mode={sparse} (the 2048x2048 compressed mask)")
+    if sparse == 4 and int(p["pre_tokens"]) < 0 and int(p["next_tokens"]) < 0:
+        raise fail(op, "pre_tokens", "and next_tokens cannot both be negative (an empty band)")
     # query → [B, N, S, D]
     if layout == "TND":
         need_tensor(op, "query", q, 3)
@@ -221,6 +252,7 @@ def _fia_out_shapes(p: dict[str, Any], info: dict[str, Any]) -> tuple[list[int],
 
 
 def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
+    p = _with_rope(p)
     q, k, v = p["query"], p["key"], p["value"]
     out, lse_out = p["out"]
     layout = info["layout"]
@@ -263,9 +295,13 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     else:
         kb, vb = k, v
     mask = None
-    if int(p["sparse_mode"]) == 0 and p.get("atten_mask") is not None:
+    sparse = int(p["sparse_mode"])
+    if sparse == 0 and p.get("atten_mask") is not None:
         mask = p["atten_mask"]
-    o, lse = K.attention(qb, kb, vb, q_per, kv_per, float(p["scale"]), causal=int(p["sparse_mode"]) == 3, mask=mask)
+    # sparse_mode 4 (band): anchored bottom-right like 3, key j of query i visible iff
+    # -pre_tokens <= j - (i + Lk - Lq) <= next_tokens (a sliding window: pre = W - 1, next = 0)
+    band = (int(p["pre_tokens"]), int(p["next_tokens"])) if sparse == 4 else None
+    o, lse = K.attention(qb, kb, vb, q_per, kv_per, float(p["scale"]), causal=sparse == 3, mask=mask, band=band)
     # o: [B, N, Sq, Dv]; rows past a request's query length are zero
     valid_q = (torch.arange(sq).view(1, 1, sq, 1) < q_per.view(b, 1, 1, 1)) if b else None
     if valid_q is not None:
@@ -293,6 +329,7 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
 
 
 def fia_workspace(p: dict[str, Any], info: dict[str, Any]) -> int:
+    # info comes from fia_check, which already folded any rope dims into the head size
     return K.fia_workspace_bytes(info["rows"], info["heads"], info["dv"], max(info["kv_per"], default=0))
 
 

@@ -87,12 +87,14 @@ def attention(
     scale: float,
     causal: bool = False,
     mask: torch.Tensor | None = None,
+    band: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked multi-head attention with GQA.
 
     ``q`` ``[B, N, Sq, D]``, ``k`` ``[B, KVN, Sk, D]``, ``v`` ``[B, KVN, Sk, Dv]``;
     ``q_lens``/``kv_lens`` ``[B]`` valid lengths.  ``causal`` anchors the diagonal
-    bottom-right (query i of Lq sees key j iff ``j <= i + Lk - Lq``); ``mask``
+    bottom-right (query i of Lq sees key j iff ``j <= i + Lk - Lq``); ``band`` ``(pre, next)``
+    keeps keys with ``-pre <= j - (i + Lk - Lq) <= next``; ``mask``
     (True = masked) broadcasts to ``[B, 1, Sq, Sk]``.  Rows with no visible key
     give zeros.  Returns ``(out [B, N, Sq, Dv] in q.dtype, lse [B, N, Sq] float32)``.
     """
@@ -110,6 +112,9 @@ def attention(
     allowed = (kj < kl) & (qi < ql)
     if causal:
         allowed = allowed & (kj <= qi + (kl - ql))
+    if band is not None:  # (pre, next) around the bottom-right diagonal
+        off = kj - (qi + (kl - ql))
+        allowed = allowed & (off >= -band[0]) & (off <= band[1])
     allowed = allowed.view(b, 1, 1, sq, sk)
     if mask is not None:
         m = mask.bool()
