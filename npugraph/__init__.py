@@ -8,9 +8,9 @@ pieces it is made of: :mod:`npugraph.capture`, :mod:`npugraph.replay`,
 """
 
 from npugraph._version import __version__
-from npugraph.attention import DecodeAttention
+from npugraph.attention import DecodeAttention, MLAAttention
 from npugraph.errors import NpuGraphError
 from npugraph.replay.lens import AttentionMetadata
 from npugraph.runtime import Runtime
 
-__all__ = ["AttentionMetadata", "DecodeAttention", "NpuGraphError", "Runtime", "__version__"]
+__all__ = ["AttentionMetadata", "DecodeAttention", "MLAAttention", "NpuGraphError", "Runtime", "__version__"]

@@ -26,7 +26,7 @@ from npugraph.dump import cli as dump_cli
 from npugraph.errors import NpuGraphError
 from npugraph.files import FileError, check_writable, write_text
 from npugraph.measure import measure_policy
-from npugraph.models import Decoder, DecoderConfig, Workload
+from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.policy import KernelPolicy, StaticPolicy, load_policy
 from npugraph.runtime import Runtime
@@ -36,6 +36,8 @@ __all__ = ["main", "build_parser"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _DEFAULT_DTYPE = "bfloat16"  # the demo decoder's; `policy measure` defaults to it too
+_REF_TOL = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 6e-2}  # relative to the largest logit
+_MODELS = {"gqa": Decoder, "mla": MLADecoder, "gemma-like": Decoder}
 
 
 def _positive(text: str) -> int:
@@ -134,6 +136,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         dtype=_DTYPES[args.dtype],
         seed=args.seed,
+        window=args.window if args.model == "gemma-like" else None,
     )
     rt = Runtime(
         args.device,
@@ -145,7 +148,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     policy = _policy(args.policy)
     if policy is not None:
         rt.set_policy(policy)
-    engine = DecodeEngine(rt, Decoder(cfg, rt), args.sizes)
+    engine = DecodeEngine(rt, _MODELS[args.model](cfg, rt), args.sizes)
     t0 = time.perf_counter()
     engine.capture()
     capture_s = time.perf_counter() - t0
@@ -154,6 +157,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     times: dict[int, dict[str, list[float]]] = {s: {"update": [], "replay": [], "total": []} for s in engine.sizes}
     mismatches = 0
     first_bad = None
+    ref_checks, ref_failures, ref_worst = 0, 0, 0.0
     wl = Workload(cfg, engine.sizes, seed=args.seed, adversarial=args.adversarial is not None, device=rt.device.memory)
     steps = tqdm(wl.steps(args.steps), total=args.steps, desc="decoding", unit="step", disable=args.no_progress)
     for i, batch in enumerate(steps):
@@ -161,9 +165,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         inputs = {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": batch.slot_mapping}
         rt.copy_inputs(rt.manager.entry("main", batch.size), inputs)
         t = times[batch.size]
+        metadata = engine.metadata(batch.meta)
         t1 = time.perf_counter()
         if args.order == "update-first":
-            rt.update(batch.size, {"default": batch.meta})
+            rt.update(batch.size, metadata)
             t2 = time.perf_counter()
             out = rt.replay(batch.size)
             t3 = time.perf_counter()
@@ -172,7 +177,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         else:
             out = rt.replay(batch.size)
             t2 = time.perf_counter()
-            rt.update(batch.size, {"default": batch.meta})
+            rt.update(batch.size, metadata)
             t3 = time.perf_counter()
             t["replay"].append(t2 - t1)
             t["update"].append(t3 - t2)
@@ -183,13 +188,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
             mismatches += 1
             if first_bad is None:
                 first_bad = i
+        if i % args.reference_every == 0:  # and against the float64-attention reference
+            lens = batch.meta.seq_lens.tolist()
+            ind = engine.model.reference_logits(
+                batch.input_ids, batch.positions, batch.slot_mapping, lens, [1] * len(lens), batch.meta.block_table
+            )
+            err = float((got.float() - ind).abs().max()) if lens else 0.0
+            ref_worst = max(ref_worst, err / max(1.0, float(ind.abs().max()) if lens else 1.0))
+            ref_checks += 1
+            if err > _REF_TOL[args.dtype] * max(1.0, float(ind.abs().max()) if lens else 1.0):
+                ref_failures += 1
         wl.feedback(batch.rids, got.argmax(-1).tolist())
     kernels = {e.key: e.choice.kernel for e in rt.manager.entries()}
 
     def med(xs: list[float]) -> str:
         return f"{statistics.median(xs) * 1e6:.0f}" if xs else "-"
 
-    print(f"npugraph demo on {rt.device.name}: {cfg.layers} layers, sizes {engine.sizes}, captured in {capture_s:.2f}s")
+    print(
+        f"npugraph demo ({args.model}) on {rt.device.name}: {cfg.layers} layers, sizes {engine.sizes}, "
+        f"captured in {capture_s:.2f}s"
+    )
     print(f"{'size':>5} {'kernel':>6} {'replays':>8} {'update us':>10} {'replay us':>10} {'total us':>10}  why")
     for e in sorted(rt.manager.entries(), key=lambda e: e.tokens):
         t = times[e.tokens]
@@ -202,9 +220,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if first_bad is not None:
         verdict += f" (first at step {first_bad})"
     print(verdict)
+    print(
+        f"{ref_checks} steps against the float64 reference: {ref_failures} beyond tolerance "
+        f"(worst relative error {ref_worst:.2g})"
+    )
     all_u = [x for t in times.values() for x in t["update"]]
     all_r = [x for t in times.values() for x in t["replay"]]
     summary = {
+        "model": args.model,
         "device": rt.device.name,
         "layers": cfg.layers,
         "capture_sizes": engine.sizes,
@@ -218,12 +241,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "order": args.order,
         "dtype": args.dtype,
         "adversarial_seed": args.adversarial,
+        "reference_checks": ref_checks,
+        "reference_failures": ref_failures,
+        "reference_worst_relative_error": ref_worst,
     }
     if args.json:
         write_text(args.json, json.dumps(summary, indent=1))
     if args.dump:
         rt.save_manifest(args.dump)
-    return 1 if mismatches else 0
+    return 1 if mismatches or ref_failures else 0
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
@@ -340,6 +366,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="capture a decoder and decode with replay, checked against eager")
     _model_args(d)
+    d.add_argument(
+        "--model",
+        choices=sorted(_MODELS),
+        default="gqa",
+        help="gqa (Llama-style), mla (DeepSeek-style absorbed MLA), gemma-like (sliding-window layers, "
+        "every 4th global) (default gqa)",
+    )
+    d.add_argument("--window", type=_positive, default=64, help="gemma-like: the sliding window (default 64)")
+    d.add_argument(
+        "--reference-every",
+        type=_positive,
+        default=10,
+        metavar="N",
+        help="also check every Nth step against the float64-attention reference (default 10)",
+    )
     d.add_argument("--steps", type=_positive, default=200, help="decode steps (default 200)")
     d.add_argument(
         "--order",

@@ -23,13 +23,16 @@ def paged_attention_reference(
     seq_lens: Sequence[int],
     scale: float,
     query_lens: Sequence[int] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of each real request's query tokens over its own cached keys (float64).
 
     ``query`` ``[T, N, D]`` holds the requests' tokens back to back (``query_lens``
     each, default 1); caches ``[num_blocks, block_size, KVN, D]``; ``block_table``
     ``[R, cols]``; ``seq_lens[r]`` counts this step's tokens.  A request's query token
-    ``i`` of ``q`` sees key positions ``<= seq_len - q + i`` (causal, bottom-right).
+    ``i`` of ``q`` sees key positions ``<= seq_len - q + i`` (causal, bottom-right), and
+    with a sliding ``window`` only the last ``window`` of those.  For absorbed MLA pass the
+    concatenated latent+rope query and keys, and the latent cache as values.
     Returns ``[sum(query_lens), N, Dv]`` float64.
     """
     n = query.shape[1]
@@ -49,11 +52,12 @@ def paged_attention_reference(
             rows.append((kc[b, p % block_size], vc[b, p % block_size]))
         for i in range(ql):
             visible = length - ql + i + 1
+            first = max(0, visible - window) if window is not None else 0
             q = q64[start + i]  # [N, D]
             o = torch.zeros(n, vc.shape[-1], dtype=torch.float64)
-            if visible > 0:
-                k = torch.stack([rows[p][0] for p in range(visible)])  # [L, KVN, D]
-                v = torch.stack([rows[p][1] for p in range(visible)])
+            if visible > first:
+                k = torch.stack([rows[p][0] for p in range(first, visible)])  # [L, KVN, D]
+                v = torch.stack([rows[p][1] for p in range(first, visible)])
                 for h in range(n):
                     s = (k[:, h // group] @ q[h]) * scale
                     w = torch.softmax(s, dim=0)

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import reference_logits
-
 
 def test_quickstart_runs_and_its_last_logits_are_right(capsys):
     ns = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "quickstart.py"), run_name="__main__")
@@ -19,5 +17,5 @@ def test_quickstart_runs_and_its_last_logits_are_right(capsys):
     ns["rt"].synchronize()
     assert torch.equal(logits, eager), "the replayed step equals the same step run eagerly"
     lens = b.meta.seq_lens.tolist()
-    ind = reference_logits(model, b.input_ids, b.positions, b.slot_mapping, lens, [1] * len(lens), b.meta.block_table)
+    ind = model.reference_logits(b.input_ids, b.positions, b.slot_mapping, lens, [1] * len(lens), b.meta.block_table)
     assert (logits - ind).abs().max() < 0.05 * ind.abs().max(), "and the float64-attention reference"

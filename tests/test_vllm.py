@@ -29,7 +29,6 @@ from npugraph.errors import NpuGraphError
 from npugraph.integrations import vllm as integ
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.reference import paged_attention_reference
-from tests.helpers import reference_logits
 
 pytestmark = pytest.mark.vllm
 SIZES = [1, 2, 4, 8]
@@ -423,8 +422,8 @@ def test_full_and_piecewise_serving_over_mixed_batches():
                 ref = runner.decoder(runner.ids[:t], runner.pos[:t], runner.slots[:t], meta)
             assert torch.equal(got, ref[:n]), f"step {i} ({mode.name}) differs from eager"
             if i % 5 == 0:
-                ind = reference_logits(
-                    runner.decoder, runner.ids, runner.pos, runner.slots, step.seq_lens, step.query_lens, step.table
+                ind = runner.decoder.reference_logits(
+                    runner.ids, runner.pos, runner.slots, step.seq_lens, step.query_lens, step.table
                 )
                 err = (got - ind).abs().max().item()
                 assert err < 0.02 * max(1.0, ind.abs().max().item()), f"step {i}: {err} from the float64 reference"

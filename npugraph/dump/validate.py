@@ -28,7 +28,7 @@ def _arg_bytes(arg: dict[str, Any] | None) -> int | None:
 
 
 def _kv_host(task: dict[str, Any], host: dict[str, Any]) -> list[int]:
-    for name in ("context_lens", "actual_seq_lengths_kv"):
+    for name in ("context_lens", "actual_seq_lengths_kv", "actual_seq_kvlen"):
         if name in host:
             return [int(x) for x in host[name]]
     return []

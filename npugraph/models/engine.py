@@ -58,7 +58,7 @@ class DecodeEngine:
         """Replay one step; return the logits of its real requests (synchronized)."""
         logits = self.runtime.step(
             batch.size,
-            {"default": batch.meta},
+            self.metadata(batch.meta),
             inputs={
                 "input_ids": batch.input_ids,
                 "positions": batch.positions,
@@ -68,6 +68,10 @@ class DecodeEngine:
         )
         self.runtime.synchronize()
         return logits[: batch.num_reqs]
+
+    def metadata(self, meta: AttentionMetadata) -> dict[str, AttentionMetadata]:
+        """The step's metadata keyed by the model's KV-cache groups (they share one table here)."""
+        return dict.fromkeys(self.model.groups, meta)
 
     def eager(self, batch: StepBatch) -> torch.Tensor:
         """Run the same (padded) step eagerly; return the real requests' logits."""

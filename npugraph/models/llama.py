@@ -1,26 +1,39 @@
-"""A small Llama-style decoder over a paged KV cache, with random weights.
+"""Small decoders over a paged KV cache, with random weights: Llama-style GQA, Gemma-like
+sliding-window layers, and DeepSeek-style absorbed MLA.
 
-Embeddings, RMSNorm, RoPE, GQA attention through :class:`~npugraph.attention.DecodeAttention`
-(PA or FIA, chosen by the runtime), KV-cache writes in the forward, SwiGLU MLP, LM head.
-Block 0 of the cache is reserved as the null block: padding tokens write there.
+Embeddings, RMSNorm, RoPE, attention through npugraph's clients (PA or FIA, chosen by the
+runtime), KV-cache writes in the forward, SwiGLU MLP, LM head.  Block 0 of the cache is
+reserved as the null block: padding tokens write there.
+
+Every decoder also has :meth:`Decoder.reference_logits`: the same weights with attention
+from :func:`npugraph.reference.paged_attention_reference` on copies of the caches — no
+npugraph padding, conversion, op declaration or simulator kernel on that path.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import attrs
 import torch
 from torch import nn
 
-from npugraph.attention import DecodeAttention
-from npugraph.replay.lens import AttentionMetadata
+from npugraph.attention import DecodeAttention, MLAAttention
+from npugraph.reference import paged_attention_reference
+from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
 
-__all__ = ["DecoderConfig", "Decoder"]
+__all__ = ["DecoderConfig", "Decoder", "MLADecoder"]
 
 
 @attrs.frozen(kw_only=True)
 class DecoderConfig:
-    """Sizes of the decoder and its KV cache."""
+    """Sizes of the decoder and its KV cache.
+
+    ``window``: Gemma-like — every ``global_every``-th layer attends globally (KV-cache
+    group ``"global"``), the others over the last ``window`` keys (group ``"window"``).
+    ``kv_lora_rank`` / ``rope_dim``: the MLA decoder's latent and rope sizes.
+    """
 
     vocab_size: int = 512
     layers: int = 8
@@ -34,6 +47,10 @@ class DecoderConfig:
     dtype: torch.dtype = torch.bfloat16
     rope_theta: float = 10000.0
     seed: int = 0
+    window: int | None = None
+    global_every: int = 4
+    kv_lora_rank: int = 64
+    rope_dim: int = 16
 
     @property
     def hidden(self) -> int:
@@ -42,6 +59,17 @@ class DecoderConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (``None``: a global layer)."""
+        if self.window is None or (layer + 1) % self.global_every == 0:
+            return None
+        return self.window
+
+    def group_of(self, layer: int) -> str:
+        if self.window is None:
+            return "default"
+        return "global" if self.window_of(layer) is None else "window"
 
 
 class _RMSNorm(nn.Module):
@@ -62,18 +90,68 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+def _write(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, values)
+
+
+def _reference_write(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A copy of ``cache`` with ``values`` written at ``slots``, position by position."""
+    out = cache.clone()
+    bs = cache.shape[1]
+    for i, s in enumerate(slots.tolist()):
+        out[s // bs, s % bs] = values[i]
+    return out
+
+
 class _Layer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, runtime: Runtime, name: str, namespace: str) -> None:
+    """One decoder layer; subclasses say how attention is computed (``_attend``)."""
+
+    def __init__(self, cfg: DecoderConfig, runtime: Runtime) -> None:
         super().__init__()
-        h, d = cfg.hidden, cfg.head_size
-        dt, dev = cfg.dtype, runtime.device.memory
+        h, dt, dev = cfg.hidden, cfg.dtype, runtime.device.memory
         self.cfg = cfg
         self.norm1 = _RMSNorm(h, dt, dev)
         self.norm2 = _RMSNorm(h, dt, dev)
-        self.qkv = nn.Linear(h, (cfg.heads + 2 * cfg.kv_heads) * d, bias=False, dtype=dt, device=dev)
-        self.o = nn.Linear(cfg.heads * d, h, bias=False, dtype=dt, device=dev)
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate, bias=False, dtype=dt, device=dev)
         self.down = nn.Linear(cfg.intermediate, h, bias=False, dtype=dt, device=dev)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self._attend(self.norm1(x), cos, sin, slot_mapping, meta)
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+    def reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ref: _RefStep) -> torch.Tensor:
+        x = x + self._reference_attend(self.norm1(x), cos, sin, ref)
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+    def _attend(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _reference_attend(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ref: _RefStep) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@attrs.frozen(kw_only=True)
+class _RefStep:
+    """What the reference needs of a step: the real tokens' slots, lengths and table."""
+
+    slots: torch.Tensor
+    seq_lens: list[int]
+    query_lens: list[int]
+    block_table: torch.Tensor
+
+
+class _GQALayer(_Layer):
+    def __init__(self, cfg: DecoderConfig, runtime: Runtime, name: str, namespace: str, index: int) -> None:
+        super().__init__(cfg, runtime)
+        d, dt, dev = cfg.head_size, cfg.dtype, runtime.device.memory
+        self.qkv = nn.Linear(cfg.hidden, (cfg.heads + 2 * cfg.kv_heads) * d, bias=False, dtype=dt, device=dev)
+        self.o = nn.Linear(cfg.heads * d, cfg.hidden, bias=False, dtype=dt, device=dev)
         shape = (cfg.num_blocks, cfg.block_size, cfg.kv_heads, d)
         self.k_cache = torch.zeros(shape, dtype=dt, device=dev)
         self.v_cache = torch.zeros(shape, dtype=dt, device=dev)
@@ -84,37 +162,93 @@ class _Layer(nn.Module):
             num_kv_heads=cfg.kv_heads,
             head_size=d,
             namespace=namespace,
+            group=cfg.group_of(index),
+            window=cfg.window_of(index),
         )
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        cfg = self.cfg
-        t = x.shape[0]
-        qkv = self.qkv(self.norm1(x))
-        q, k, v = qkv.split(
-            [cfg.heads * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.kv_heads * cfg.head_size],
-            dim=-1,
+    def _qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cfg, t = self.cfg, h.shape[0]
+        q, k, v = self.qkv(h).split(
+            [cfg.heads * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.kv_heads * cfg.head_size], dim=-1
         )
         q = _rope(q.reshape(t, cfg.heads, cfg.head_size), cos, sin)
         k = _rope(k.reshape(t, cfg.kv_heads, cfg.head_size), cos, sin)
-        v = v.reshape(t, cfg.kv_heads, cfg.head_size)
-        flat = (-1, cfg.kv_heads, cfg.head_size)
-        self.k_cache.view(flat).index_copy_(0, slot_mapping, k)
-        self.v_cache.view(flat).index_copy_(0, slot_mapping, v)
+        return q, k, v.reshape(t, cfg.kv_heads, cfg.head_size)
+
+    def _attend(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self._qkv(h, cos, sin)
+        _write(self.k_cache, slots, k)
+        _write(self.v_cache, slots, v)
         a = self.attn(q, self.k_cache, self.v_cache, meta)
-        x = x + self.o(a.reshape(t, -1))
-        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
-        return x + self.down(torch.nn.functional.silu(gate) * up)
+        return self.o(a.reshape(h.shape[0], -1))
+
+    def _reference_attend(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ref: _RefStep) -> torch.Tensor:
+        q, k, v = self._qkv(h, cos, sin)
+        kc, vc = _reference_write(self.k_cache, ref.slots, k), _reference_write(self.v_cache, ref.slots, v)
+        a = paged_attention_reference(
+            q, kc, vc, ref.block_table, ref.seq_lens, self.attn.scale, ref.query_lens, window=self.attn.window
+        )
+        return self.o(a.to(h.dtype).reshape(h.shape[0], -1))
+
+
+class _MLALayer(_Layer):
+    """Absorbed MLA: queries and the cache live in the latent space (W_UK, W_UV absorbed)."""
+
+    def __init__(self, cfg: DecoderConfig, runtime: Runtime, name: str, namespace: str, index: int) -> None:
+        super().__init__(cfg, runtime)
+        r, dr, dt, dev = cfg.kv_lora_rank, cfg.rope_dim, cfg.dtype, runtime.device.memory
+        self.q = nn.Linear(cfg.hidden, cfg.heads * (r + dr), bias=False, dtype=dt, device=dev)
+        self.kv = nn.Linear(cfg.hidden, r + dr, bias=False, dtype=dt, device=dev)
+        self.o = nn.Linear(cfg.heads * r, cfg.hidden, bias=False, dtype=dt, device=dev)
+        self.latent_cache = torch.zeros(cfg.num_blocks, cfg.block_size, 1, r, dtype=dt, device=dev)
+        self.rope_cache = torch.zeros(cfg.num_blocks, cfg.block_size, 1, dr, dtype=dt, device=dev)
+        self.attn = MLAAttention(
+            runtime,
+            name,
+            num_heads=cfg.heads,
+            kv_lora_rank=r,
+            rope_dim=dr,
+            namespace=namespace,
+            group=cfg.group_of(index),
+        )
+
+    def _project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cfg, t = self.cfg, h.shape[0]
+        r, dr = cfg.kv_lora_rank, cfg.rope_dim
+        q = self.q(h).reshape(t, cfg.heads, r + dr)
+        q_lat, q_pe = q.split([r, dr], dim=-1)
+        c, k_pe = self.kv(h).split([r, dr], dim=-1)
+        return q_lat.contiguous(), _rope(q_pe, cos, sin), c.reshape(t, 1, r), _rope(k_pe.reshape(t, 1, dr), cos, sin)
+
+    def _attend(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q_lat, q_pe, c, k_pe = self._project(h, cos, sin)
+        _write(self.latent_cache, slots, c)
+        _write(self.rope_cache, slots, k_pe)
+        a = self.attn(q_lat, q_pe, self.latent_cache, self.rope_cache, meta)
+        return self.o(a.reshape(h.shape[0], -1))
+
+    def _reference_attend(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ref: _RefStep) -> torch.Tensor:
+        q_lat, q_pe, c, k_pe = self._project(h, cos, sin)
+        lat = _reference_write(self.latent_cache, ref.slots, c)
+        rope = _reference_write(self.rope_cache, ref.slots, k_pe)
+        keys = torch.cat([lat, rope], dim=-1)  # score = q_lat . c + q_pe . k_pe
+        a = paged_attention_reference(
+            torch.cat([q_lat, q_pe], dim=-1), keys, lat, ref.block_table, ref.seq_lens, self.attn.scale, ref.query_lens
+        )
+        return self.o(a.to(h.dtype).reshape(h.shape[0], -1))
 
 
 class Decoder(nn.Module):
-    """``forward(input_ids, positions, slot_mapping, meta) -> logits [T, vocab] (float32)``."""
+    """``forward(input_ids, positions, slot_mapping, meta) -> logits [T, vocab] (float32)``.
+
+    GQA layers (sliding-window ones too, when ``cfg.window`` is set).
+    """
+
+    rope_width: str = "head_size"
 
     def __init__(self, cfg: DecoderConfig, runtime: Runtime, namespace: str = "main") -> None:
         super().__init__()
@@ -123,7 +257,7 @@ class Decoder(nn.Module):
         gen = torch.Generator().manual_seed(cfg.seed)  # weights drawn on the host: the same on every device
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=cfg.dtype, device=dev)
         self.layers = nn.ModuleList(
-            _Layer(cfg, runtime, f"{namespace}.layers.{i}.attn", namespace) for i in range(cfg.layers)
+            self._layer(cfg, runtime, f"{namespace}.layers.{i}.attn", namespace, i) for i in range(cfg.layers)
         )
         self.norm = _RMSNorm(cfg.hidden, cfg.dtype, dev)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False, dtype=cfg.dtype, device=dev)
@@ -131,10 +265,19 @@ class Decoder(nn.Module):
             for p in self.parameters():
                 if p.dim() > 1:
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device="cpu") * 0.05)
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_size, 2, device=dev).float() / cfg.head_size))
+        width = int(getattr(cfg, self.rope_width))
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, width, 2, device=dev).float() / width))
         ang = torch.arange(cfg.max_model_len, device=dev).float().unsqueeze(1) * inv.unsqueeze(0)
         self.cos = ang.cos()
         self.sin = ang.sin()
+
+    def _layer(self, cfg: DecoderConfig, runtime: Runtime, name: str, namespace: str, index: int) -> _Layer:
+        return _GQALayer(cfg, runtime, name, namespace, index)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The KV-cache groups of the layers (what a step's metadata is keyed by)."""
+        return tuple(dict.fromkeys(self.cfg.group_of(i) for i in range(self.cfg.layers)))
 
     @torch.no_grad()
     def forward(
@@ -150,8 +293,35 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin, slot_mapping, meta)
         return self.lm_head(self.norm(x)).float()
 
-    def reset_cache(self) -> None:
+    @torch.no_grad()
+    def reference_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        block_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits of the real tokens (``sum(query_lens)``), attention from the float64
+        reference on copies of the caches (the caches are not changed)."""
+        n = sum(query_lens)
+        ref = _RefStep(
+            slots=slot_mapping[:n], seq_lens=list(seq_lens), query_lens=list(query_lens), block_table=block_table
+        )
+        x = self.embed(input_ids[:n])
+        cos, sin = self.cos[positions[:n]], self.sin[positions[:n]]
         for layer in self.layers:
             assert isinstance(layer, _Layer)
-            layer.k_cache.zero_()
-            layer.v_cache.zero_()
+            x = layer.reference(x, cos, sin, ref)
+        head = self.lm_head
+        return getattr(head, "inner", head)(self.norm(x)).float()
+
+
+class MLADecoder(Decoder):
+    """The decoder with absorbed-MLA layers (DeepSeek-style): one latent KV head, FIA with rope."""
+
+    rope_width = "rope_dim"
+
+    def _layer(self, cfg: DecoderConfig, runtime: Runtime, name: str, namespace: str, index: int) -> _Layer:
+        return _MLALayer(cfg, runtime, name, namespace, index)

@@ -19,6 +19,11 @@ class AttentionCall:
     values); ``block_table`` ``[B, max_blocks]`` int32 on the device; ``out``
     ``[T, N, Dv]``.  ``tokens_per_request`` > 1 means speculative verification
     (``T = B * tokens_per_request``, causal within each request).
+
+    ``window``: a sliding-window layer sees only the last ``window`` keys of each query.
+    ``query_rope`` ``[T, N, Dr]`` and ``key_rope_cache`` ``[num_blocks, block_size, 1, Dr]``:
+    absorbed MLA — scores add ``query_rope . key_rope``, the values are the latent
+    ``value_cache`` (usually the same tensor as ``key_cache``), one KV head.
     """
 
     query: torch.Tensor
@@ -30,6 +35,13 @@ class AttentionCall:
     num_kv_heads: int
     scale: float
     tokens_per_request: int = 1
+    window: int | None = None
+    query_rope: torch.Tensor | None = None
+    key_rope_cache: torch.Tensor | None = None
+
+    @property
+    def is_mla(self) -> bool:
+        return self.query_rope is not None
 
     @property
     def block_size(self) -> int:

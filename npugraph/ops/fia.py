@@ -1,4 +1,8 @@
-"""FIA: ``torch_npu.npu_fused_infer_attention_score.out`` (TND, paged) — the kernel for larger batches."""
+"""FIA: ``torch_npu.npu_fused_infer_attention_score.out`` (TND, paged) — the kernel for larger batches.
+
+Also runs sliding-window layers (``sparse_mode=4``: a band of ``window`` keys) and
+speculative verification (``sparse_mode=3``: causal within each request).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import torch
 
 from npugraph.ops.base import AttentionCall, OpSpec, StepLens
 
-__all__ = ["FIA", "causal_mask"]
+__all__ = ["FIA", "causal_mask", "fia_arguments", "fia_workspace_bytes"]
 
 
 @functools.cache
@@ -19,17 +23,30 @@ def causal_mask(device: torch.device) -> torch.Tensor:
     return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(diagonal=1)
 
 
-def _arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor | None) -> dict[str, Any]:
+def _masking(call: AttentionCall) -> dict[str, Any]:
+    """``sparse_mode`` and its mask: none, causal (speculative), or a band (sliding window)."""
+    causal = call.tokens_per_request > 1
+    if call.window is not None:
+        # bottom-right band: each query sees the keys from `window - 1` before it up to itself
+        return {
+            "atten_mask": causal_mask(call.query.device),
+            "sparse_mode": 4,
+            "pre_tokens": call.window - 1,
+            "next_tokens": 0,
+        }
+    return {"atten_mask": causal_mask(call.query.device) if causal else None, "sparse_mode": 3 if causal else 0}
+
+
+def fia_arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor | None) -> dict[str, Any]:
+    """FIA v1's keyword arguments for ``call`` (TND, paged; rope arguments for MLA)."""
     nb, bs, kvn, d = call.key_cache.shape
     dv = call.value_cache.shape[-1]
-    causal = call.tokens_per_request > 1
     # softmax_lse is not requested; FIA still wants a tensor for it in ``out``.
     lse = torch.empty(1, dtype=torch.float32, device=call.query.device)
-    return {
+    kwargs = {
         "query": call.query,
         "key": call.key_cache.view(nb, bs, kvn * d),
         "value": call.value_cache.view(nb, bs, kvn * dv),
-        "atten_mask": causal_mask(call.query.device) if causal else None,
         "actual_seq_lengths": lens.q_ends,
         "actual_seq_lengths_kv": lens.kv_lens,
         "block_table": call.block_table,
@@ -37,29 +54,38 @@ def _arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor | No
         "scale": call.scale,
         "input_layout": "TND",
         "num_key_value_heads": call.num_kv_heads,
-        "sparse_mode": 3 if causal else 0,
         "block_size": bs,
         "softmax_lse_flag": False,
         "workspace": workspace,
         "out": [call.out, lse],
+        **_masking(call),
     }
+    if call.query_rope is not None and call.key_rope_cache is not None:
+        kr = call.key_rope_cache
+        kwargs["query_rope"] = call.query_rope
+        kwargs["key_rope"] = kr.view(kr.shape[0], kr.shape[1], -1)
+    return kwargs
 
 
 def _host_values(lens: StepLens) -> dict[str, Any]:
     return {"actual_seq_lengths": lens.q_ends, "actual_seq_lengths_kv": lens.kv_lens}
 
 
-def _workspace_bytes(device: Any, kwargs: dict[str, Any], max_model_len: int) -> int:
-    """FIA's helper is a true maximum over lengths for the given shapes: one query."""
-    base = {k: v for k, v in kwargs.items() if k not in ("workspace", "out")}
-    base["actual_seq_lengths_kv"] = [max_model_len] * len(kwargs["actual_seq_lengths_kv"])
-    ws = device.ops._npu_fused_infer_attention_score_get_max_workspace(
-        base.pop("query"), base.pop("key"), base.pop("value"), **base
-    )
-    return int(ws.numel() * ws.element_size())
+def fia_workspace_bytes(helper: str, kv_arg: str) -> Any:
+    """Workspace sizing through ``helper`` (a true maximum over lengths for these shapes)."""
+
+    def size(device: Any, kwargs: dict[str, Any], max_model_len: int) -> int:
+        base = {k: v for k, v in kwargs.items() if k not in ("workspace", "out")}
+        base[kv_arg] = [max_model_len] * len(kwargs[kv_arg])
+        ws = getattr(device.ops, helper)(base.pop("query"), base.pop("key"), base.pop("value"), **base)
+        return int(ws.numel() * ws.element_size())
+
+    return size
 
 
 def _unsupported(call: AttentionCall) -> str | None:
+    if call.is_mla:
+        return "FIA without rope arguments cannot run MLA (the mla declaration does)"
     return None
 
 
@@ -70,9 +96,9 @@ FIA = OpSpec(
     host_args=("actual_seq_lengths", "actual_seq_lengths_kv"),
     refreshed_buffers=("block_table",),
     cache_arg="key",
-    arguments=_arguments,
+    arguments=fia_arguments,
     host_values=_host_values,
-    workspace_bytes=_workspace_bytes,
+    workspace_bytes=fia_workspace_bytes("_npu_fused_infer_attention_score_get_max_workspace", "actual_seq_lengths_kv"),
     unsupported=_unsupported,
     fused_update=True,
 )

@@ -71,6 +71,10 @@ def _workspace_bytes(device: Any, kwargs: dict[str, Any], max_model_len: int) ->
 
 
 def _unsupported(call: AttentionCall) -> str | None:
+    if call.is_mla:
+        return "PA cannot run MLA (no rope arguments, one latent head)"
+    if call.window is not None:
+        return f"PA cannot run a sliding window (window {call.window})"
     if call.tokens_per_request != 1:
         return f"PA decodes one token per request (got {call.tokens_per_request})"
     head = int(call.query.shape[-1])

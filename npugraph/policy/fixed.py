@@ -14,9 +14,9 @@ __all__ = ["FixedPolicy"]
 
 @attrs.frozen
 class FixedPolicy:
-    """Always ``kernel`` ("pa" or "fia")."""
+    """Always ``kernel`` (``"pa"``, ``"fia"``, ``"fia_v2"`` or ``"mla"``)."""
 
-    kernel: str = attrs.field(validator=attrs.validators.in_(("pa", "fia")))
+    kernel: str = attrs.field(validator=attrs.validators.in_(("pa", "fia", "fia_v2", "mla")))
 
     def choose(self, namespace: str, key: Hashable, tokens: int, calls: Sequence[AttentionCall]) -> KernelChoice:
         return KernelChoice(kernel=self.kernel, reason=f"fixed: {self.kernel}")

@@ -13,7 +13,7 @@ from npugraph.errors import PolicyError
 from npugraph.files import FileError, read_json, write_text
 from npugraph.ops import AttentionCall
 from npugraph.policy.choice import KernelChoice
-from npugraph.policy.static import DEFAULT_PA_SIZES, StaticPolicy, pa_blocker
+from npugraph.policy.static import DEFAULT_PA_SIZES, StaticPolicy, mla_choice, pa_blocker
 
 __all__ = ["POLICY_SCHEMA", "MeasuredPolicy", "PolicySignature", "SizeMeasurement", "load_policy"]
 
@@ -88,6 +88,9 @@ class MeasuredPolicy:
             )
 
     def choose(self, namespace: str, key: Hashable, tokens: int, calls: Sequence[AttentionCall]) -> KernelChoice:
+        mla = mla_choice(calls)
+        if mla is not None:
+            return mla  # measured for GQA shapes; MLA has one kernel
         if calls:
             mine = PolicySignature.of(calls[0], self.signature.device)
             diffs = self.signature.differences(mine)

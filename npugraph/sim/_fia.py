@@ -47,7 +47,7 @@ _UNSUPPORTED_FIA = (
 )
 
 
-def _with_rope(p: dict[str, Any]) -> dict[str, Any]:
+def _with_rope(p: dict[str, Any], *, shapes_only: bool = False) -> dict[str, Any]:
     """Absorbed MLA: fold ``query_rope``/``key_rope`` into query and key along the head dim.
 
     score = scale * (q_nope . k_nope + q_rope . k_rope) is the dot product of the
@@ -71,8 +71,12 @@ def _with_rope(p: dict[str, Any]) -> dict[str, Any]:
         if list(x.shape[:-1]) != list(base.shape[:-1]):
             raise fail(op, name, f"shape {list(x.shape)} must match {list(base.shape[:-1])} before the last dim")
     out = dict(p)
-    out["query"] = torch.cat([q, qr], dim=-1)
-    out["key"] = torch.cat([k, kr], dim=-1)
+    if shapes_only:  # checks read shapes, not data: nothing is computed (or recorded in a capture)
+        out["query"] = torch.empty((*q.shape[:-1], q.shape[-1] + qr.shape[-1]), dtype=q.dtype, device="meta")
+        out["key"] = torch.empty((*k.shape[:-1], k.shape[-1] + kr.shape[-1]), dtype=k.dtype, device="meta")
+    else:
+        out["query"] = torch.cat([q, qr], dim=-1)
+        out["key"] = torch.cat([k, kr], dim=-1)
     out["query_rope"] = out["key_rope"] = None
     return out
 
@@ -80,7 +84,7 @@ def _with_rope(p: dict[str, Any]) -> dict[str, Any]:
 def fia_check(p: dict[str, Any]) -> dict[str, Any]:
     """Normalise an FIA call: layouts to [B, N, S, D], lengths per batch."""
     op = "npu_fused_infer_attention_score"
-    p = _with_rope(p)
+    p = _with_rope(p, shapes_only=True)
     for name in _UNSUPPORTED_FIA:
         if p.get(name) is not None:
             raise NotImplementedError(f"{op}: the simulator does not model {name!r}")

@@ -1,0 +1,152 @@
+"""Attention beyond GQA decode: MLA, FIA v2 and sliding windows through the same path.
+
+Each form runs captured and replayed, bitwise against the same step run eagerly and
+against the float64-attention reference (``Decoder.reference_logits``), in both update
+orders and under adversarial scheduling.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from npugraph import AttentionMetadata, MLAAttention, Runtime, sim
+from npugraph.cli import main
+from npugraph.dump.cli import inspect
+from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
+from npugraph.models.engine import DecodeEngine
+from npugraph.policy import StaticPolicy
+from npugraph.reference import paged_attention_reference
+
+SIZES = [1, 4, 8]
+REF_TOL = 0.06  # bf16 logits, relative to the largest
+
+
+def _engine(kind, order="update-first", policy=None, layers=4):
+    cfg = DecoderConfig(layers=layers, num_blocks=128, max_model_len=256, window=24 if kind == "gemma-like" else None)
+    rt = Runtime("sim", max_model_len=cfg.max_model_len, order=order, policy=policy)
+    model = (MLADecoder if kind == "mla" else Decoder)(cfg, rt)
+    eng = DecodeEngine(rt, model, SIZES)
+    eng.capture()
+    return cfg, rt, model, eng
+
+
+def _run(cfg, eng, steps, seed=0, adversarial=False):
+    for i, b in enumerate(Workload(cfg, SIZES, seed=seed, adversarial=adversarial).steps(steps)):
+        ref = eng.eager(b).clone()
+        got = eng.step(b).clone()
+        assert torch.equal(got, ref), f"step {i} differs from eager"
+        if i % 4 == 0:
+            lens = b.meta.seq_lens.tolist()
+            ind = eng.model.reference_logits(
+                b.input_ids, b.positions, b.slot_mapping, lens, [1] * len(lens), b.meta.block_table
+            )
+            assert (got - ind).abs().max() < REF_TOL * ind.abs().max(), f"step {i} from the float64 reference"
+
+
+@pytest.mark.parametrize("order", ["update-first", "replay-first"])
+@pytest.mark.parametrize("kind", ["mla", "gemma-like"])
+def test_model_replays_like_eager_and_the_reference(kind, order):
+    cfg, rt, model, eng = _engine(kind, order)
+    kernels = {e.key: e.choice.kernel for e in rt.manager.entries()}
+    assert set(kernels.values()) == ({"mla"} if kind == "mla" else {"fia"}), kernels
+    _run(cfg, eng, 16)
+
+
+@pytest.mark.parametrize("kind", ["mla", "gemma-like"])
+def test_model_under_adversarial_scheduling(kind):
+    sim.configure(adversarial_seed=7)
+    cfg, rt, model, eng = _engine(kind, "replay-first")
+    _run(cfg, eng, 10, seed=3, adversarial=True)
+
+
+def test_gemma_like_layers_are_windowed_in_their_own_group():
+    cfg, rt, model, eng = _engine("gemma-like")
+    assert model.groups == ("window", "global")
+    entry = rt.manager.entry("main", 8)
+    assert [t.group for t in entry.tasks] == ["window", "window", "window", "global"]
+    args = entry.tasks[0].args
+    assert args["sparse_mode"] == 4 and args["pre_tokens"] == 23 and args["next_tokens"] == 0
+    assert entry.tasks[3].args["sparse_mode"] == 0
+    assert "sliding window" in entry.choice.reason, "the policy says why PA is not used"
+
+
+def test_the_window_changes_the_result():
+    """A windowed layer over long sequences must not equal the same layer without the window."""
+    cfg, rt, model, eng = _engine("gemma-like", layers=1)
+    b = next(b for b in Workload(cfg, SIZES, seed=1).steps(40) if int(b.meta.seq_lens.max()) > 40)
+    got = eng.step(b).clone()
+    lens = b.meta.seq_lens.tolist()
+    ind = model.reference_logits(b.input_ids, b.positions, b.slot_mapping, lens, [1] * len(lens), b.meta.block_table)
+    model.layers[0].attn.window = None
+    full = model.reference_logits(b.input_ids, b.positions, b.slot_mapping, lens, [1] * len(lens), b.meta.block_table)
+    assert (got - ind).abs().max() < REF_TOL * ind.abs().max()
+    assert (got - full).abs().max() > REF_TOL * full.abs().max()
+
+
+def test_fia_v2_declaration_with_windows():
+    policy = StaticPolicy(frozenset(), fia="fia_v2")
+    cfg, rt, model, eng = _engine("gemma-like", policy=policy)
+    entry = rt.manager.entry("main", 4)
+    assert {t.spec.name for t in entry.tasks} == {"fia_v2"}
+    assert set(entry.tasks[0].spec.host_args) == {"actual_seq_qlen", "actual_seq_kvlen"}
+    _run(cfg, eng, 10)
+    text = inspect(rt.manifest(), "4")
+    assert "actual_seq_kvlen (last)" in text and "npu_fused_infer_attention_score_v2" in json.dumps(rt.manifest())
+
+
+def test_mla_manifest_shows_the_rope_arguments_and_host_lengths():
+    cfg, rt, model, eng = _engine("mla")
+    _run(cfg, eng, 8)
+    doc = rt.manifest()
+    used = next(k["key"] for k in doc["namespaces"]["main"]["keys"] if k["steps"])
+    text = inspect(doc, used)
+    assert "query_rope" in text and "key_rope" in text and "actual_seq_lengths_kv (last)" in text
+    key = rt.manifest()["namespaces"]["main"]["keys"][-1]
+    assert key["kernel"] == "mla" and "PA cannot run MLA" in key["kernel_reason"]
+
+
+def test_speculative_mla_against_the_reference():
+    """Two tokens per request (MTP verification), causal within each request; padding requests give zeros."""
+    rt = Runtime("sim", max_model_len=128)
+    r, dr, heads, bs, nb = 32, 8, 4, 16, 40
+    gen = torch.Generator().manual_seed(0)
+    latent = torch.randn(nb, bs, 1, r, generator=gen).half()
+    rope = torch.randn(nb, bs, 1, dr, generator=gen).half()
+    attn = MLAAttention(rt, "mla", num_heads=heads, kv_lora_rank=r, rope_dim=dr, tokens_per_request=2)
+    q_lat = torch.zeros(8, heads, r, dtype=torch.float16)
+    q_pe = torch.zeros(8, heads, dr, dtype=torch.float16)
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    meta = AttentionMetadata(seq_lens=torch.full((4,), 2, dtype=torch.int32), block_table=table)
+    rt.capture(
+        lambda: attn(q_lat, q_pe, latent, rope, meta), key=4, tokens=8, static_inputs={"q_lat": q_lat, "q_pe": q_pe}
+    )
+    for step, reqs in enumerate([3, 4, 1]):
+        lens = [int(x) for x in torch.randint(2, 128, (reqs,), generator=gen)]
+        tab = torch.stack([torch.randperm(nb, generator=gen)[:8] for _ in range(reqs)]).int()
+        m = AttentionMetadata(
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            block_table=tab,
+            query_start_loc=torch.arange(0, 2 * reqs + 1, 2, dtype=torch.int32),
+        )
+        ql, qp = torch.randn(8, heads, r, generator=gen).half(), torch.randn(8, heads, dr, generator=gen).half()
+        out = rt.step(4, {"default": m}, inputs={"q_lat": ql, "q_pe": qp})
+        rt.synchronize()
+        ref = paged_attention_reference(
+            torch.cat([ql, qp], -1), torch.cat([latent, rope], -1), latent, tab, lens, attn.scale, [2] * reqs
+        )
+        assert (out[: 2 * reqs].double() - ref).abs().max() < 4e-3, step
+        assert not out[2 * reqs :].any(), "padding requests give zeros"
+
+
+@pytest.mark.parametrize("model", ["mla", "gemma-like"])
+def test_demo_runs_each_model_with_no_mismatch(model, tmp_path, capsys):
+    path = tmp_path / "s.json"
+    argv = ["demo", "--model", model, "--steps", "60", "--layers", "2", "--sizes", "1,4,8", "--no-progress"]
+    assert main([*argv, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "60 steps, 0 mismatches" in out and "0 beyond tolerance" in out
+    doc = json.loads(path.read_text())
+    assert doc["model"] == model and doc["mismatches"] == 0 and doc["steps"] == 60 and "kernel_by_size" in doc
