@@ -44,7 +44,8 @@ test: $(STAMP) $(VLLM_STAMP)
 # tests ([tool.mutmut] in pyproject.toml); not part of `make test` (it takes long).
 mutation: $(STAMP)
 	rm -rf mutants
-	$(BIN)/mutmut run --max-children 2
+	# one intra-op thread: forked test workers deadlock on a forked OpenMP pool
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/mutmut run --max-children 2
 	$(BIN)/mutmut results
 
 bench: $(STAMP)

@@ -266,3 +266,24 @@ def test_unchanged_lengths_still_record_events_and_stay_right():
         q = _q(h, 4, step)
         h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
     assert h.rt.updater.state(h.rt.manager.entry("main", 4)).last_reissued == 0
+
+
+def test_uneven_spare_tokens_go_to_padding_requests_only():
+    """Real requests of 1 and 2 tokens in a 4 x 2-token graph: 5 spare tokens over 2 padding rows."""
+    h = Harness([4], tokens_per_request=2, dtype=torch.float32)
+    for step in range(3):
+        base = h.random_meta(2)
+        meta = AttentionMetadata(
+            seq_lens=base.seq_lens,
+            block_table=base.block_table,
+            query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32),
+        )
+        q = _q(h, 4, step)
+        out = h.step(4, {"default": meta}, q)
+        for li, n in enumerate(h.names):
+            k, v = h.caches[n]
+            ref = paged_attention_reference(
+                q[0, :3], k, v, meta.block_table, meta.seq_lens.tolist(), h.attn[n].scale, [1, 2]
+            )
+            assert (out[0, li, :3].double() - ref).abs().max() < TOL[h.dtype]
+            assert not out[0, li, 3:].any(), "the 5 spare tokens are padding: zeros"
