@@ -607,3 +607,11 @@ def test_plugin_without_vllm_logs_one_line_and_device_is_validated(monkeypatch, 
         integ.register()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "vLLM cannot be imported" in lines[0]
+
+
+def test_mla_metadata_is_read_from_its_decode_part():
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    decode = types.SimpleNamespace(seq_lens_list=[5, 9], block_table=table, actual_seq_lengths_q=[2, 4])
+    meta = integ.to_attention_metadata(types.SimpleNamespace(decode=decode, num_actual_tokens=4))
+    assert meta.seq_lens.tolist() == [5, 9] and meta.block_table is table
+    assert meta.query_start_loc.tolist() == [0, 2, 4], "cumulative query ends of a speculative step"

@@ -17,6 +17,12 @@ The attention metadata contract (what a backend must put in
 * ``block_tables`` / ``block_table`` / ``block_table_tensor`` ([R, cols] int32);
 * optionally ``query_start_loc_cpu`` / ``query_start_loc`` (CPU int [R + 1]).
 
+MLA layers (vllm-ascend's MLA metadata): the same fields under ``decode``
+(``decode.seq_lens_list``, ``decode.block_table``), and for speculative steps the
+cumulative query ends ``actual_seq_lengths_q``.  Sliding-window layers belong to their
+own KV-cache group: their metadata (a block table of that group's blocks) is keyed by
+their layer names or by the group name.
+
 Layers of one KV-cache group may share one metadata object; it is converted once
 per step.  :class:`npugraph.attention.DecodeAttention` is the reference client.
 """
@@ -79,9 +85,22 @@ def runtime_for(vllm_config: Any) -> Runtime:
 
 
 def to_attention_metadata(obj: Any) -> AttentionMetadata:
-    """Read the contract's fields from a backend's metadata object (see the module doc)."""
+    """Read the contract's fields from a backend's metadata object (see the module doc).
+
+    MLA backends (vllm-ascend's ``AscendMLAMetadata``) keep the decode lengths and table
+    in ``obj.decode`` (``seq_lens_list``, ``block_table``) and the cumulative query ends of
+    speculative steps in ``actual_seq_lengths_q``; those are read when present.
+    """
     if isinstance(obj, AttentionMetadata):
         return obj
+    decode = getattr(obj, "decode", None)
+    if decode is not None and getattr(decode, "seq_lens_list", None) is not None:
+        meta = to_attention_metadata(decode)
+        ends = getattr(decode, "actual_seq_lengths_q", None) or getattr(obj, "actual_seq_lengths_q", None)
+        if ends is not None and meta.query_start_loc is None:
+            qsl = torch.tensor([0, *[int(x) for x in ends]], dtype=torch.int32, device="cpu")
+            meta = AttentionMetadata(seq_lens=meta.seq_lens, block_table=meta.block_table, query_start_loc=qsl)
+        return meta
     seq = getattr(obj, "seq_lens_list", None)
     if seq is not None:
         seq_lens = torch.tensor(seq, dtype=torch.int32, device="cpu")  # host-side: the kernels' tiling reads it
