@@ -120,6 +120,7 @@ class NPUGraph:
             )
         self._captured = True
 
+    @rt.locked
     def replay(self) -> None:
         """Enqueue the whole captured graph on the current stream and return at once."""
         if not self._captured:

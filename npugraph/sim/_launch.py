@@ -151,6 +151,7 @@ def check_placement(op: SimOp, params: dict[str, Any]) -> None:
                 )
 
 
+@rt.locked
 def launch(op: SimOp, params: dict[str, Any]) -> None:
     """Issue ``op`` on the current stream in whatever mode the stream is in."""
     st = rt.get_state()

@@ -15,10 +15,12 @@ instead of waiting for the device timeout.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import random
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -118,25 +120,57 @@ class SimState:
         self.active: list[Stream] = []
         self.capture: Any = None  # the CaptureSession in progress (npugraph.sim._capture)
         self.default_stream = Stream._create(self, name="default", is_default=True)
-        self.current_stream = self.default_stream
+        # The current stream is per host thread, as in torch; one lock serialises the
+        # device's bookkeeping between threads (parallel updates), never the GIL-free waits.
+        self._local = threading.local()
+        self.lock = threading.RLock()
         self.memory = Memory()
         self.auto_update_stream: Stream | None = None
         self.device_index = 0
         self.device_clock = 0.0  # seconds of simulated device time (Event.elapsed_time)
         self._costs = config.cost_model
 
+    @property
+    def current_stream(self) -> Stream:
+        return getattr(self._local, "stream", None) or self.default_stream
+
+    @current_stream.setter
+    def current_stream(self, stream: Stream) -> None:
+        self._local.stream = stream
+
     # --- host cost and call counting -------------------------------------------------
     def charge(self, what: str) -> None:
-        """Count one device call and spend its modelled host time."""
+        """Count one device call and spend its modelled host time.
+
+        The time is busy-waited (the GIL held), except inside :meth:`gil_free`, where it is
+        owed and slept off afterwards, outside the device lock (the 4-in-1 update is C++
+        that releases the GIL).
+        """
         self.counters[what] += 1
         model = self._costs
         if model is None:
             return
         us = getattr(model, what + "_us", 0.0)
-        if us:
-            end = time.perf_counter() + us * 1e-6
-            while time.perf_counter() < end:
-                pass
+        if not us:
+            return
+        if getattr(self._local, "owed", None) is not None:
+            self._local.owed += us
+            return
+        end = time.perf_counter() + us * 1e-6
+        while time.perf_counter() < end:
+            pass
+
+    def gil_free(self, body: Callable[[], Any]) -> Any:
+        """Run ``body`` under the device lock, then spend its modelled host time without the GIL."""
+        self._local.owed = 0.0
+        try:
+            with self.lock:
+                result = body()
+        finally:
+            owed, self._local.owed = self._local.owed, None
+        if owed:
+            time.sleep(owed * 1e-6)
+        return result
 
     # --- scheduling ------------------------------------------------------------------
     def enqueue(self, stream: Stream, work: _Work) -> None:
@@ -196,6 +230,17 @@ class SimState:
 _STATE: SimState | None = None
 
 
+def locked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` holding the device lock (entry points a host thread may call concurrently)."""
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        with get_state().lock:
+            return fn(*args, **kwargs)
+
+    return inner
+
+
 def get_state() -> SimState:
     """Return the simulated device, creating it with the default config on first use."""
     global _STATE
@@ -252,25 +297,30 @@ class Stream:
     def device(self) -> str:
         return "npu:0"
 
+    @locked
     def wait_event(self, event: Event) -> None:
         """Make all future work on this stream wait for ``event``'s latest record."""
         self._state.enqueue(self, _EventWait(event, event._issued))
 
+    @locked
     def wait_stream(self, stream: Stream) -> None:
         """Make all future work on this stream wait for the work queued on ``stream``."""
         ev = Event()
         ev.record(stream)
         self.wait_event(ev)
 
+    @locked
     def record_event(self, event: Event | None = None) -> Event:
         event = event or Event()
         event.record(self)
         return event
 
+    @locked
     def query(self) -> bool:
         self._state.pump(drain=True)
         return not self._queue
 
+    @locked
     def synchronize(self) -> None:
         self._state.charge("synchronize")
         self._state.drain(f"{self!r}.synchronize()", stream=self)
@@ -291,6 +341,7 @@ class Event:
     def __repr__(self) -> str:
         return f"<sim.npu.Event #{self.event_id}>"
 
+    @locked
     def record(self, stream: Stream | None = None) -> None:
         st = get_state()
         stream = stream or st.current_stream
@@ -299,14 +350,17 @@ class Event:
         self._issued += 1
         st.enqueue(stream, _EventRecord(self, self._issued))
 
+    @locked
     def wait(self, stream: Stream | None = None) -> None:
         st = get_state()
         (stream or st.current_stream).wait_event(self)
 
+    @locked
     def query(self) -> bool:
         get_state().pump(drain=True)
         return self._completed >= self._issued
 
+    @locked
     def synchronize(self) -> None:
         st = get_state()
         st.charge("synchronize")
@@ -340,6 +394,7 @@ class ExternalEvent:
     def __repr__(self) -> str:
         return f"<sim.npu.ExternalEvent #{self.event_id}>"
 
+    @locked
     def record(self, stream: Stream) -> None:
         st = get_state()
         st.charge("event_record")
@@ -349,6 +404,7 @@ class ExternalEvent:
             return
         st.enqueue(stream, _ExternalRecord(self, stream))
 
+    @locked
     def wait(self, stream: Stream) -> None:
         st = get_state()
         if self._waits_since_record >= 1:

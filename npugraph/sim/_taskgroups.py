@@ -91,6 +91,7 @@ class _TaskUpdate:
         return {"text": f"update of {self.group!r}", "task_group": self.group}
 
 
+@rt.locked
 def graph_task_group_begin(stream: rt.Stream) -> None:
     """Open a task group on the capturing ``stream`` (one op call per group)."""
     st = rt.get_state()
@@ -109,6 +110,7 @@ def graph_task_group_begin(stream: rt.Stream) -> None:
     session.open_group = group
 
 
+@rt.locked
 def graph_task_group_end(stream: rt.Stream) -> NPUTaskGroupHandle:
     """Close the open task group of ``stream`` and return its handle."""
     st = rt.get_state()
@@ -128,6 +130,7 @@ def graph_task_group_end(stream: rt.Stream) -> NPUTaskGroupHandle:
     return NPUTaskGroupHandle(group)
 
 
+@rt.locked
 def graph_task_update_begin(stream: rt.Stream, handle: NPUTaskGroupHandle) -> None:
     """Start rewriting task group ``handle``: the next op on ``stream`` is not executed."""
     st = rt.get_state()
@@ -153,6 +156,7 @@ def graph_task_update_begin(stream: rt.Stream, handle: NPUTaskGroupHandle) -> No
     stream._update_ops = 0
 
 
+@rt.locked
 def graph_task_update_end(stream: rt.Stream) -> None:
     """Finish the update begun on ``stream``."""
     st = rt.get_state()

@@ -59,6 +59,7 @@ def stream(s: Stream | None) -> Iterator[None]:
         yield
 
 
+@rt.locked
 def synchronize(device: Any = None) -> None:
     """Wait for all queued work; raises :class:`~npugraph.sim.DeadlockError` if it cannot finish."""
     st = rt.get_state()
