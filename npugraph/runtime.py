@@ -60,6 +60,7 @@ class Runtime:
         trace_depth: int = 16,
         eager_fallback: Callable[[Hashable, StepMetadata, Mapping[str, torch.Tensor]], Any] | None = None,
         defer_block_check: bool | None = None,
+        update_workers: int = 1,
     ) -> None:
         if order not in _ORDERS:
             raise ConfigError(f"order must be 'update-first' or 'replay-first', got {order!r}")
@@ -74,6 +75,7 @@ class Runtime:
             on_error=self._on_error,
             on_update=self.trace.note,
             defer_block_check=defer_block_check,
+            update_workers=update_workers,
         )
         self.postmortem = PostMortem(self.manager, self.updater, self.trace, postmortem_dir)
         self.order = order

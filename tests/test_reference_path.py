@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from npugraph import AttentionMetadata, DecodeAttention, Runtime, sim
-from npugraph.errors import MetadataError
+from npugraph.errors import MetadataError, UpdateFailed
 from npugraph.policy import FixedPolicy, StaticPolicy
 from npugraph.reference import paged_attention_reference
 
@@ -287,3 +287,33 @@ def test_uneven_spare_tokens_go_to_padding_requests_only():
             )
             assert (out[0, li, :3].double() - ref).abs().max() < TOL[h.dtype]
             assert not out[0, li, 3:].any(), "the 5 spare tokens are padding: zeros"
+
+
+@pytest.mark.parametrize(("kernel", "fused"), [("pa", False), ("fia", True), ("fia", False)])
+def test_parallel_updates_from_four_threads_against_the_reference(kernel, fused):
+    h = Harness([4, 8], layers=6, policy=FixedPolicy(kernel), update_workers=4, fused_update=fused)
+    assert len({id(s) for s in h.rt.updater.streams}) == 4
+    for step in range(10):
+        size = 8 if step % 2 else 4
+        meta = h.random_meta(h.rng.randint(1, size))
+        q = _q(h, size, step)
+        h.check(h.step(size, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
+def test_parallel_updates_under_adversarial_scheduling():
+    sim.configure(adversarial_seed=11)
+    h = Harness([8], layers=6, update_workers=3, fused_update=True, order="replay-first")
+    for step in range(8):
+        meta = h.random_meta(h.rng.randint(1, 8))
+        q = _q(h, 8, step)
+        h.check(h.step(8, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
+def test_a_failure_in_a_worker_thread_names_its_layer():
+    h = Harness([8], layers=4, policy=FixedPolicy("fia"), update_workers=2, validate=False)
+    good = h.random_meta(3)
+    bad = AttentionMetadata(seq_lens=torch.full((3,), 10**6, dtype=torch.int32), block_table=good.block_table)
+    with pytest.raises(UpdateFailed, match=r"failed at layer 'layer(1|3)'"):
+        h.rt.update(8, {"layer0": good, "layer1": bad, "layer2": good, "layer3": bad})
+    q = _q(h, 8, 0)
+    h.check(h.step(8, {"default": good}, q), q, dict.fromkeys(h.names, good))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import attrs
@@ -12,6 +13,7 @@ import torch
 
 from npugraph.capture import CapturedGraph, CaptureManager
 from npugraph.errors import (
+    ConfigError,
     GraphRace,
     MetadataError,
     NotReplayableError,
@@ -119,8 +121,17 @@ class ReplayUpdater:
         on_error: Callable[[NpuGraphError, CapturedGraph | None], None] | None = None,
         on_update: Callable[[CapturedGraph, GraphState], None] | None = None,
         defer_block_check: bool | None = None,
+        update_workers: int = 1,
     ) -> None:
+        if isinstance(update_workers, bool) or not isinstance(update_workers, int) or update_workers < 1:
+            raise ConfigError(f"update_workers must be an int >= 1, got {update_workers!r}")
         self.manager = manager
+        # K > 1: tasks are updated from K host threads, each on its own update stream
+        # (task i by thread i % K, so layers land in order); worth it where the update
+        # call releases the GIL (the 4-in-1). Check the device first: npugraph selftest.
+        self.update_workers = update_workers
+        self._pool = ThreadPoolExecutor(update_workers - 1, "npugraph-update") if update_workers > 1 else None
+        self._streams: list[Any] = []
         self.device = manager.device
         self.validate = validate
         # None: block ids of device-resident tables are checked on the device (a host read
@@ -135,7 +146,6 @@ class ReplayUpdater:
             # simulator's is the same Python calls, so it is used there only on request.
             fused_update = not self.device.is_sim
         self._fused = self.device.fused_fia_update if fused_update else None
-        self._stream: Any = None
         # dropped with the graph: a plan holds task-group handles, which must not
         # outlive the graph the manager released
         self._plans: weakref.WeakKeyDictionary[CapturedGraph, UpdatePlan] = weakref.WeakKeyDictionary()
@@ -146,10 +156,15 @@ class ReplayUpdater:
 
     @property
     def stream(self) -> Any:
-        """The update stream shared by every namespace."""
-        if self._stream is None:
-            self._stream = self.device.npu.Stream()
-        return self._stream
+        """The (first) update stream, shared by every namespace."""
+        return self.streams[0]
+
+    @property
+    def streams(self) -> list[Any]:
+        """One update stream per update worker."""
+        if not self._streams:
+            self._streams = [self.device.npu.Stream() for _ in range(self.update_workers)]
+        return self._streams
 
     def _ns(self, namespace: str) -> _NamespaceSteps:
         st = self._steps.get(namespace)
@@ -336,12 +351,14 @@ class ReplayUpdater:
         (``-1``: before any task, while copying block tables).
         """
         npu = self.device.npu
-        us = self.stream
+        streams = self.streams
+        us = streams[0]
         steps = self._ns(entry.namespace)
         if steps.step > 0:
             # Order after the previous replay: it must consume the previous step's
             # lengths and events before this step's land (no host synchronize).
-            us.wait_event(steps.done[(steps.step - 1) % 2])
+            for s in streams:
+                s.wait_event(steps.done[(steps.step - 1) % 2])
         with npu.stream(us):
             try:
                 for check in step.deferred:
@@ -354,15 +371,37 @@ class ReplayUpdater:
                         buf[:rows, :cols].copy_(src[:rows, :cols], non_blocking=True)
             except Exception as exc:
                 raise _TaskFailed(-1, exc) from exc
-            reissued = self._issue_tasks(us, plan, state, step.host)
+            n = len(plan.handles)
+            if self._pool is None or n < 2:
+                reissued = self._issue_tasks(us, plan, state, step.host, range(n))
+            else:
+                k = self.update_workers
+                futures = [
+                    self._pool.submit(self._issue_on, streams[w], plan, state, step.host, range(w, n, k))
+                    for w in range(1, k)
+                ]
+                try:
+                    reissued = self._issue_tasks(us, plan, state, step.host, range(0, n, k))
+                finally:
+                    wait(futures)  # every worker is done before the update returns or raises
+                reissued += sum(f.result() for f in futures)
         if state.replay_waiting:
             # The replay already queued consumes these events.
             state.replay_waiting = False
             state.event_pending[:] = [False] * len(state.event_pending)
         return reissued
 
-    def _issue_tasks(self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]]) -> int:
-        """Re-issue every task whose host values changed; record every task's event once."""
+    def _issue_on(
+        self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]], indices: range
+    ) -> int:
+        """A worker thread's share of the tasks, on its own update stream."""
+        with self.device.npu.stream(us):
+            return self._issue_tasks(us, plan, state, host, indices)
+
+    def _issue_tasks(
+        self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]], indices: range
+    ) -> int:
+        """Re-issue every task (of ``indices``) whose host values changed; record every task's event once."""
         npu = self.device.npu
         begin, end, fused_fn = npu.graph_task_update_begin, npu.graph_task_update_end, self._fused
         applied, pending, skip = state.applied, state.event_pending, self.skip_unchanged
@@ -371,7 +410,7 @@ class ReplayUpdater:
         reissued = 0
         i = -1
         try:
-            for i in range(len(handles)):
+            for i in indices:
                 hv = host[i]
                 if skip and applied[i] is hv:
                     if not pending[i]:
