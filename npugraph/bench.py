@@ -21,9 +21,11 @@ from __future__ import annotations
 import random
 import statistics
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from npugraph import sim
@@ -32,10 +34,19 @@ from npugraph.models.engine import DecodeEngine
 from npugraph.models.stack import AttentionStack
 from npugraph.ops import pad_lens
 from npugraph.policy import FixedPolicy
-from npugraph.replay import AttentionMetadata, convert
+from npugraph.replay import AttentionMetadata, ReplayUpdater, convert
 from npugraph.runtime import Runtime
+from npugraph.timeline import Costs, RecordingDevice, ShadowGraph, StepLog, TimelineResult, min_log, model_steps
 
-__all__ = ["bench_update", "run_bench", "bench_capture", "bench_replay_vs_eager", "bench_validation"]
+__all__ = [
+    "bench_update",
+    "run_bench",
+    "bench_capture",
+    "bench_replay_vs_eager",
+    "bench_validation",
+    "bench_timeline",
+    "modeled_summary",
+]
 
 _MAX_MODEL_LEN = 2048
 
@@ -329,3 +340,213 @@ def bench_validation(
         )
     sim.configure()
     return rows
+
+
+# --- the modeled timeline: npugraph vs UpdatableGraph vs the older loop ---------------------
+
+
+class _ShadowManager:
+    """What a ReplayUpdater needs of a manager, for a shadow entry on the recording device."""
+
+    def __init__(self, device: Any, entry: Any, max_model_len: int) -> None:
+        self.device, self._entry, self.max_model_len = device, entry, max_model_len
+
+    def entry(self, namespace: str, key: Any) -> Any:
+        return self._entry
+
+    def task_for_event(self, event: Any) -> None:
+        return None
+
+    def task_for_group(self, group: Any) -> None:
+        return None
+
+
+def _shadow(rt: Runtime, size: int, dev: RecordingDevice) -> Any:
+    entry = rt.manager.entry("main", size)
+    tasks = tuple(attrs.evolve(t, handle=dev.handle(t.index), event=dev.event(t.index)) for t in entry.tasks)
+    return attrs.evolve(entry, tasks=tasks, graph=ShadowGraph(dev))
+
+
+def _implementations(rt: Runtime, size: int, kernel: str) -> dict[str, tuple[RecordingDevice, Callable[[Any], None]]]:
+    """Each implementation's step, on its own recording device (step metadata built outside)."""
+    out: dict[str, tuple[RecordingDevice, Callable[[Any], None]]] = {}
+    for name, workers, order in (
+        ("npugraph_k1", 1, "replay-first"),
+        ("npugraph_k1_update_first", 1, "update-first"),
+        ("npugraph_k4", 4, "replay-first"),
+    ):
+        dev = RecordingDevice(kernel)
+        shadow = _shadow(rt, size, dev)
+        upd = ReplayUpdater(_ShadowManager(dev, shadow, rt.max_model_len), fused_update=True, update_workers=workers)  # type: ignore[arg-type]
+
+        def npugraph_step(meta: Any, upd: ReplayUpdater = upd, order: str = order) -> None:
+            if order == "replay-first":
+                upd.replay("main", size)
+                upd.update("main", size, {"default": meta.meta})
+            else:
+                upd.update("main", size, {"default": meta.meta})
+                upd.replay("main", size)
+
+        out[name] = (dev, npugraph_step)
+    out["updatable"] = _updatable(rt, size, kernel)
+    out["legacy"] = _legacy(rt, size, kernel)
+    return out
+
+
+def _updatable(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDevice, Callable[[Any], None]]:
+    """vllm-ascend's UpdatableGraph loop (#15908, #16798), reimplemented from its description.
+
+    Replay first; the update stream waits on the replay stream (no host synchronize,
+    #12944); each task's provider resolves its parameters from the forward context and
+    ``bind`` merges them into the captured kwargs (a dict per task); then begin / op / end
+    / record per task; the PA workspace is queried once per pass (#15579); no validation.
+    """
+    dev = RecordingDevice(kernel)
+    shadow = _shadow(rt, size, dev)
+    npu, ops = dev.npu, dev.ops
+    spec = shadow.tasks[0].spec
+    kernel_fn = spec.kernel_fn(dev)
+    captured = [(t.layer, t.handle, t.event, dict(t.args)) for t in shadow.tasks]
+    us, main = npu.Stream(), npu.current_stream()
+
+    def provider(layer: str, context: Any) -> dict[str, Any]:
+        m = context[layer]
+        if kernel == "pa":
+            return {"context_lens": m.context_lens}
+        return {"actual_seq_lengths": m.q_list, "actual_seq_lengths_kv": m.seq_lens_list}
+
+    def step(meta: Any) -> None:
+        shadow.graph.replay()
+        us.wait_stream(main)
+        ws = None
+        if kernel == "pa":
+            first = {k: v for k, v in captured[0][3].items() if k != "workspace"}
+            ws = ops._npu_paged_attention_get_workspace(**first)
+        with npu.stream(us):
+            for layer, handle, event, kwargs in captured:
+                bound = {**kwargs, **provider(layer, meta.context)}
+                if ws is not None:
+                    bound["workspace"] = ws
+                npu.graph_task_update_begin(us, handle)
+                kernel_fn(**bound)
+                npu.graph_task_update_end(us)
+                event.record(us)
+
+    return dev, step
+
+
+def _legacy(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDevice, Callable[[Any], None]]:
+    """vllm-ascend's loop before September 2026: a host synchronize before the replay, the
+    metadata walked in capture order with a positional tuple per layer, lengths converted
+    per layer, the PA workspace queried per layer, then begin / op / end / record."""
+    dev = RecordingDevice(kernel)
+    shadow = _shadow(rt, size, dev)
+    npu, ops = dev.npu, dev.ops
+    kernel_fn = shadow.tasks[0].spec.kernel_fn(dev)
+    names = list(shadow.tasks[0].args)
+    attn_params = [tuple(t.args.values()) for t in shadow.tasks]
+    handles = [t.handle for t in shadow.tasks]
+    events = [t.event for t in shadow.tasks]
+    us = npu.Stream()
+
+    def step(meta: Any) -> None:
+        with npu.stream(us):
+            for (_name, m), params, handle, event in zip(meta.context.items(), attn_params, handles, events):
+                kw = dict(zip(names, params))
+                seq = m.seq_lens.tolist()
+                if kernel == "pa":
+                    kw["context_lens"] = torch.tensor(seq, dtype=torch.int32, device="cpu")
+                    ops._npu_paged_attention_get_workspace(**{k: v for k, v in kw.items() if k != "workspace"})
+                else:
+                    kw["actual_seq_lengths"] = list(range(1, len(seq) + 1))
+                    kw["actual_seq_lengths_kv"] = seq
+                npu.graph_task_update_begin(us, handle)
+                kernel_fn(**kw)
+                npu.graph_task_update_end(us)
+                event.record(us)
+        npu.synchronize()  # before every replay (PR #4233)
+        shadow.graph.replay()
+
+    return dev, step
+
+
+@attrs.frozen
+class _StepInput:
+    """One step's metadata, built outside the timed region for every implementation."""
+
+    meta: AttentionMetadata
+    context: dict[str, Any]
+
+
+def _step_input(rt: Runtime, size: int, lens: list[int], table: torch.Tensor) -> _StepInput:
+    meta = AttentionMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32, device="cpu"), block_table=table)
+    entry = rt.manager.entry("main", size)
+    per_layer = types.SimpleNamespace(
+        seq_lens=meta.seq_lens,
+        seq_lens_list=list(lens),
+        q_list=list(range(1, size + 1)),
+        context_lens=meta.seq_lens,
+    )
+    return _StepInput(meta=meta, context=dict.fromkeys(entry.layers, per_layer))
+
+
+def bench_timeline(
+    *,
+    layers: int,
+    size: int,
+    kernel: str,
+    costs: Costs,
+    repeats: int = 7,
+    seed: int = 0,
+) -> dict[str, TimelineResult]:
+    """Modeled step latency and steps/s of every implementation for one shape."""
+    sim.configure()
+    rt, _, table, _query = _setup(layers, size, kernel, cost=False)
+    rng = random.Random(seed)
+    results: dict[str, TimelineResult] = {}
+    for name, (dev, step) in _implementations(rt, size, kernel).items():
+        logs: list[StepLog] = []
+        for _ in range(repeats + 2):
+            inp = _step_input(rt, size, [rng.randint(1, _MAX_MODEL_LEN) for _ in range(size)], table)
+            with dev.recording() as log:
+                step(inp)
+            logs += log
+        results[name] = model_steps(min_log(logs[2:]), costs, kernel=kernel, layers=layers)
+    sim.configure()
+    return results
+
+
+def modeled_summary(
+    progress: Callable[[str, dict[str, TimelineResult]], None] | None = None,
+) -> tuple[dict[str, Any], dict[str, TimelineResult]]:
+    """The modeled rows of ``npugraph bench``: host-bound (#13058's shape), device-bound, PA at batch 4."""
+    shapes = {
+        "host_bound": dict(layers=20, size=16, kernel="fia", costs=Costs(attention_us=60.0)),
+        "device_bound": dict(layers=32, size=16, kernel="fia", costs=Costs(attention_us=200.0)),
+        "pa_batch4": dict(layers=20, size=4, kernel="pa", costs=Costs(attention_us=30.0)),
+    }
+    out: dict[str, Any] = {}
+    host_bound: dict[str, TimelineResult] = {}
+    for label, shape in shapes.items():
+        res = bench_timeline(**shape)  # type: ignore[arg-type]
+        if label == "host_bound":
+            host_bound = res
+        sps = {k: r.steps_per_s for k, r in res.items()}
+        row: dict[str, Any] = {
+            "layers": shape["layers"],
+            "size": shape["size"],
+            "kernel": shape["kernel"],
+            "device_us_per_layer": shape["costs"].attention_us,  # type: ignore[attr-defined]
+            "steps_per_s": {k: round(v, 1) for k, v in sps.items()},
+            "step_latency_us": {k: round(r.step_latency_us, 1) for k, r in res.items()},
+            "host_us_per_step": {k: round(r.host_us_per_step, 1) for k, r in res.items()},
+        }
+        row["npugraph_k1_vs_updatable"] = sps["npugraph_k1"] / sps["updatable"]
+        row["npugraph_k4_vs_updatable"] = sps["npugraph_k4"] / sps["updatable"]
+        row["legacy_vs_updatable"] = sps["legacy"] / sps["updatable"]
+        device_limit = 1e6 / (shape["layers"] * shape["costs"].attention_us)  # type: ignore[attr-defined]
+        row["npugraph_vs_device_limit"] = max(sps["npugraph_k1"], sps["npugraph_k4"]) / device_limit
+        out[label] = row
+        if progress is not None:
+            progress(label, res)
+    return out, host_bound

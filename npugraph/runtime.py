@@ -54,7 +54,7 @@ class Runtime:
         validate: bool = True,
         skip_unchanged: bool = True,
         fused_update: bool | None = None,
-        order: str = "update-first",
+        order: str = "replay-first",
         progress: bool = False,
         postmortem_dir: str | None = None,
         trace_depth: int = 16,
@@ -228,10 +228,11 @@ class Runtime:
         entry = self.manager.entry(namespace, key)
         if inputs:
             self.copy_inputs(entry, inputs, pad_values)
-        if self.order == "update-first":
+        if self.order == "update-first" or not self.updater.state(entry).replayable:
+            # (after a failed update or replay, the complete update must come first)
             self.update(key, metadata, namespace=namespace)
             return self.replay(key, namespace=namespace)
-        out = self.replay(key, namespace=namespace)
+        out = self.replay(key, namespace=namespace)  # the device starts while the host updates
         self.update(key, metadata, namespace=namespace)
         return out
 

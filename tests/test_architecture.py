@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "npugraph"
 # Lower layers first. A module may import its own package and anything in a lower layer.
 LAYERS: list[tuple[str, ...]] = [
     ("npugraph.sim", "npugraph.errors", "npugraph._version"),
-    ("npugraph.files", "npugraph.device", "npugraph.reference"),
+    ("npugraph.files", "npugraph.device", "npugraph.reference", "npugraph.timeline"),
     ("npugraph.ops",),
     ("npugraph.policy",),  # choosing a kernel is pure: below capture
     ("npugraph.capture",),

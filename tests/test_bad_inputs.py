@@ -544,7 +544,8 @@ def test_half_way_update_failure_names_the_layer_and_a_full_update_recovers(worl
 
 
 def test_bad_block_id_in_a_device_table_is_reported_at_synchronize(world):
-    rt, eng = _another_runtime(world, defer_block_check=True)  # as for tables on the NPU
+    # as for tables on the NPU; update-first, so that the next step's update replaces the bad one
+    rt, eng = _another_runtime(world, defer_block_check=True, order="update-first")
     b = world.steps[8]
     ref = eng.step(b).clone()
     table = b.meta.block_table.clone()

@@ -95,9 +95,12 @@ def test_demo_on_npu_without_torch_npu_says_what_is_missing(capsys):
 
 
 def test_bench_json_schema(tmp_path):
-    path = tmp_path / "bench.json"
+    path, trace = tmp_path / "bench.json", tmp_path / "timeline.json"
     code = main(
-        ["bench", "--layers", "2,32", "--sizes", "1", "--cost-model", "off", "--repeats", "2", "--json", str(path)]
+        [
+            *("bench", "--layers", "2,32", "--sizes", "1", "--cost-model", "off", "--repeats", "2"),
+            *("--json", str(path), "--timeline", str(trace)),
+        ]
     )
     assert code == 0
     doc = json.loads(path.read_text())
@@ -106,8 +109,19 @@ def test_bench_json_schema(tmp_path):
         assert {"layers", "size", "kernel", "cost_model", "npugraph_us", "baseline_us", "floor_us", "calls"} <= set(row)
         assert row["cost_model"] == "off" and set(row["calls"]) == {"npugraph", "baseline", "floor"}
         assert row["calls"]["npugraph"] == row["calls"]["floor"] == 5 * row["layers"]
-    s = doc["summary"]["off"]
+    s = doc["summary"]["measured"]["off"]
     assert {"ratio_vs_baseline_median", "overhead_vs_floor_median"} <= set(s)
+    assert doc["summary"]["measured_off"]["npugraph_vs_floor"] == s["overhead_vs_floor_median"]
+    modeled = doc["summary"]["modeled"]
+    hb = modeled["host_bound"]
+    assert set(hb["steps_per_s"]) >= {"npugraph_k1", "npugraph_k4", "updatable", "legacy"}
+    assert {"npugraph_k1_vs_updatable", "npugraph_k4_vs_updatable", "legacy_vs_updatable"} <= set(hb)
+    assert (hb["layers"], hb["size"], hb["kernel"], hb["device_us_per_layer"]) == (20, 16, "fia", 60.0)
+    assert modeled["device_bound"]["layers"] == 32 and "npugraph_vs_device_limit" in modeled["device_bound"]
+    assert modeled["pa_batch4"]["kernel"] == "pa" and modeled["pa_batch4"]["size"] == 4
+    assert [r["requests"] for r in doc["validation"]] == [64, 256]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "device stream" or e.get("args", {}).get("name") == "device stream" for e in events)
 
 
 def test_policy_measure_and_show(tmp_path, capsys):

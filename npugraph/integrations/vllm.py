@@ -280,7 +280,11 @@ class NpuGraphWrapper:
         if self.check_addresses:
             self._check_addresses(key, args, kwargs)
         if self._full and self.runtime.manager.entry(self.namespace, key).tasks:
-            self.runtime.update(key, _step_metadata(ctx.attn_metadata), namespace=self.namespace)
+            metadata = _step_metadata(ctx.attn_metadata)
+            # replay first: the device starts the graph while the host updates layer by layer
+            out = self.runtime.replay(key, namespace=self.namespace)
+            self.runtime.update(key, metadata, namespace=self.namespace)
+            return out
         return self.runtime.replay(key, namespace=self.namespace)
 
     def _capture(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -55,6 +55,7 @@ class UpdatePlan:
     geometry: tuple[tuple[int, int, int, int, int], ...]
     spec_set: tuple[OpSpec, ...]  # the distinct specs of the graph
     spec_names: tuple[str, ...]
+    uniform: bool  # one spec, one length slot and one block-table buffer for every task
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -220,6 +221,11 @@ class ReplayUpdater:
             qkv=tuple(qkv),
             block_tables=tuple(tables),
             geometry=tuple(geometry),
+            uniform=bool(entry.tasks)
+            and len({t.spec.name for t in entry.tasks}) == 1
+            and len({t.slot for t in entry.tasks}) == 1
+            and len({id(b) for b in tables}) == 1
+            and len(set(geometry)) == 1,
         )
 
     # --- update ----------------------------------------------------------------------
@@ -271,6 +277,8 @@ class ReplayUpdater:
     def _prepare(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata) -> _Step:
         """Resolve, validate and convert metadata; no device call here."""
         metas = _resolve(entry, plan, metadata)
+        if plan.uniform and metas.count(metas[0]) == len(metas):
+            return self._prepare_one(entry, plan, state, metas[0])
         copies: dict[int, tuple[Any, AttentionMetadata]] = {}
         deferred: list[_DeferredCheck] = []
         host_by: dict[tuple[int, str], dict[str, Any]] = {}
@@ -280,40 +288,8 @@ class ReplayUpdater:
             mid = id(meta)
             lens = lens_by.get(mid)
             if lens is None:  # each distinct metadata object once
-                bs, nblocks, cols, batch, tokens = plan.geometry[i]
-                where = f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}"
-                table = getattr(meta, "block_table", None)
-                on_device = isinstance(table, torch.Tensor) and table.device.type != "cpu"
-                defer = self.validate and (self.defer_block_check if self.defer_block_check is not None else on_device)
-                lens = convert(
-                    meta,
-                    batch=batch,
-                    tokens=tokens,
-                    max_model_len=self.manager.max_model_len,
-                    block_size=bs,
-                    num_blocks=nblocks,
-                    capacity_blocks=cols,
-                    where=where,
-                    validate=self.validate,
-                    check_block_ids=not defer,
-                    tokens_per_request=max(1, tokens // max(1, batch)),
-                )
-                if defer and lens.num_reqs:
-                    deferred.append(
-                        _DeferredCheck(
-                            table=meta.block_table,
-                            kv=lens.kv_lens[: lens.num_reqs],
-                            block_size=bs,
-                            num_blocks=nblocks,
-                            where=f"step {state.steps + 1} of {where}",
-                        )
-                    )
-                slot = plan.slots[i]
-                prev = state.last_lens.get(slot)
-                if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
-                    lens = prev  # unchanged: identity lets tasks skip the re-issue
-                new_lens[slot] = lens
-                lens_by[mid] = lens
+                lens = lens_by[mid] = self._convert(entry, plan, state, i, meta, deferred)
+                new_lens[plan.slots[i]] = lens
             buf = plan.block_tables[i]
             seen = copies.get(id(buf))
             if seen is None:
@@ -337,6 +313,64 @@ class ReplayUpdater:
         state.last_lens.update(new_lens)
         host = [host_by[(id(m), n)] for m, n in zip(metas, plan.spec_names)]
         return _Step(host=host, copies=copies, deferred=tuple(deferred))
+
+    def _convert(
+        self,
+        entry: CapturedGraph,
+        plan: UpdatePlan,
+        state: GraphState,
+        i: int,
+        meta: Any,
+        deferred: list[_DeferredCheck],
+    ) -> StepLens:
+        """Validate and pad the metadata of task ``i`` (and of every task sharing it)."""
+        bs, nblocks, cols, batch, tokens = plan.geometry[i]
+        where = f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}"
+        table = getattr(meta, "block_table", None)
+        on_device = isinstance(table, torch.Tensor) and table.device.type != "cpu"
+        defer = self.validate and (self.defer_block_check if self.defer_block_check is not None else on_device)
+        lens = convert(
+            meta,
+            batch=batch,
+            tokens=tokens,
+            max_model_len=self.manager.max_model_len,
+            block_size=bs,
+            num_blocks=nblocks,
+            capacity_blocks=cols,
+            where=where,
+            validate=self.validate,
+            check_block_ids=not defer,
+            tokens_per_request=max(1, tokens // max(1, batch)),
+        )
+        if defer and lens.num_reqs:
+            deferred.append(
+                _DeferredCheck(
+                    table=meta.block_table,
+                    kv=lens.kv_lens[: lens.num_reqs],
+                    block_size=bs,
+                    num_blocks=nblocks,
+                    where=f"step {state.steps + 1} of {where}",
+                )
+            )
+        prev = state.last_lens.get(plan.slots[i])
+        if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
+            return prev  # unchanged: identity lets tasks skip the re-issue
+        return lens
+
+    def _prepare_one(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, meta: Any) -> _Step:
+        """The common step: one metadata object for every task of one kernel and one table."""
+        deferred: list[_DeferredCheck] = []
+        lens = self._convert(entry, plan, state, 0, meta, deferred)
+        slot, spec = plan.slots[0], plan.spec_set[0]
+        cached = state.last_host.get((slot, spec.name))
+        if cached is not None and cached[0] is lens:
+            hv = cached[1]
+        else:
+            hv = spec.host_values(lens)
+            state.last_host[(slot, spec.name)] = (lens, hv)
+        state.last_lens[slot] = lens
+        buf = plan.block_tables[0]
+        return _Step(host=[hv] * len(plan.handles), copies={id(buf): (buf, meta)}, deferred=tuple(deferred))
 
     def _issue(
         self,
@@ -642,6 +676,9 @@ def describe_device_error(manager: CaptureManager, exc: BaseException, entry: Ca
 def _resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> list[AttentionMetadata]:
     """The metadata of every task: by layer name, then by KV-cache group, per micro-batch."""
     if isinstance(metadata, Mapping):
+        if plan.uniform and len(metadata) == 1 and metadata.get(plan.groups[0]) is not None:
+            if plan.layers[0] not in metadata:  # the common step: one group's metadata for every layer
+                return [metadata[plan.groups[0]]] * len(plan.layers)
         get = metadata.get
         metas = [get(layer) for layer in plan.layers]
         if None in metas:  # fall back to the KV-cache group name

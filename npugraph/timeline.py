@@ -1,0 +1,388 @@
+"""A modeled device timeline: what a step costs end to end, host and device together.
+
+Each implementation of the per-step update (npugraph with 1 or K update threads, a
+reimplementation of vllm-ascend's ``UpdatableGraph`` loop, and of its older loop) runs
+against a *recording device*: the same device-API calls, each logged (kind, task,
+stream, host thread) and costing nothing, so the thread CPU time between two calls is
+the implementation's own Python (the minimum over repeats).  The model then replays
+that log on a timeline:
+
+* each device-API call costs its modeled host time (:class:`Costs`: Atlas A2 figures,
+  a PA layer update ≈ 59 µs (#15579), an FIA one ≈ 184 µs (#13058), a workspace query
+  50 µs, a host synchronize 85 µs plus the wait); the implementation's Python holds the
+  GIL, the 4-in-1 FIA update does not, so several update threads overlap only there;
+* the device runs the graph layer by layer (modeled non-attention work, then the
+  attention kernel), and layer ``i``'s attention starts only once its update has landed
+  (its event recorded) and the previous step's replay has finished;
+* steps follow each other: a host synchronize stalls the host until the device is idle.
+
+It reports the modeled step latency, steady-state steps/s, and a Chrome trace
+(``chrome://tracing`` or https://ui.perfetto.dev) of host threads and the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+
+__all__ = ["Call", "Costs", "RecordingDevice", "StepLog", "TimelineResult", "model_steps", "chrome_trace"]
+
+
+@attrs.frozen(kw_only=True)
+class Call:
+    """One device-API call as the implementation made it."""
+
+    kind: str  # replay, update_begin, op_launch, update_end, event_record, fused, workspace_query, synchronize, wait
+    thread: int  # 0: the calling thread; 1..: update workers (told apart by their update streams)
+    task: int = -1  # the layer it concerns (-1: none)
+    python_us: float = 0.0  # the implementation's own host time since its previous call on that thread
+
+
+@attrs.frozen(kw_only=True)
+class StepLog:
+    """The calls of one step, per thread, in order; ``fork`` is where workers start (main thread's call index)."""
+
+    calls: tuple[Call, ...]
+    fork: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Costs:
+    """Modeled host µs per device-API call, and device µs per layer."""
+
+    replay: float = 40.0
+    event_record: float = 12.0
+    workspace_query: float = 50.0
+    synchronize: float = 85.0
+    wait: float = 2.0
+    update_begin: float = 22.0
+    update_end: float = 30.0
+    op_launch_fia: float = 120.0  # 22 + 120 + 30 + 12 = 184 µs per FIA layer (#13058)
+    op_launch_pa: float = 8.0  # begin + op + end + record ≈ 59 µs per PA layer (#15579 after #3986)
+    pa_update_begin: float = 15.0
+    pa_update_end: float = 24.0
+    update_lands: float = 3.0  # device time for a task update to land
+    attention_us: float = 60.0  # device time of one layer's attention kernel
+    other_us: float = 0.0  # device time of one layer's non-attention work
+
+    def host(self, call: Call, kernel: str) -> float:
+        if call.kind == "op_launch":
+            return self.op_launch_pa if kernel == "pa" else self.op_launch_fia
+        if call.kind == "update_begin" and kernel == "pa":
+            return self.pa_update_begin
+        if call.kind == "update_end" and kernel == "pa":
+            return self.pa_update_end
+        if call.kind == "fused":
+            return self.update_begin + self.op_launch_fia + self.update_end + self.event_record
+        return float(getattr(self, call.kind, 0.0))
+
+
+@attrs.frozen(kw_only=True)
+class TimelineResult:
+    """Modeled figures of ``steps`` consecutive steps."""
+
+    step_latency_us: float  # host start of a step to the device finishing it (mean)
+    steps_per_s: float  # steady state
+    host_us_per_step: float
+    device_us_per_step: float
+    events: tuple[dict[str, Any], ...]  # Chrome trace events of the last steps
+
+
+# --- the recording device -----------------------------------------------------------------
+
+
+class RecordingDevice:
+    """A torch_npu-shaped device whose calls are logged and cost nothing.
+
+    ``ops`` and ``npu`` stand in for ``torch_npu`` and ``torch.npu``; handles and events
+    made by :meth:`handle` / :meth:`event` carry the task they belong to.
+    """
+
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel
+        self._calls: list[tuple[int, int, str, int, float]] = []
+        self._lock = threading.Lock()
+        self.streams = 0  # update streams made so far: the first is the calling thread's
+        self.name = "recording"
+        self.is_sim = False
+        self.npu = _Npu(self)
+        self.ops = _Ops(self)
+        self.fused_fia_update = self.ops._C._npu_fused_infer_attention_score_out_graph
+        self.memory = None
+        self.deadlock_errors: tuple[type[BaseException], ...] = ()
+        self.race_errors: tuple[type[BaseException], ...] = ()
+        self.memory_errors: tuple[type[BaseException], ...] = ()
+
+    def weak_ref_tensor(self, t: Any) -> Any:
+        return t
+
+    def handle(self, task: int) -> _Tagged:
+        return _Tagged(task)
+
+    def event(self, task: int) -> _Event:
+        return _Event(self, task)
+
+    def log(self, kind: str, task: int = -1, stream: Any = None) -> None:
+        worker = max(0, getattr(stream, "index", 0) - 1)
+        with self._lock:
+            self._calls.append((threading.get_ident(), worker, kind, task, time.thread_time()))
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[StepLog]]:
+        """Record one step: the threads' calls, with each gap of own Python time."""
+        out: list[StepLog] = []
+        self._calls.clear()
+        last: dict[int, float] = {threading.get_ident(): time.thread_time()}
+        yield out
+        calls: list[Call] = []
+        for ident, worker, kind, task, t in self._calls:
+            prev = last.get(ident)
+            gap = (t - prev) * 1e6 if prev is not None else 0.0  # CPU time is per OS thread
+            last[ident] = t
+            calls.append(Call(kind=kind, thread=worker, task=task, python_us=max(0.0, gap)))
+        mine = [c for c in calls if c.thread == 0]
+        fork = next((j for j, c in enumerate(mine) if c.task >= 0), len(mine))
+        out.append(StepLog(calls=tuple(calls), fork=fork))
+
+
+class _Tagged:
+    def __init__(self, task: int) -> None:
+        self.task = task
+
+
+class _Event(_Tagged):
+    def __init__(self, dev: RecordingDevice, task: int) -> None:
+        super().__init__(task)
+        self.dev = dev
+
+    def record(self, stream: Any = None) -> None:
+        self.dev.log("event_record", self.task, stream)
+
+
+class _Stream:
+    def __init__(self, dev: RecordingDevice, index: int = 0) -> None:
+        self.dev, self.index = dev, index
+
+    def wait_event(self, event: Any) -> None:
+        self.dev.log("wait", stream=self)
+
+    def wait_stream(self, stream: Any) -> None:
+        self.dev.log("wait", stream=self)
+
+
+class _Npu:
+    def __init__(self, dev: RecordingDevice) -> None:
+        self.dev = dev
+        self._main = _Stream(dev)
+
+    def Stream(self) -> _Stream:
+        self.dev.streams += 1
+        return _Stream(self.dev, self.dev.streams)
+
+    def Event(self, **_: Any) -> _Event:
+        return _Event(self.dev, -1)
+
+    def current_stream(self) -> _Stream:
+        return self._main
+
+    @contextlib.contextmanager
+    def stream(self, s: Any) -> Iterator[None]:
+        yield
+
+    def synchronize(self) -> None:
+        self.dev.log("synchronize")
+
+    def graph_task_update_begin(self, stream: Any, handle: _Tagged) -> None:
+        self.dev.log("update_begin", handle.task, stream)
+
+    def graph_task_update_end(self, stream: Any) -> None:
+        self.dev.log("update_end", stream=stream)
+
+
+class _Ops:
+    def __init__(self, dev: RecordingDevice) -> None:
+        self.dev = dev
+        self._C = _FusedNamespace(dev)
+        self.npu_fused_infer_attention_score = _Kernel(dev)
+        self.npu_fused_infer_attention_score_v2 = _Kernel(dev)
+
+    def _npu_paged_attention(self, *args: Any, **kwargs: Any) -> None:
+        self.dev.log("op_launch")
+
+    def _npu_paged_attention_get_workspace(self, *args: Any, **kwargs: Any) -> Any:
+        self.dev.log("workspace_query")
+        return kwargs.get("out")  # stands in for the workspace tensor
+
+
+class _Kernel:
+    def __init__(self, dev: RecordingDevice) -> None:
+        self.dev = dev
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.dev.log("op_launch")
+
+    def out(self, *args: Any, **kwargs: Any) -> None:
+        self.dev.log("op_launch")
+
+
+class _FusedNamespace:
+    def __init__(self, dev: RecordingDevice) -> None:
+        self.dev = dev
+
+    def _npu_fused_infer_attention_score_out_graph(
+        self, us: Any, handle: _Tagged, event: _Event, *a: Any, **k: Any
+    ) -> None:
+        self.dev.log("fused", handle.task, us)
+
+
+class ShadowGraph:
+    """The graph object of a shadow entry: its replay is a logged call."""
+
+    def __init__(self, dev: RecordingDevice) -> None:
+        self.dev = dev
+
+    def replay(self) -> None:
+        self.dev.log("replay")
+
+
+# --- the model --------------------------------------------------------------------------------
+
+
+def min_log(logs: Sequence[StepLog]) -> StepLog:
+    """Per call position, the smallest own-Python gap over repeats (the calls must line up)."""
+    base = logs[0]
+    same = [
+        lg
+        for lg in logs
+        if [(c.kind, c.thread, c.task) for c in lg.calls] == [(c.kind, c.thread, c.task) for c in base.calls]
+    ]
+    calls = tuple(
+        attrs.evolve(c, python_us=min(lg.calls[j].python_us for lg in same)) for j, c in enumerate(base.calls)
+    )
+    return StepLog(calls=calls, fork=base.fork)
+
+
+def _host_threads(
+    log: StepLog, costs: Costs, kernel: str, t0: float, device_idle: float
+) -> tuple[float, dict[int, float], float, list[dict[str, Any]]]:
+    """Run one step's calls on the host: returns (host end, event time per task, replay issue time, trace events).
+
+    Segments of own Python and of ordinary calls hold the GIL (one thread at a time); the
+    4-in-1 (``fused``) runs without it.  Workers start when the main thread reaches ``fork``.
+    """
+    by_thread: dict[int, list[Call]] = {}
+    for c in log.calls:
+        by_thread.setdefault(c.thread, []).append(c)
+    pos = dict.fromkeys(by_thread, 0)
+    ready: dict[int, float] = {0: t0}
+    gil_free_at = t0
+    events: dict[int, float] = {}
+    replay_at = t0
+    trace: list[dict[str, Any]] = []
+    main_done = 0
+    heap: list[tuple[float, int]] = [(t0, 0)]
+    started = {0}
+    end = t0
+    while heap:
+        t, th = heapq.heappop(heap)
+        calls = by_thread[th]
+        if pos[th] >= len(calls):
+            end = max(end, t)
+            continue
+        c = calls[pos[th]]
+        # own Python, under the GIL
+        start = max(t, gil_free_at)
+        py_end = start + c.python_us
+        gil_free_at = py_end
+        cost = costs.host(c, kernel)
+        if c.kind == "fused":
+            call_start, call_end = py_end, py_end + cost  # GIL released
+        elif c.kind == "synchronize":
+            call_start = py_end
+            call_end = max(py_end, device_idle) + cost
+            gil_free_at = call_end
+        else:
+            call_start, call_end = py_end, py_end + cost
+            gil_free_at = call_end
+        if c.python_us:
+            trace.append(_ev("python", th, start, c.python_us))
+        trace.append(_ev(c.kind + (f" #{c.task}" if c.task >= 0 else ""), th, call_start, call_end - call_start))
+        if c.kind in ("event_record", "fused") and c.task >= 0:
+            events[c.task] = call_end
+        if c.kind == "replay":
+            replay_at = call_end
+        pos[th] += 1
+        if th == 0:
+            main_done += 1
+            if main_done == log.fork:
+                for w in by_thread:
+                    if w not in started:
+                        started.add(w)
+                        heapq.heappush(heap, (call_end, w))
+        heapq.heappush(heap, (call_end, th))
+        ready[th] = call_end
+    return end, events, replay_at, trace
+
+
+def _ev(name: str, tid: int, ts: float, dur: float, pid: int = 0) -> dict[str, Any]:
+    return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": round(ts, 3), "dur": round(max(dur, 0.0), 3)}
+
+
+def model_steps(log: StepLog, costs: Costs, *, kernel: str, layers: int, steps: int = 12) -> TimelineResult:
+    """Run ``steps`` identical steps of ``log`` on the modeled host and device.
+
+    The host starts step ``k + 1`` as soon as it is done with step ``k``; the steady state
+    is measured over the last two thirds of the steps.
+    """
+    t_host = 0.0
+    device_end = 0.0
+    starts, ends, host_d, dev_d = [], [], [], []
+    trace: list[dict[str, Any]] = []
+    for k in range(steps):
+        prev_end = device_end
+        host_end, events, replay_at, host_trace = _host_threads(log, costs, kernel, t_host, prev_end)
+        t = max(replay_at, prev_end)  # the graph starts when issued and the previous step is done
+        dev_start = t
+        dev_trace = []
+        for i in range(layers):
+            t += costs.other_us
+            land = max(events.get(i, replay_at), prev_end) + costs.update_lands
+            start = max(t, land)
+            t = start + costs.attention_us
+            dev_trace.append(_ev(f"layer {i} attention", 100, start, costs.attention_us))
+        device_end = t
+        starts.append(t_host)
+        ends.append(device_end)
+        host_d.append(host_end - t_host)
+        dev_d.append(device_end - dev_start)
+        if k >= steps - 3:
+            trace += host_trace + dev_trace
+        t_host = host_end
+    warm = max(1, steps // 3)
+    n = steps - warm
+    return TimelineResult(
+        step_latency_us=sum(e - s for s, e in zip(starts[warm:], ends[warm:])) / n,
+        steps_per_s=1e6 * n / (ends[-1] - ends[warm - 1]),
+        host_us_per_step=sum(host_d[warm:]) / n,
+        device_us_per_step=sum(dev_d[warm:]) / n,
+        events=tuple(trace),
+    )
+
+
+def chrome_trace(results: dict[str, TimelineResult]) -> dict[str, Any]:
+    """One Chrome trace: a process per implementation, its host threads and the device."""
+    events: list[dict[str, Any]] = []
+    for pid, (name, r) in enumerate(results.items()):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+        tids = {e["tid"] for e in r.events}
+        for tid in sorted(tids):
+            label = "device stream" if tid == 100 else ("host (main)" if tid == 0 else f"host update worker {tid}")
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
+        events += [dict(e, pid=pid) for e in r.events]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -1,0 +1,95 @@
+"""The modeled timeline: its rules on synthetic call logs, and the recording device on real updaters.
+
+No timing is asserted here (that is the benchmark's job): the model is checked on logs
+whose host costs are given, so every expected figure follows from the rules.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from npugraph import bench
+from npugraph.timeline import Call, Costs, StepLog, chrome_trace, model_steps
+
+COSTS = Costs(attention_us=60.0)
+FIA_LAYER = 22 + 120 + 30 + 12  # begin + op + end + record, the fused call's total
+
+
+def _fused_log(layers: int, workers: int = 1, replay_first: bool = True) -> StepLog:
+    replay = [Call(kind="replay", thread=0)]
+    tasks = [Call(kind="fused", thread=i % workers, task=i) for i in range(layers)]
+    calls = replay + tasks if replay_first else tasks + replay
+    mine = [c for c in calls if c.thread == 0]
+    fork = next(j for j, c in enumerate(mine) if c.task >= 0)
+    return StepLog(calls=tuple(calls), fork=fork)
+
+
+def test_one_thread_is_host_bound_by_its_update_calls():
+    r = model_steps(_fused_log(20), COSTS, kernel="fia", layers=20)
+    assert r.host_us_per_step == pytest.approx(COSTS.replay + 20 * FIA_LAYER)
+    assert r.steps_per_s == pytest.approx(1e6 / r.host_us_per_step, rel=1e-6)
+
+
+def test_gil_free_updates_from_four_threads_overlap():
+    one = model_steps(_fused_log(20), COSTS, kernel="fia", layers=20)
+    four = model_steps(_fused_log(20, workers=4), COSTS, kernel="fia", layers=20)
+    assert four.host_us_per_step == pytest.approx(COSTS.replay + 5 * FIA_LAYER)
+    assert four.steps_per_s > 3 * one.steps_per_s
+
+
+def test_python_holds_the_gil_so_it_serialises_across_threads():
+    calls = [Call(kind="replay", thread=0)] + [
+        Call(kind="update_begin", thread=i % 2, task=i, python_us=100.0) for i in range(4)
+    ]
+    r = model_steps(StepLog(calls=tuple(calls), fork=1), Costs(attention_us=1.0), kernel="fia", layers=4)
+    # 4 x (100 us of Python + 22 us begin), all under the GIL: nothing overlaps
+    assert r.host_us_per_step == pytest.approx(Costs().replay + 4 * (100 + 22))
+
+
+def test_device_bound_steps_run_at_the_device_limit_when_replayed_first():
+    costs = Costs(attention_us=200.0)
+    r = model_steps(_fused_log(32), costs, kernel="fia", layers=32)
+    assert r.steps_per_s == pytest.approx(1e6 / (32 * 200.0), rel=1e-3)
+    late = model_steps(_fused_log(32, replay_first=False), costs, kernel="fia", layers=32)
+    assert late.step_latency_us > r.step_latency_us, "update-first: the graph starts only after every update"
+
+
+def test_a_host_synchronize_before_the_replay_loses_the_overlap():
+    costs = Costs(attention_us=200.0)
+    calls = tuple(
+        [Call(kind="fused", thread=0, task=i) for i in range(32)]
+        + [Call(kind="synchronize", thread=0), Call(kind="replay", thread=0)]
+    )
+    r = model_steps(StepLog(calls=calls, fork=0), costs, kernel="fia", layers=32)
+    first = model_steps(_fused_log(32), costs, kernel="fia", layers=32)
+    assert r.steps_per_s < first.steps_per_s, "the synchronize and the replay's host cost sit between device steps"
+    assert r.step_latency_us > first.step_latency_us, "and the graph starts only after every update"
+
+
+def test_recording_tells_the_update_workers_apart_by_stream():
+    bench.sim.configure()
+    rt, _, table, _q = bench._setup(8, 8, "fia", cost=False)
+    impls = bench._implementations(rt, 8, "fia")
+    dev, step = impls["npugraph_k4"]
+    inp = bench._step_input(rt, 8, [5] * 8, table)
+    with dev.recording() as logs:
+        step(inp)
+    (log,) = logs
+    fused = [(c.thread, c.task) for c in log.calls if c.kind == "fused"]
+    assert sorted(fused) == sorted((i % 4, i) for i in range(8)), "task i from worker i % 4"
+    assert log.calls[0].kind == "replay" and log.fork > 0
+    dev, step = impls["legacy"]
+    with dev.recording() as logs:
+        step(inp)
+    kinds = [c.kind for c in logs[0].calls]
+    assert kinds[-2:] == ["synchronize", "replay"] and kinds.count("op_launch") == 8
+
+
+def test_chrome_trace_names_processes_and_threads():
+    r = model_steps(_fused_log(4, workers=2), COSTS, kernel="fia", layers=4)
+    doc = json.loads(json.dumps(chrome_trace({"npugraph_k2": r})))
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
+    assert {"npugraph_k2", "host (main)", "host update worker 1", "device stream"} <= names
+    assert all(e["dur"] >= 0 for e in doc["traceEvents"] if e["ph"] == "X")
