@@ -14,7 +14,8 @@ that log on a timeline:
 * the device runs the graph layer by layer (modeled non-attention work, then the
   attention kernel), and layer ``i``'s attention starts only once its update has landed
   (its event recorded) and the previous step's replay has finished;
-* steps follow each other: a host synchronize stalls the host until the device is idle.
+* steps follow each other, the host at most one step ahead of the device (it needs the
+  outputs to schedule); a host synchronize stalls it until the device is idle.
 
 It reports the modeled step latency, steady-state steps/s, and a Chrome trace
 (``chrome://tracing`` or https://ui.perfetto.dev) of host threads and the device.
@@ -337,8 +338,9 @@ def _ev(name: str, tid: int, ts: float, dur: float, pid: int = 0) -> dict[str, A
 def model_steps(log: StepLog, costs: Costs, *, kernel: str, layers: int, steps: int = 12) -> TimelineResult:
     """Run ``steps`` identical steps of ``log`` on the modeled host and device.
 
-    The host starts step ``k + 1`` as soon as it is done with step ``k``; the steady state
-    is measured over the last two thirds of the steps.
+    The host starts step ``k + 1`` once it is done with step ``k`` and the device has
+    finished step ``k - 1`` (it samples from an output one step behind, as with async
+    scheduling); the steady state is measured over the last two thirds of the steps.
     """
     t_host = 0.0
     device_end = 0.0
@@ -363,7 +365,8 @@ def model_steps(log: StepLog, costs: Costs, *, kernel: str, layers: int, steps: 
         dev_d.append(device_end - dev_start)
         if k >= steps - 3:
             trace += host_trace + dev_trace
-        t_host = host_end
+        # the engine needs step k's output before step k + 2: the host runs at most one step ahead
+        t_host = max(host_end, ends[-2]) if len(ends) >= 2 else host_end
     warm = max(1, steps // 3)
     n = steps - warm
     return TimelineResult(

@@ -142,5 +142,5 @@ def test_selftest_on_the_simulator_passes(tmp_path, capsys):
     assert "torch 2" in out and "0 failed" in out
     doc = json.loads(path.read_text())
     names = [c["name"] for c in doc["checks"]]
-    assert len(names) == 9 and all(c["passed"] for c in doc["checks"])
+    assert len(names) == 10 and all(c["passed"] for c in doc["checks"])
     assert {"weak aliases after capture", "two graphs, one pool", "argument placement"} <= set(names)

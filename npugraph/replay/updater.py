@@ -676,9 +676,9 @@ def describe_device_error(manager: CaptureManager, exc: BaseException, entry: Ca
 def _resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> list[AttentionMetadata]:
     """The metadata of every task: by layer name, then by KV-cache group, per micro-batch."""
     if isinstance(metadata, Mapping):
-        if plan.uniform and len(metadata) == 1 and metadata.get(plan.groups[0]) is not None:
-            if plan.layers[0] not in metadata:  # the common step: one group's metadata for every layer
-                return [metadata[plan.groups[0]]] * len(plan.layers)
+        one = plan.uniform and len(metadata) == 1 and plan.layers[0] not in metadata
+        if one and metadata.get(plan.groups[0]) is not None:  # the common step: one group's metadata
+            return [metadata[plan.groups[0]]] * len(plan.layers)
         get = metadata.get
         metas = [get(layer) for layer in plan.layers]
         if None in metas:  # fall back to the KV-cache group name

@@ -22,6 +22,7 @@ The rules (contract §9) and how they are modelled on the CPU:
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ _BLOCK_ALIGN = 512  # bytes, as the device caching allocator rounds
 class Owner:
     """One piece of device memory the simulator knows: an eager storage or a pool block."""
 
-    __slots__ = ("_base", "_base_cdata", "cdata", "fresh", "keeper", "label", "nbytes", "pool", "ptr")
+    __slots__ = ("_aliases", "_base", "_base_cdata", "cdata", "fresh", "keeper", "label", "nbytes", "pool", "ptr")
 
     def __init__(self, keeper: torch.Tensor, pool: Pool | None, label: str) -> None:
         storage = keeper.untyped_storage()
@@ -61,6 +62,8 @@ class Owner:
         self.fresh = True  # pool blocks: never handed out yet (poisoned on first use)
         self._base: torch.Tensor | None = None
         self._base_cdata = 0
+        # (offset, shape, stride, dtype) -> alias: an update re-issues the same views every step
+        self._aliases: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def in_use(self) -> bool:
         """Whether a Python tensor outside the simulator still holds this memory."""
@@ -79,8 +82,16 @@ class Owner:
         return self._base
 
     def aliased(self) -> bool:
-        """Whether any alias of this memory (a graph node's, a weak reference) is alive."""
-        return self._base is not None and int(_USE_COUNT(self._base_cdata)) > _ONE
+        """Whether any alias of this memory (a graph node's, a weak reference) is alive.
+
+        The cached aliases count only where somebody besides the cache holds them.
+        """
+        if self._base is None:
+            return False
+        if int(_USE_COUNT(self._base_cdata)) > _ONE + len(self._aliases):
+            return True  # an alias made from a cached one (a view), or not cached
+        # a reference from the dict, the loop variable and getrefcount's argument: 3
+        return any(sys.getrefcount(a) > 3 for a in self._aliases.values())
 
     def __repr__(self) -> str:
         return f"<{self.label}: {self.nbytes} bytes at {self.ptr:#x}>"
@@ -174,9 +185,13 @@ class Memory:
         if t.numel() == 0 or not owner.nbytes:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
         offset = t.data_ptr() - owner.ptr
-        return torch.empty(0, dtype=t.dtype).set_(
-            base.untyped_storage(), offset // t.element_size(), t.shape, t.stride()
-        )
+        key = (offset, t.shape, t.stride(), t.dtype)
+        alias = owner._aliases.get(key)
+        if alias is None:
+            alias = owner._aliases[key] = torch.empty(0, dtype=t.dtype).set_(
+                base.untyped_storage(), offset // t.element_size(), t.shape, t.stride()
+            )
+        return alias
 
     def hold(self, name: str, t: torch.Tensor, *, checked: bool = True) -> tuple[torch.Tensor, ArgRef]:
         """What a graph node keeps of a tensor argument: an alias, and a liveness check.
