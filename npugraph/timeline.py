@@ -32,6 +32,8 @@ from typing import Any
 
 import attrs
 
+from npugraph.sim import HostCostModel
+
 __all__ = ["Call", "Costs", "RecordingDevice", "StepLog", "TimelineResult", "model_steps", "chrome_trace"]
 
 
@@ -53,18 +55,21 @@ class StepLog:
     fork: int = 0
 
 
+_A2 = HostCostModel.atlas_a2()  # the simulator's calibration: one source for both models
+
+
 @attrs.frozen(kw_only=True)
 class Costs:
     """Modeled host µs per device-API call, and device µs per layer."""
 
-    replay: float = 40.0
-    event_record: float = 12.0
-    workspace_query: float = 50.0
-    synchronize: float = 85.0
+    replay: float = _A2.replay_us
+    event_record: float = _A2.event_record_us
+    workspace_query: float = _A2.workspace_query_us
+    synchronize: float = _A2.synchronize_us
     wait: float = 2.0
-    update_begin: float = 22.0
-    update_end: float = 30.0
-    op_launch_fia: float = 120.0  # 22 + 120 + 30 + 12 = 184 µs per FIA layer (#13058)
+    update_begin: float = _A2.update_begin_us
+    update_end: float = _A2.update_end_us
+    op_launch_fia: float = _A2.op_launch_us  # 22 + 120 + 30 + 12 = 184 µs per FIA layer (#13058)
     op_launch_pa: float = 8.0  # begin + op + end + record ≈ 59 µs per PA layer (#15579 after #3986)
     pa_update_begin: float = 15.0
     pa_update_end: float = 24.0
