@@ -19,6 +19,7 @@ from npugraph import AttentionMetadata, DecodeAttention, Runtime, sim
 from npugraph.errors import MetadataError, UpdateFailed
 from npugraph.policy import FixedPolicy, StaticPolicy
 from npugraph.reference import paged_attention_reference
+from npugraph.sim import kernels
 
 HEADS, KV_HEADS, HEAD, BLOCK, BLOCKS, MAX_LEN = 4, 2, 64, 16, 48, 128
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
@@ -317,3 +318,16 @@ def test_a_failure_in_a_worker_thread_names_its_layer():
         h.rt.update(8, {"layer0": good, "layer1": bad, "layer2": good, "layer3": bad})
     q = _q(h, 8, 0)
     h.check(h.step(8, {"default": good}, q), q, dict.fromkeys(h.names, good))
+
+
+def test_workspaces_cover_every_length_by_the_kernels_own_model():
+    """The shared workspace, checked against the simulator's workspace model directly."""
+    h = Harness([8], policy=FixedPolicy("fia"))
+    entry = h.rt.manager.entry("main", 8)
+    assert entry.workspace_bytes == kernels.fia_workspace_bytes(8, HEADS, HEAD, MAX_LEN), (
+        "FIA: the maximum at max_model_len"
+    )
+    h = Harness([4], policy=FixedPolicy("pa"))
+    entry = h.rt.manager.entry("main", 4)
+    need = max(kernels.pa_workspace_bytes(4, HEADS, KV_HEADS, HEAD, length) for length in range(0, MAX_LEN + 1))
+    assert entry.workspace_bytes >= need, "PA: every length up to max_model_len (its model is not monotonic)"
