@@ -71,16 +71,15 @@ def _host_values(lens: StepLens) -> dict[str, Any]:
     return {"actual_seq_lengths": lens.q_ends, "actual_seq_lengths_kv": lens.kv_lens}
 
 
-def fia_workspace_bytes(helper: str, kv_arg: str) -> Any:
-    """Workspace sizing through ``helper`` (a true maximum over lengths for these shapes)."""
+def fia_workspace_bytes(helper: str, kv_arg: str, device: Any, kwargs: dict[str, Any], max_model_len: int) -> int:
+    """Workspace sizing through ``helper`` (a true maximum over lengths for these shapes).
 
-    def size(device: Any, kwargs: dict[str, Any], max_model_len: int) -> int:
-        base = {k: v for k, v in kwargs.items() if k not in ("workspace", "out")}
-        base[kv_arg] = [max_model_len] * len(kwargs[kv_arg])
-        ws = getattr(device.ops, helper)(base.pop("query"), base.pop("key"), base.pop("value"), **base)
-        return int(ws.numel() * ws.element_size())
-
-    return size
+    Declarations bind ``helper`` and ``kv_arg`` with :func:`functools.partial`.
+    """
+    base = {k: v for k, v in kwargs.items() if k not in ("workspace", "out")}
+    base[kv_arg] = [max_model_len] * len(kwargs[kv_arg])
+    ws = getattr(device.ops, helper)(base.pop("query"), base.pop("key"), base.pop("value"), **base)
+    return int(ws.numel() * ws.element_size())
 
 
 def _unsupported(call: AttentionCall) -> str | None:
@@ -98,7 +97,9 @@ FIA = OpSpec(
     cache_arg="key",
     arguments=fia_arguments,
     host_values=_host_values,
-    workspace_bytes=fia_workspace_bytes("_npu_fused_infer_attention_score_get_max_workspace", "actual_seq_lengths_kv"),
+    workspace_bytes=functools.partial(
+        fia_workspace_bytes, "_npu_fused_infer_attention_score_get_max_workspace", "actual_seq_lengths_kv"
+    ),
     unsupported=_unsupported,
     fused_update=True,
 )

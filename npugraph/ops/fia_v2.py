@@ -7,6 +7,7 @@ step); heads and scale are ``num_query_heads`` / ``softmax_scale``.  torch_npu h
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -48,6 +49,8 @@ FIA_V2 = OpSpec(
     cache_arg="key",
     arguments=_arguments,
     host_values=_host_values,
-    workspace_bytes=fia_workspace_bytes("_npu_fused_infer_attention_score_v2_get_max_workspace", "actual_seq_kvlen"),
+    workspace_bytes=functools.partial(
+        fia_workspace_bytes, "_npu_fused_infer_attention_score_v2_get_max_workspace", "actual_seq_kvlen"
+    ),
     unsupported=_unsupported,
 )
