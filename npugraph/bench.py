@@ -66,37 +66,32 @@ def _setup(layers: int, size: int, kernel: str, cost: bool) -> tuple[Runtime, An
     return rt, stack, table, q
 
 
-def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[[torch.Tensor], None]]:
-    """The three update implementations, each taking this step's seq_lens."""
-    entry = rt.manager.entry("main", size)
-    dev = rt.device
-    npu, ops = dev.npu, dev.ops
-    us = rt.updater.stream
-    layers = list(entry.layers)
+def _legacy_loop(device: Any, entry: Any, us: Any) -> Callable[[Any], None]:
+    """vllm-ascend's per-layer update before September 2026, for the graph ``entry`` on ``device``.
+
+    The step's metadata (``{layer: metadata}``) is walked in capture order with a positional
+    tuple per layer; lengths are converted per layer and the PA workspace is queried before
+    every PA layer (PR #3986); then begin / op / end / record.  The caller adds the host
+    synchronize before the replay (PR #4233).
+    """
+    npu, ops = device.npu, device.ops
     spec = entry.tasks[0].spec
-    # vllm-ascend keeps a positional tuple per layer and parallel lists of handles/events
-    attn_params = [tuple(t.kwargs().values()) for t in entry.tasks]
-    names = list(entry.tasks[0].args.keys())
+    kernel = spec.kernel_fn(device)
+    is_pa = spec.name == "pa"
+    names = list(entry.tasks[0].args)
+    attn_params = [tuple(t.args.values()) for t in entry.tasks]
     handles = [t.handle for t in entry.tasks]
     events = [t.event for t in entry.tasks]
-    kernel = spec.kernel_fn(dev)
-    is_pa = spec.name == "pa"
 
-    def npugraph(lens: torch.Tensor) -> None:
-        rt.updater.update("main", size, {"default": AttentionMetadata(seq_lens=lens, block_table=table)})
-
-    def baseline(lens: torch.Tensor) -> None:
-        npu.synchronize()  # before every replay (vllm-ascend PR #4233)
-        metadata = {name: AttentionMetadata(seq_lens=lens, block_table=table) for name in layers}
+    def update(metadata: Any) -> None:
         with npu.stream(us):
             for (_name, meta), params, handle, event in zip(metadata.items(), attn_params, handles, events):
                 kw = dict(zip(names, params))
                 seq = meta.seq_lens.tolist()
                 if is_pa:
                     kw["context_lens"] = torch.tensor(seq, dtype=torch.int32, device="cpu")
-                    q_args = {k: v for k, v in kw.items() if k != "workspace"}
-                    # re-queried before every layer (PR #3986); the captured buffer is kept
-                    ops._npu_paged_attention_get_workspace(**q_args)
+                    # re-queried before every layer; the captured buffer is kept
+                    ops._npu_paged_attention_get_workspace(**{k: v for k, v in kw.items() if k != "workspace"})
                 else:
                     kw["actual_seq_lengths"] = list(range(1, len(seq) + 1))
                     kw["actual_seq_lengths_kv"] = seq
@@ -104,6 +99,30 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[
                 kernel(**kw)
                 npu.graph_task_update_end(us)
                 event.record(us)
+
+    return update
+
+
+def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[[torch.Tensor], None]]:
+    """The three update implementations, each taking this step's seq_lens."""
+    entry = rt.manager.entry("main", size)
+    dev = rt.device
+    npu = dev.npu
+    us = rt.updater.stream
+    layers = list(entry.layers)
+    spec = entry.tasks[0].spec
+    handles = [t.handle for t in entry.tasks]
+    events = [t.event for t in entry.tasks]
+    kernel = spec.kernel_fn(dev)
+
+    def npugraph(lens: torch.Tensor) -> None:
+        rt.updater.update("main", size, {"default": AttentionMetadata(seq_lens=lens, block_table=table)})
+
+    legacy = _legacy_loop(dev, entry, us)
+
+    def baseline(lens: torch.Tensor) -> None:
+        npu.synchronize()  # before every replay (vllm-ascend PR #4233)
+        legacy({name: AttentionMetadata(seq_lens=lens, block_table=table) for name in layers})
 
     floor_args: list[dict[str, Any]] = []
 
@@ -436,35 +455,15 @@ def _updatable(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDevice, Ca
 
 
 def _legacy(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDevice, Callable[[Any], None]]:
-    """vllm-ascend's loop before September 2026: a host synchronize before the replay, the
-    metadata walked in capture order with a positional tuple per layer, lengths converted
-    per layer, the PA workspace queried per layer, then begin / op / end / record."""
+    """vllm-ascend's loop before September 2026 (:func:`_legacy_loop`), then a host
+    synchronize and the replay."""
     dev = RecordingDevice(kernel)
     shadow = _shadow(rt, size, dev)
-    npu, ops = dev.npu, dev.ops
-    kernel_fn = shadow.tasks[0].spec.kernel_fn(dev)
-    names = list(shadow.tasks[0].args)
-    attn_params = [tuple(t.args.values()) for t in shadow.tasks]
-    handles = [t.handle for t in shadow.tasks]
-    events = [t.event for t in shadow.tasks]
-    us = npu.Stream()
+    update = _legacy_loop(dev, shadow, dev.npu.Stream())
 
     def step(meta: Any) -> None:
-        with npu.stream(us):
-            for (_name, m), params, handle, event in zip(meta.context.items(), attn_params, handles, events):
-                kw = dict(zip(names, params))
-                seq = m.seq_lens.tolist()
-                if kernel == "pa":
-                    kw["context_lens"] = torch.tensor(seq, dtype=torch.int32, device="cpu")
-                    ops._npu_paged_attention_get_workspace(**{k: v for k, v in kw.items() if k != "workspace"})
-                else:
-                    kw["actual_seq_lengths"] = list(range(1, len(seq) + 1))
-                    kw["actual_seq_lengths_kv"] = seq
-                npu.graph_task_update_begin(us, handle)
-                kernel_fn(**kw)
-                npu.graph_task_update_end(us)
-                event.record(us)
-        npu.synchronize()  # before every replay (PR #4233)
+        update(meta.context)
+        dev.npu.synchronize()  # before every replay (PR #4233)
         shadow.graph.replay()
 
     return dev, step

@@ -286,7 +286,6 @@ def _host_threads(
     for c in log.calls:
         by_thread.setdefault(c.thread, []).append(c)
     pos = dict.fromkeys(by_thread, 0)
-    ready: dict[int, float] = {0: t0}
     gil_free_at = t0
     events: dict[int, float] = {}
     replay_at = t0
@@ -332,7 +331,6 @@ def _host_threads(
                         started.add(w)
                         heapq.heappush(heap, (call_end, w))
         heapq.heappush(heap, (call_end, th))
-        ready[th] = call_end
     return end, events, replay_at, trace
 
 
