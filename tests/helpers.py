@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import random
+
 import torch
 
-from npugraph import Runtime
+from npugraph import AttentionMetadata, DecodeAttention, Runtime
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine
+from npugraph.reference import paged_attention_reference
 
 SIZES = [1, 2, 4, 8, 16]
 
@@ -29,3 +32,121 @@ def run(eng, cfg, steps, seed=0, adversarial=False):
             mismatches += 1
         wl.feedback(batch.rids, out.argmax(-1).tolist())
     return mismatches
+
+
+HEADS, KV_HEADS, HEAD, BLOCK, BLOCKS, MAX_LEN = 4, 2, 64, 16, 48, 128
+TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
+
+
+class Harness:
+    """Attention layers over caches the test wrote, captured at ``sizes``; outputs per layer.
+
+    ``groups`` maps layer name to its KV-cache group; each group has its own block-table
+    buffer.  ``ubatches`` > 1 runs every layer once per micro-batch in one forward.
+    """
+
+    def __init__(
+        self,
+        sizes,
+        *,
+        layers=2,
+        groups=None,
+        policy=None,
+        dtype=torch.float16,
+        tokens_per_request=1,
+        ubatches=1,
+        seed=0,
+        **rt_kwargs,
+    ):
+        self.rt = Runtime("sim", max_model_len=MAX_LEN, policy=policy, **rt_kwargs)
+        self.dtype, self.tpr, self.ubatches = dtype, tokens_per_request, ubatches
+        self.names = [f"layer{i}" for i in range(layers)]
+        self.groups = groups or dict.fromkeys(self.names, "default")
+        gen = torch.Generator().manual_seed(seed)
+        shape = (BLOCKS, BLOCK, KV_HEADS, HEAD)
+        self.caches = {
+            n: (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+            for n in self.names
+        }
+        self.attn = {
+            n: DecodeAttention(
+                self.rt,
+                n,
+                num_heads=HEADS,
+                num_kv_heads=KV_HEADS,
+                head_size=HEAD,
+                group=self.groups[n],
+                tokens_per_request=tokens_per_request,
+            )
+            for n in self.names
+        }
+        top = max(sizes)
+        self.query = torch.zeros(ubatches, top * tokens_per_request, HEADS, HEAD, dtype=dtype)
+        self.tables = {
+            g: torch.zeros(ubatches, top, MAX_LEN // BLOCK, dtype=torch.int32) for g in set(self.groups.values())
+        }
+        self.rng = random.Random(seed)
+        for size in sorted(sizes, reverse=True):
+            t = size * tokens_per_request
+            metas = [
+                {
+                    g: AttentionMetadata(
+                        seq_lens=torch.full((size,), tokens_per_request, dtype=torch.int32), block_table=tb[u, :size]
+                    )
+                    for g, tb in self.tables.items()
+                }
+                for u in range(ubatches)
+            ]
+            self.rt.capture(
+                self.forward, self.query[:, :t], metas, key=size, tokens=t, static_inputs={"query": self.query[:, :t]}
+            )
+
+    def forward(self, query, metas):
+        outs = []
+        for u in range(self.ubatches):
+            row = []
+            for n in self.names:
+                k, v = self.caches[n]
+                row.append(self.attn[n](query[u], k, v, metas[u][self.groups[n]], ubatch=u))
+            outs.append(torch.stack(row))
+        return torch.stack(outs)  # [ubatch, layer, T, N, D]
+
+    def random_meta(self, r, lens=None):
+        """R requests with random lengths (at least their query tokens) and distinct blocks."""
+        lens = lens or [self.rng.randint(self.tpr, MAX_LEN) for _ in range(r)]
+        table = torch.zeros(r, MAX_LEN // BLOCK, dtype=torch.int32)
+        for i, n in enumerate(lens):
+            used = -(-n // BLOCK)
+            table[i, :used] = torch.tensor(self.rng.sample(range(BLOCKS), used), dtype=torch.int32)
+        qsl = None if self.tpr == 1 else torch.arange(0, (r + 1) * self.tpr, self.tpr, dtype=torch.int32)
+        return AttentionMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, query_start_loc=qsl)
+
+    def reference(self, name, q, meta):
+        k, v = self.caches[name]
+        r = meta.num_reqs
+        qlens = [self.tpr] * r
+        return paged_attention_reference(
+            q[: r * self.tpr], k, v, meta.block_table, meta.seq_lens.tolist(), self.attn[name].scale, qlens
+        )
+
+    def step(self, size, metadata, q):
+        out = self.rt.step(size, metadata, inputs={"query": q})
+        self.rt.synchronize()
+        return out
+
+    def check(self, out, q, metas_by_layer, ubatch=0):
+        """Every layer's real rows match the reference; padding rows are zeros."""
+        for li, n in enumerate(self.names):
+            meta = metas_by_layer[n]
+            real = meta.num_reqs * self.tpr
+            ref = self.reference(n, q[ubatch], meta)
+            got = out[ubatch, li, :real].double()
+            err = (got - ref).abs().max().item() if real else 0.0
+            assert err < TOL[self.dtype], f"layer {n} ubatch {ubatch}: {err} from the float64 reference"
+            assert not out[ubatch, li, real:].any(), f"layer {n}: padding rows must be zeros"
+
+
+def query_for(h, size, seed):
+    """A random query of ``size`` requests for harness ``h``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(h.ubatches, size * h.tpr, HEADS, HEAD, generator=g).to(h.dtype)

@@ -10,132 +10,15 @@ are compared with it, per layer, on every step, and padding rows must be zeros.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from npugraph import AttentionMetadata, DecodeAttention, Runtime, sim
+from npugraph import AttentionMetadata, sim
 from npugraph.errors import MetadataError, UpdateFailed
 from npugraph.policy import FixedPolicy, StaticPolicy
 from npugraph.reference import paged_attention_reference
 from npugraph.sim import kernels
-
-HEADS, KV_HEADS, HEAD, BLOCK, BLOCKS, MAX_LEN = 4, 2, 64, 16, 48, 128
-TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
-
-
-class Harness:
-    """Attention layers over caches the test wrote, captured at ``sizes``; outputs per layer.
-
-    ``groups`` maps layer name to its KV-cache group; each group has its own block-table
-    buffer.  ``ubatches`` > 1 runs every layer once per micro-batch in one forward.
-    """
-
-    def __init__(
-        self,
-        sizes,
-        *,
-        layers=2,
-        groups=None,
-        policy=None,
-        dtype=torch.float16,
-        tokens_per_request=1,
-        ubatches=1,
-        seed=0,
-        **rt_kwargs,
-    ):
-        self.rt = Runtime("sim", max_model_len=MAX_LEN, policy=policy, **rt_kwargs)
-        self.dtype, self.tpr, self.ubatches = dtype, tokens_per_request, ubatches
-        self.names = [f"layer{i}" for i in range(layers)]
-        self.groups = groups or dict.fromkeys(self.names, "default")
-        gen = torch.Generator().manual_seed(seed)
-        shape = (BLOCKS, BLOCK, KV_HEADS, HEAD)
-        self.caches = {
-            n: (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-            for n in self.names
-        }
-        self.attn = {
-            n: DecodeAttention(
-                self.rt,
-                n,
-                num_heads=HEADS,
-                num_kv_heads=KV_HEADS,
-                head_size=HEAD,
-                group=self.groups[n],
-                tokens_per_request=tokens_per_request,
-            )
-            for n in self.names
-        }
-        top = max(sizes)
-        self.query = torch.zeros(ubatches, top * tokens_per_request, HEADS, HEAD, dtype=dtype)
-        self.tables = {
-            g: torch.zeros(ubatches, top, MAX_LEN // BLOCK, dtype=torch.int32) for g in set(self.groups.values())
-        }
-        self.rng = random.Random(seed)
-        for size in sorted(sizes, reverse=True):
-            t = size * tokens_per_request
-            metas = [
-                {
-                    g: AttentionMetadata(
-                        seq_lens=torch.full((size,), tokens_per_request, dtype=torch.int32), block_table=tb[u, :size]
-                    )
-                    for g, tb in self.tables.items()
-                }
-                for u in range(ubatches)
-            ]
-            self.rt.capture(
-                self.forward, self.query[:, :t], metas, key=size, tokens=t, static_inputs={"query": self.query[:, :t]}
-            )
-
-    def forward(self, query, metas):
-        outs = []
-        for u in range(self.ubatches):
-            row = []
-            for n in self.names:
-                k, v = self.caches[n]
-                row.append(self.attn[n](query[u], k, v, metas[u][self.groups[n]], ubatch=u))
-            outs.append(torch.stack(row))
-        return torch.stack(outs)  # [ubatch, layer, T, N, D]
-
-    def random_meta(self, r, lens=None):
-        """R requests with random lengths (at least their query tokens) and distinct blocks."""
-        lens = lens or [self.rng.randint(self.tpr, MAX_LEN) for _ in range(r)]
-        table = torch.zeros(r, MAX_LEN // BLOCK, dtype=torch.int32)
-        for i, n in enumerate(lens):
-            used = -(-n // BLOCK)
-            table[i, :used] = torch.tensor(self.rng.sample(range(BLOCKS), used), dtype=torch.int32)
-        qsl = None if self.tpr == 1 else torch.arange(0, (r + 1) * self.tpr, self.tpr, dtype=torch.int32)
-        return AttentionMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, query_start_loc=qsl)
-
-    def reference(self, name, q, meta):
-        k, v = self.caches[name]
-        r = meta.num_reqs
-        qlens = [self.tpr] * r
-        return paged_attention_reference(
-            q[: r * self.tpr], k, v, meta.block_table, meta.seq_lens.tolist(), self.attn[name].scale, qlens
-        )
-
-    def step(self, size, metadata, q):
-        out = self.rt.step(size, metadata, inputs={"query": q})
-        self.rt.synchronize()
-        return out
-
-    def check(self, out, q, metas_by_layer, ubatch=0):
-        """Every layer's real rows match the reference; padding rows are zeros."""
-        for li, n in enumerate(self.names):
-            meta = metas_by_layer[n]
-            real = meta.num_reqs * self.tpr
-            ref = self.reference(n, q[ubatch], meta)
-            got = out[ubatch, li, :real].double()
-            err = (got - ref).abs().max().item() if real else 0.0
-            assert err < TOL[self.dtype], f"layer {n} ubatch {ubatch}: {err} from the float64 reference"
-            assert not out[ubatch, li, real:].any(), f"layer {n}: padding rows must be zeros"
-
-
-def _q(h, size, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(h.ubatches, size * h.tpr, HEADS, HEAD, generator=g).to(h.dtype)
+from tests.helpers import HEAD, HEADS, KV_HEADS, MAX_LEN, TOL, Harness, query_for
 
 
 @pytest.mark.parametrize("order", ["update-first", "replay-first"])
@@ -145,7 +28,7 @@ def test_decode_against_the_reference(kernel, order):
     for step in range(12):
         size = 8 if step % 3 else 4
         meta = h.random_meta(h.rng.randint(0, size))
-        q = _q(h, size, step)
+        q = query_for(h, size, step)
         out = h.step(size, {"default": meta}, q)
         h.check(out, q, dict.fromkeys(h.names, meta))
 
@@ -155,7 +38,7 @@ def test_the_fused_update_path_against_the_reference():
     assert h.rt.updater.plan(h.rt.manager.entry("main", 8)).fused[0]
     for step in range(6):
         meta = h.random_meta(h.rng.randint(1, 8))
-        q = _q(h, 8, step)
+        q = query_for(h, 8, step)
         h.check(h.step(8, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
 
 
@@ -165,7 +48,7 @@ def test_adversarial_scheduling_against_the_reference():
     for step in range(8):
         size = (4, 8)[step % 2]
         meta = h.random_meta(h.rng.randint(1, size))
-        q = _q(h, size, step)
+        q = query_for(h, size, step)
         h.check(h.step(size, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
 
 
@@ -175,7 +58,7 @@ def test_speculative_steps_against_the_reference():
     assert h.rt.manager.entry("main", 4).choice.kernel == "fia"
     for step, r in enumerate([4, 3, 1, 2, 4]):
         meta = h.random_meta(r)
-        q = _q(h, 4, step)
+        q = query_for(h, 4, step)
         h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
 
 
@@ -197,7 +80,7 @@ def test_an_empty_step_gives_zeros_on_both_kernels():
     for kernel in ("pa", "fia"):
         h = Harness([4], policy=FixedPolicy(kernel))
         empty = h.random_meta(0)
-        q = _q(h, 4, 0)
+        q = query_for(h, 4, 0)
         out = h.step(4, {"default": empty}, q)
         assert not out.any(), kernel
         meta = h.random_meta(3)  # and the next step is right again
@@ -215,7 +98,7 @@ def test_per_layer_metadata_that_differs_between_layers():
             metas[n] = AttentionMetadata(seq_lens=lens, block_table=base.block_table)
         metas_in = dict(metas)
         metas_in["default"] = h.random_meta(6)  # a group entry that must lose to the layer names
-        q = _q(h, 8, step)
+        q = query_for(h, 8, step)
         h.check(h.step(8, metas_in, q), q, metas)
     doc = h.rt.manifest()
     (key,) = doc["namespaces"]["main"]["keys"]
@@ -242,7 +125,7 @@ def test_several_kv_cache_groups():
         size = 8 if step % 2 else 4
         r = h.rng.randint(1, size)
         by_group = {"window": h.random_meta(r, [h.rng.randint(1, 32) for _ in range(r)]), "global": h.random_meta(r)}
-        q = _q(h, size, step)
+        q = query_for(h, size, step)
         h.check(h.step(size, by_group, q), q, {n: by_group[g] for n, g in groups.items()})
 
 
@@ -254,7 +137,7 @@ def test_micro_batches_each_from_their_own_metadata():
         for _ in range(2):
             r = h.rng.randint(1, 4)
             per.append({"a": h.random_meta(r), "b": h.random_meta(r)})
-        q = _q(h, 4, step)
+        q = query_for(h, 4, step)
         out = h.step(4, per, q)
         for u in range(2):
             h.check(out, q, {n: per[u][g] for n, g in groups.items()}, ubatch=u)
@@ -264,7 +147,7 @@ def test_unchanged_lengths_still_record_events_and_stay_right():
     h = Harness([4])
     meta = h.random_meta(3)
     for step in range(4):  # the same lengths every step: tasks are skipped, events recorded
-        q = _q(h, 4, step)
+        q = query_for(h, 4, step)
         h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
     assert h.rt.updater.state(h.rt.manager.entry("main", 4)).last_reissued == 0
 
@@ -279,7 +162,7 @@ def test_uneven_spare_tokens_go_to_padding_requests_only():
             block_table=base.block_table,
             query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32),
         )
-        q = _q(h, 4, step)
+        q = query_for(h, 4, step)
         out = h.step(4, {"default": meta}, q)
         for li, n in enumerate(h.names):
             k, v = h.caches[n]
@@ -297,7 +180,7 @@ def test_parallel_updates_from_four_threads_against_the_reference(kernel, fused)
     for step in range(10):
         size = 8 if step % 2 else 4
         meta = h.random_meta(h.rng.randint(1, size))
-        q = _q(h, size, step)
+        q = query_for(h, size, step)
         h.check(h.step(size, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
 
 
@@ -306,7 +189,7 @@ def test_parallel_updates_under_adversarial_scheduling():
     h = Harness([8], layers=6, update_workers=3, fused_update=True, order="replay-first")
     for step in range(8):
         meta = h.random_meta(h.rng.randint(1, 8))
-        q = _q(h, 8, step)
+        q = query_for(h, 8, step)
         h.check(h.step(8, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
 
 
@@ -316,7 +199,7 @@ def test_a_failure_in_a_worker_thread_names_its_layer():
     bad = AttentionMetadata(seq_lens=torch.full((3,), 10**6, dtype=torch.int32), block_table=good.block_table)
     with pytest.raises(UpdateFailed, match=r"failed at layer 'layer(1|3)'"):
         h.rt.update(8, {"layer0": good, "layer1": bad, "layer2": good, "layer3": bad})
-    q = _q(h, 8, 0)
+    q = query_for(h, 8, 0)
     h.check(h.step(8, {"default": good}, q), q, dict.fromkeys(h.names, good))
 
 

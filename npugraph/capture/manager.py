@@ -99,6 +99,10 @@ class CaptureManager:
         self._ctx: _Capture | None = None
         self._by_event: dict[int, tuple[CapturedGraph, TaskRecord]] = {}
         self.configured: dict[str, list[Hashable]] = {}
+        # where a capture error is not the callable's fault: torch's and the device's own code
+        self._library_code = tuple(
+            os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, device.ops) if m.__file__
+        )
 
     # --- what clients see ------------------------------------------------------------
     @property
@@ -113,10 +117,11 @@ class CaptureManager:
         return self._pool
 
     def kernel_for(self, namespace: str, key: Hashable) -> KernelChoice | None:
-        """The kernel captured for ``(namespace, key)`` (or the one being captured)."""
-        ctx = self._ctx
-        if ctx is not None and ctx.namespace == namespace and ctx.key == key and ctx.choice:
-            return ctx.choice
+        """The kernel captured for ``(namespace, key)``, or None if it is not captured.
+
+        Eager steps of a captured size run this kernel, whatever the policy says now,
+        so that they stay comparable with the graph's replays.
+        """
         entry = self._entries.get((namespace, key))
         return entry.choice if entry is not None else None
 
@@ -258,8 +263,8 @@ class CaptureManager:
             graph.reset()
             where = f" in layer {ctx.layer!r}" if ctx.layer else ""
             raise CaptureFailed(
-                f"capture of {namespace}/{key!r} failed{where} at {_raised_at(exc)}: "
-                f"{type(exc).__name__}: {exc}. Nothing was registered for this key."
+                f"capture of {namespace}/{key!r} failed{where} at {_raised_at(exc, self._library_code)}: "
+                f"{type(exc).__name__}: {str(exc).rstrip('.')}. Nothing was registered for this key."
             ) from exc
         finally:
             self._ctx = None
@@ -372,12 +377,10 @@ def _batch_of(tasks: Sequence[TaskRecord]) -> int:
     return int(bt.shape[0]) if bt is not None else 0
 
 
-def _raised_at(exc: BaseException) -> str:
-    """``file:line in function`` of the frame that raised ``exc``."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    # The deepest frame outside torch's own code: where the callable went wrong.
-    mine = [f for f in frames if f"{os.sep}torch{os.sep}" not in f.filename]
-    if not (mine or frames):
-        return "an unknown place"
-    f = (mine or frames)[-1]
+def _raised_at(exc: BaseException, skip: tuple[str, ...]) -> str:
+    """``file:line in function`` of the deepest frame of ``exc`` outside the ``skip``
+    folders (torch's and the device's own code): where the callable went wrong.  Never
+    empty: the traceback starts in :meth:`CaptureManager.capture`."""
+    mine = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    f = mine[-1]
     return f"{f.filename}:{f.lineno} in {f.name}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import attrs
 import torch
 
-from npugraph.capture import CapturedGraph, CaptureManager
+from npugraph.capture import CapturedGraph, CaptureManager, TaskRecord
 from npugraph.errors import (
     ConfigError,
     GraphRace,
@@ -137,10 +138,10 @@ class ReplayUpdater:
         self.validate = validate
         # None: block ids of device-resident tables are checked on the device (a host read
         # would synchronize) and reported by check_deferred(); host tables on the host.
+        # True treats every table as device memory (the simulator's live on the CPU).
         self.defer_block_check = defer_block_check
-        self._flags: torch.Tensor | None = None  # one per recent deferred check
-        self._flag_where: list[str] = [""] * _FLAG_SLOTS
-        self._flag_next = 0
+        # (where, 0-d bool on the device) of the recent deferred checks, oldest first
+        self._flags: deque[tuple[str, torch.Tensor]] = deque(maxlen=_FLAG_SLOTS)
         self.skip_unchanged = skip_unchanged
         if fused_update is None:
             # The 4-in-1 pays off where it is C++ without the GIL (hardware); the
@@ -294,7 +295,7 @@ class ReplayUpdater:
             seen = copies.get(id(buf))
             if seen is None:
                 copies[id(buf)] = (buf, meta)
-            elif seen[1] is not meta and not _same_table(seen[1], meta):
+            elif seen[1] is not meta and not _same_table(seen[1], meta, readable=not self._resident(meta)):
                 raise MetadataError(
                     f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}: its metadata has another "
                     f"block table than layer {plan.layers[plan.block_tables.index(buf)]!r}, but both layers "
@@ -326,9 +327,7 @@ class ReplayUpdater:
         """Validate and pad the metadata of task ``i`` (and of every task sharing it)."""
         bs, nblocks, cols, batch, tokens = plan.geometry[i]
         where = f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}"
-        table = getattr(meta, "block_table", None)
-        on_device = isinstance(table, torch.Tensor) and table.device.type != "cpu"
-        defer = self.validate and (self.defer_block_check if self.defer_block_check is not None else on_device)
+        defer = self.validate and self._resident(meta)
         lens = convert(
             meta,
             batch=batch,
@@ -356,6 +355,14 @@ class ReplayUpdater:
         if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
             return prev  # unchanged: identity lets tasks skip the re-issue
         return lens
+
+    def _resident(self, meta: Any) -> bool:
+        """Whether ``meta``'s block table is device memory, which the host must not read
+        (a read would synchronize); ``defer_block_check`` overrides the table's device."""
+        if self.defer_block_check is not None:
+            return self.defer_block_check
+        table = getattr(meta, "block_table", None)
+        return isinstance(table, torch.Tensor) and table.device.type != "cpu"
 
     def _prepare_one(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, meta: Any) -> _Step:
         """The common step: one metadata object for every task of one kernel and one table."""
@@ -480,14 +487,8 @@ class ReplayUpdater:
         return reissued
 
     def _flag(self, check: _DeferredCheck) -> None:
-        """Queue the device-side block-id check of one table into the next flag slot."""
-        table = check.table
-        if self._flags is None or self._flags.device != table.device:
-            self._flags = torch.zeros(_FLAG_SLOTS, dtype=torch.bool, device=table.device)
-        slot = self._flag_next
-        self._flag_next = (slot + 1) % _FLAG_SLOTS
-        self._flag_where[slot] = check.where
-        self._flags[slot] = bad_block_ids(table, check.kv, check.block_size, check.num_blocks)
+        """Queue the device-side block-id check of one table (no host read)."""
+        self._flags.append((check.where, bad_block_ids(check.table, check.kv, check.block_size, check.num_blocks)))
 
     def check_deferred(self) -> None:
         """Raise :class:`~npugraph.errors.MetadataError` for a bad block id found on the device.
@@ -495,21 +496,19 @@ class ReplayUpdater:
         Call it when the device is idle (``Runtime.synchronize`` does): reading the flags
         then costs no synchronize.  The step that carried the bad id has already run, so
         its output is wrong; the graph stays replayable and later steps are unaffected.
+        Each check is reported once; the last 64 checks are remembered (the oldest is named).
         """
-        flags = self._flags
-        if flags is None:
+        if not self._flags:
             return
-        hits = flags.nonzero().flatten().tolist()
+        checks = list(self._flags)
+        self._flags.clear()
+        hits = torch.stack([flag for _, flag in checks]).nonzero().flatten().tolist()  # one host read
         if not hits:
             return
-        flags.zero_()
-        # oldest first, counting from the slot written next
-        hits.sort(key=lambda h: (h - self._flag_next) % _FLAG_SLOTS)
-        where = self._flag_where[hits[0]]
         more = f" (and {len(hits) - 1} later check(s))" if len(hits) > 1 else ""
         err = MetadataError(
-            f"{where}: a block id in use in its device-resident block table is not a block of the KV "
-            f"cache{more}. That step has already run and read a wrong block, so its output is wrong; "
+            f"{checks[hits[0]][0]}: a block id in use in its device-resident block table is not a block of "
+            f"the KV cache{more}. That step has already run and read a wrong block, so its output is wrong; "
             "fix the block table the engine passes (the graph stays replayable)."
         )
         self._report(err, None)
@@ -597,12 +596,12 @@ class _Step:
     deferred: tuple[_DeferredCheck, ...]
 
 
+@attrs.define
 class _TaskFailed(Exception):
     """A device call of an update failed at task ``index`` (-1: before the first task)."""
 
-    def __init__(self, index: int, error: Exception) -> None:
-        super().__init__(index, error)
-        self.index, self.error = index, error
+    index: int
+    error: Exception
 
 
 def _spec(plan: UpdatePlan, i: int) -> OpSpec:
@@ -610,67 +609,65 @@ def _spec(plan: UpdatePlan, i: int) -> OpSpec:
     return next(s for s in plan.spec_set if s.name == name)
 
 
-def _same_table(a: AttentionMetadata, b: AttentionMetadata) -> bool:
-    """Whether two layers' metadata put the same table into one shared buffer.
+def _same_table(first: AttentionMetadata, other: AttentionMetadata, *, readable: bool) -> bool:
+    """Whether ``other``'s layer reads its own block table from a buffer ``first``'s was copied into.
 
-    Device tables are compared by address only: reading them would synchronize."""
-    ta, tb = a.block_table, b.block_table
-    if ta is tb:
-        return True
-    if a.num_reqs != b.num_reqs or ta.shape[1] != tb.shape[1]:
+    Tables the host may not read (device memory: a read would synchronize) pass only as
+    the same rows of one table."""
+    ta, tb = first.block_table, other.block_table
+    rows = other.num_reqs
+    if ta.shape[1] != tb.shape[1] or ta.shape[0] < rows:
         return False
-    if ta.data_ptr() == tb.data_ptr() and ta.stride() == tb.stride():
+    if ta is tb or (ta.data_ptr() == tb.data_ptr() and ta.stride() == tb.stride()):
         return True  # the same rows of one table (views may differ in length)
-    if ta.device.type != "cpu" or tb.device.type != "cpu":
-        return False
-    rows = a.num_reqs
-    return bool(torch.equal(ta[:rows], tb[:rows]))
+    return readable and bool(torch.equal(ta[:rows], tb[:rows]))
+
+
+def _named_tasks(
+    manager: CaptureManager, exc: BaseException, entries: Sequence[CapturedGraph]
+) -> list[tuple[CapturedGraph, TaskRecord]]:
+    """The captured tasks a device error names, most specific first.
+
+    By the event (or task group) of each stream it blocked (a hang), else of the error
+    itself (a race); else by a ``task group #N)`` in its text (the simulator's kernel
+    and memory errors), searched in ``entries``.
+    """
+    sources = getattr(exc, "blocked", None) or [
+        {"event": getattr(exc, "event", None), "task_group": getattr(exc, "task_group", None)}
+    ]
+    found: dict[int, tuple[CapturedGraph, TaskRecord]] = {}
+    for src in sources:
+        event, group = src.get("event"), src.get("task_group")
+        hit = manager.task_for_event(event) if event is not None else None
+        if hit is None and group is not None:
+            hit = manager.task_for_group(group)
+        if hit is not None:
+            found.setdefault(id(hit[1]), hit)
+    if not found:
+        text = str(exc)
+        for e in entries:
+            for t in e.tasks:
+                g = getattr(t.handle, "_group", None)
+                if g is not None and f"task group #{g.group_id})" in text:
+                    found.setdefault(id(t), (e, t))
+    return list(found.values())
 
 
 def _in_layer(manager: CaptureManager, exc: BaseException, entry: CapturedGraph) -> str:
-    """`` in layer 'x' (task i)`` for the task a device error names, if any."""
-    found = None
-    event = getattr(exc, "event", None)
-    if event is not None:
-        found = manager.task_for_event(event)
-    group = getattr(exc, "task_group", None)
-    if found is None and group is not None:
-        found = manager.task_for_group(group)
-    if found is None:
-        text = str(exc)
-        for t in entry.tasks:
-            g = getattr(t.handle, "_group", None)
-            if g is not None and f"task group #{g.group_id})" in text:
-                found = (entry, t)
-                break
-    if found is None:
-        return ""
-    _, t = found
-    return f" in layer {t.layer!r} (task {t.index}, {t.spec.name})"
+    """`` in layer 'x' (task i, kernel)`` for the first task of ``entry`` a device error names."""
+    for e, t in _named_tasks(manager, exc, [entry]):
+        if e is entry:
+            return f" in layer {t.layer!r} (task {t.index}, {t.spec.name})"
+    return ""
 
 
 def describe_device_error(manager: CaptureManager, exc: BaseException, entry: CapturedGraph | None = None) -> str:
-    """Name the namespace, key and layer behind a device deadlock or race error."""
-    events = []
-    blocked = getattr(exc, "blocked", None)
-    if blocked:
-        events = [b.get("event") for b in blocked]
-    elif getattr(exc, "event", None) is not None:
-        events = [exc.event]  # type: ignore[attr-defined]
-    lines = []
-    for ev in events:
-        found = manager.task_for_event(ev) if ev is not None else None
-        if found is not None:
-            e, t = found
-            lines.append(f"namespace {e.namespace!r}, key {e.key!r}, layer {t.layer!r} (task {t.index}, {t.spec.name})")
-    group = getattr(exc, "task_group", None)
-    if not lines and group is not None:
-        found = manager.task_for_group(group)
-        if found is not None:
-            e, t = found
-            lines.append(f"namespace {e.namespace!r}, key {e.key!r}, layer {t.layer!r}")
-    where = "; ".join(lines) if lines else "no captured task matched"
-    return f"{where}: {exc}"
+    """Name the namespace, key and layer of each captured task behind a device error."""
+    found = _named_tasks(manager, exc, [entry] if entry is not None else manager.entries())
+    where = "; ".join(
+        f"namespace {e.namespace!r}, key {e.key!r}, layer {t.layer!r} (task {t.index}, {t.spec.name})" for e, t in found
+    )
+    return f"{where or 'no captured task matched'}: {exc}"
 
 
 def _resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> list[AttentionMetadata]:

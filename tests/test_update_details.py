@@ -1,0 +1,279 @@
+"""The details of the update path that the end-to-end tests reach only by chance.
+
+Which layers may share one captured block-table buffer, how device-side block-id
+checks are reported, which layer a device error names, and what the capture manager
+remembers.  Written against mutation testing's survivors (``docs/mutation.md``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from npugraph import AttentionMetadata, Runtime, sim
+from npugraph.errors import CaptureFailed, MetadataError, ReplayFailed
+from npugraph.policy import FixedPolicy, StaticPolicy
+from npugraph.replay import describe_device_error
+from tests.helpers import Harness, query_for
+
+# --- layers sharing one captured block-table buffer ---------------------------------------
+
+
+def _shared(**rt_kwargs: object) -> Harness:
+    return Harness([8], layers=2, policy=StaticPolicy(), **rt_kwargs)
+
+
+def _step_with(h: Harness, a: AttentionMetadata, b: AttentionMetadata) -> None:
+    """Layer 0 gets ``a``, layer 1 ``b``; both must match the reference."""
+    q = query_for(h, 8, 0)
+    h.check(h.step(8, {"layer0": a, "layer1": b}, q), q, {"layer0": a, "layer1": b})
+
+
+def test_a_copy_of_the_same_table_may_share_the_buffer():
+    h = _shared()
+    a = h.random_meta(5)
+    _step_with(h, a, attrs.evolve(a, block_table=a.block_table.clone()))
+
+
+def test_tables_that_differ_only_beyond_the_requests_may_share_the_buffer():
+    h = _shared()
+    a = h.random_meta(3)
+    wide = torch.cat([a.block_table, torch.zeros(2, a.block_table.shape[1], dtype=torch.int32)])
+    other = wide.clone()
+    other[3:] = 7  # rows no request reads
+    _step_with(h, attrs.evolve(a, block_table=wide), attrs.evolve(a, block_table=other))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda t: t[:, :-1], id="fewer columns"),
+        pytest.param(lambda t: torch.flip(t, [0]), id="rows swapped"),
+    ],
+)
+def test_another_table_on_the_shared_buffer_is_refused(change):
+    h = _shared()
+    a = h.random_meta(4)
+    with pytest.raises(
+        MetadataError, match=r"layer 'layer1': its metadata has another block table than layer 'layer0'"
+    ):
+        h.rt.update(8, {"layer0": a, "layer1": attrs.evolve(a, block_table=change(a.block_table).contiguous())})
+
+
+def test_a_layer_with_fewer_requests_reads_the_same_rows():
+    h = _shared()
+    a = h.random_meta(4)
+    _step_with(h, a, AttentionMetadata(seq_lens=a.seq_lens[:3], block_table=a.block_table[:3].clone()))
+
+
+def test_a_layer_with_more_requests_than_the_copied_table_has_rows_is_refused():
+    h = _shared()
+    b = h.random_meta(4)
+    a = AttentionMetadata(seq_lens=b.seq_lens[:3], block_table=b.block_table[:3].clone())
+    with pytest.raises(MetadataError, match=r"layer 'layer1': its metadata has another block table"):
+        h.rt.update(8, {"layer0": a, "layer1": b})
+
+
+def test_device_tables_are_compared_by_address_never_read():
+    """Treated as device memory, a copy cannot be told from another table without a read."""
+    h = _shared(defer_block_check=True)
+    a = h.random_meta(4)
+    view = attrs.evolve(a, block_table=a.block_table[:4])  # the same rows of the same memory
+    _step_with(h, a, view)
+    with pytest.raises(MetadataError, match=r"another block table"):
+        h.rt.update(8, {"layer0": a, "layer1": attrs.evolve(a, block_table=a.block_table.clone())})
+
+
+# --- device-side block-id checks --------------------------------------------------------------
+
+
+def _bad_table(meta: AttentionMetadata) -> AttentionMetadata:
+    table = meta.block_table.clone()
+    table[0, 0] = 10_000
+    return attrs.evolve(meta, block_table=table)
+
+
+def test_several_bad_device_tables_name_the_first_and_count_the_rest():
+    # a bad step is only updated (its replay would read a wrong block); the next update replaces it
+    h = Harness([4], order="update-first", defer_block_check=True)
+    good = h.random_meta(3)
+    q = query_for(h, 4, 0)
+    h.rt.step(4, {"default": good}, inputs={"query": q})  # step 1
+    h.rt.update(4, {"default": _bad_table(good)})  # step 2
+    h.rt.step(4, {"default": good}, inputs={"query": q})  # step 3
+    h.rt.update(4, {"default": _bad_table(good)})  # step 4
+    h.rt.step(4, {"default": good}, inputs={"query": q})  # step 5
+    with pytest.raises(MetadataError, match=r"^step 2 of main/4 layer 'layer0': .* \(and 1 later check\(s\)\)\."):
+        h.rt.synchronize()
+    h.rt.synchronize()  # each check is reported once
+    h.check(h.step(4, {"default": good}, q), q, dict.fromkeys(h.names, good))
+
+
+def test_a_single_bad_device_table_is_named_alone():
+    h = Harness([4], order="update-first", defer_block_check=True)
+    h.rt.update(4, {"default": _bad_table(h.random_meta(2))})
+    with pytest.raises(MetadataError, match=r"^step 1 of main/4 layer 'layer0': ") as info:
+        h.rt.synchronize()
+    assert "later check" not in str(info.value)
+
+
+def test_only_the_last_64_device_checks_are_remembered():
+    h = Harness([4], layers=1, order="update-first", defer_block_check=True)
+    bad = _bad_table(h.random_meta(2))
+    for _ in range(66):
+        h.rt.update(4, {"default": bad})
+    with pytest.raises(MetadataError, match=r"^step 3 of main/4 .* \(and 63 later check\(s\)\)"):
+        h.rt.synchronize()
+
+
+def test_a_bad_id_beside_the_columns_in_use_is_not_reported():
+    """Only the blocks a request reads are checked: a stale id past its length is harmless."""
+    h = Harness([4], order="update-first", defer_block_check=True)
+    meta = h.random_meta(2, [16, 20])  # request 0 uses one block, request 1 two
+    table = meta.block_table.clone()
+    table[0, 1] = 10_000
+    table[1, 2] = -1
+    ok = attrs.evolve(meta, block_table=table)
+    q = query_for(h, 4, 0)
+    h.check(h.step(4, {"default": ok}, q), q, dict.fromkeys(h.names, ok))
+    table = table.clone()
+    table[1, 1] = 48  # the cache has 48 blocks: 48 is one too many
+    h.rt.update(4, {"default": attrs.evolve(meta, block_table=table)})
+    with pytest.raises(MetadataError, match=r"^step 2 of main/4"):
+        h.rt.synchronize()
+
+
+@pytest.mark.parametrize("bad_id", [-1, 48])
+def test_the_edges_of_the_block_ids_are_checked_on_the_host_too(bad_id):
+    h = Harness([4])
+    meta = h.random_meta(2, [16, 20])
+    table = meta.block_table.clone()
+    table[1, 1] = bad_id
+    with pytest.raises(MetadataError, match=rf"block_table\[1, 1\] = {bad_id} is not a block id of the KV cache"):
+        h.rt.update(4, {"default": attrs.evolve(meta, block_table=table)})
+    table[1, 1] = 0 if bad_id < 0 else 47  # the first and last blocks are fine
+    ok = attrs.evolve(meta, block_table=table)
+    q = query_for(h, 4, 0)
+    h.check(h.step(4, {"default": ok}, q), q, dict.fromkeys(h.names, ok))
+
+
+def test_an_empty_step_queues_no_device_check():
+    h = Harness([4], order="update-first", defer_block_check=True)
+    q = query_for(h, 4, 0)
+    assert not h.step(4, {"default": h.random_meta(0)}, q).any()
+
+
+# --- which layer a device error names ---------------------------------------------------------
+
+
+def test_device_errors_are_traced_back_to_their_layers():
+    h = Harness([4, 8], layers=2, policy=FixedPolicy("pa"))
+    m = h.rt.manager
+    e4, e8 = m.entry("main", 4), m.entry("main", 8)
+    t0, t1 = e8.tasks
+
+    def named(exc, entry=None):
+        return describe_device_error(m, exc, entry)
+
+    hang = sim.DeadlockError("stuck", blocked=[{"event": t1.event}, {"event": None}, {"event": t0.event}])
+    assert named(hang) == (
+        "namespace 'main', key 8, layer 'layer1' (task 1, pa); namespace 'main', key 8, layer 'layer0' (task 0, pa): stuck"
+    )
+    by_group = sim.DeadlockError("stuck", blocked=[{"event": object(), "task_group": e4.tasks[1].handle._group}])
+    assert named(by_group) == "namespace 'main', key 4, layer 'layer1' (task 1, pa): stuck"
+    assert named(sim.RaceError("lost", event=t0.event)).startswith("namespace 'main', key 8, layer 'layer0' ")
+    race = sim.RaceError("early", task_group=e4.tasks[0].handle._group)
+    assert named(race) == "namespace 'main', key 4, layer 'layer0' (task 0, pa): early"
+    group_id = e8.tasks[1].handle._group.group_id
+    text = RuntimeError(f"kernel failed at node 9 of graph #1 (task group #{group_id})")
+    assert named(text).startswith("namespace 'main', key 8, layer 'layer1' (task 1, pa): kernel failed")
+    assert named(text, e4).startswith("no captured task matched: "), "only the given graph's tasks"
+    assert named(RuntimeError("elsewhere")) == "no captured task matched: elsewhere"
+    assert named(sim.RaceError("not ours", event=sim.npu.ExternalEvent())) == "no captured task matched: not ours"
+
+
+def test_a_replay_on_freed_memory_names_the_layer():
+    h = Harness([4], layers=3, policy=FixedPolicy("pa"))
+    meta = h.random_meta(2)
+    q = query_for(h, 4, 0)
+    h.step(4, {"default": meta}, q)
+    h.rt.update(4, {"default": meta})
+    del h.caches["layer1"]  # the model drops one layer's KV cache; the graph still reads it
+    gc.collect()
+    with pytest.raises(ReplayFailed, match=r"^replay of main/4 failed in layer 'layer1' \(task 1, pa\): UseAfterFree"):
+        h.rt.replay(4)
+
+
+def test_a_failed_update_postmortem_names_its_graph(tmp_path):
+    h = Harness([4], postmortem_dir=str(tmp_path))
+    meta = h.random_meta(1)
+    with pytest.raises(MetadataError) as info:
+        h.rt.update(4, {"default": attrs.evolve(meta, seq_lens=torch.tensor([999], dtype=torch.int32))})
+    doc = json.loads(Path(info.value.postmortem).read_text())
+    assert (doc["error"]["namespace"], doc["error"]["key"]) == ("main", "4")
+
+
+# --- what the capture manager remembers -------------------------------------------------------
+
+
+def test_eager_steps_of_a_captured_size_run_the_captured_kernel_whatever_the_policy_says_now():
+    h = Harness([4], layers=2, policy=StaticPolicy())
+    assert h.rt.manager.entry("main", 4).choice.kernel == "pa"
+    h.rt.set_policy(FixedPolicy("fia"))  # for graphs captured from now on
+    meta = h.random_meta(3)
+    sim.counters().clear()
+    h.forward(query_for(h, 4, 0), [{"default": meta}])  # eager, at the captured size 4
+    assert sim.counters()["op:_npu_paged_attention"] == 2
+    assert sim.counters()["op:npu_fused_infer_attention_score"] == 0
+    sim.counters().clear()
+    h.forward(query_for(h, 2, 0), [{"default": h.random_meta(2)}])  # not captured: the policy's kernel
+    assert sim.counters()["op:_npu_paged_attention"] == 0
+
+
+def test_a_capture_error_inside_torch_is_placed_in_the_callers_code():
+    rt = Runtime("sim", max_model_len=64)
+    lin = torch.nn.Linear(3, 3)
+
+    def fn():
+        return lin(torch.zeros(2, 4))  # raised inside torch.nn: the line to fix is here
+
+    with pytest.raises(CaptureFailed, match=r"failed at .*test_update_details\.py:\d+ in fn: "):
+        rt.capture(fn, key=2, require_attention=False)
+
+
+def test_reset_frees_only_what_it_names():
+    h = Harness([2, 4], layers=1)
+    m = h.rt.manager
+    h.rt.capture(lambda: torch.zeros(1), key=1, namespace="other", require_attention=False)
+    t4 = m.entry("main", 4).tasks[0]
+    m.reset("main", 2)
+    assert sorted(m.keys("main")) == [4] and m.keys("other") == [1]
+    assert m.task_for_event(t4.event) is not None, "the other graphs' tasks are still found"
+    m.reset("other")
+    assert m.keys("main") == [4] and m.keys("other") == []
+    m.reset(key=4)
+    assert m.entries() == [] and m.task_for_event(t4.event) is None
+
+
+def test_capture_all_captures_largest_first_and_lists_sizes_in_order():
+    rt = Runtime("sim", max_model_len=64)
+    order = []
+
+    sizes = {"a": 2, "b": 1}
+
+    def make(k):
+        order.append(k)
+        n = sizes.get(k, k)
+        return (lambda: torch.zeros(n), (), {"require_attention": False, "tokens": n})
+
+    rt.manager.capture_all([2, 8, 4], make)
+    rt.manager.capture_all([1, 16], make)
+    assert order == [8, 4, 2, 16, 1]
+    assert rt.manager.configured["main"] == [1, 2, 4, 8, 16]
+    rt.manager.capture_all(["b", "a"], make, namespace="named", size=sizes.__getitem__)
+    assert order[-2:] == ["a", "b"] and rt.manager.configured["named"] == ["b", "a"]
