@@ -86,12 +86,18 @@ class Harness:
             g: torch.zeros(ubatches, top, MAX_LEN // BLOCK, dtype=torch.int32) for g in set(self.groups.values())
         }
         self.rng = random.Random(seed)
+        self.capture(sizes)
+
+    def capture(self, sizes):
+        """Capture every size, largest first (the host lengths are the test's: on the CPU)."""
+        tokens_per_request, ubatches = self.tpr, self.ubatches
         for size in sorted(sizes, reverse=True):
             t = size * tokens_per_request
             metas = [
                 {
                     g: AttentionMetadata(
-                        seq_lens=torch.full((size,), tokens_per_request, dtype=torch.int32), block_table=tb[u, :size]
+                        seq_lens=torch.full((size,), tokens_per_request, dtype=torch.int32, device="cpu"),
+                        block_table=tb[u, :size],
                     )
                     for g, tb in self.tables.items()
                 }

@@ -14,7 +14,8 @@ from npugraph.device import load_device
 from npugraph.models import Decoder, DecoderConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "npugraph"
-DEVICE_FACING = ["ops", "capture", "replay", "attention", "integrations", "models", "runtime.py"]
+# the simulator too: like a device, it must not follow the process's default torch device
+DEVICE_FACING = ["ops", "capture", "replay", "attention", "integrations", "models", "runtime.py", "sim"]
 FACTORIES = {
     "empty",
     "empty_strided",

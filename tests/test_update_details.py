@@ -277,3 +277,30 @@ def test_capture_all_captures_largest_first_and_lists_sizes_in_order():
     assert rt.manager.configured["main"] == [1, 2, 4, 8, 16]
     rt.manager.capture_all(["b", "a"], make, namespace="named", size=sizes.__getitem__)
     assert order[-2:] == ["a", "b"] and rt.manager.configured["named"] == ["b", "a"]
+
+
+# --- placement whatever the process default ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("kernel", "tpr"), [("pa", 1), ("fia", 1), ("fia", 2)])
+def test_a_process_wide_default_device_changes_nothing(kernel, tpr):
+    """Every tensor npugraph makes names its device: a default device (as an engine may set)
+    must not move host lengths or device buffers."""
+    h = Harness([4], layers=2, policy=FixedPolicy(kernel), tokens_per_request=tpr, dtype=torch.float32)
+    h.rt.manager.reset()
+    meta = h.random_meta(3)
+    q = query_for(h, 4, 0)
+    with torch.device("meta"):
+        h.capture([4])
+        out = h.step(4, {"default": meta}, q)
+    h.check(out, q, dict.fromkeys(h.names, meta))
+
+
+def test_decode_runs_fia_without_a_mask_and_speculation_with_the_causal_one():
+    """One query token per request needs no mask (sparse_mode 0); more need the causal one (3)."""
+    for tpr, mode in ((1, 0), (2, 3)):
+        h = Harness([4], layers=1, policy=FixedPolicy("fia"), tokens_per_request=tpr, dtype=torch.float32)
+        (task,) = h.rt.manager.entry("main", 4).tasks
+        kw = task.kwargs()
+        assert kw["sparse_mode"] == mode
+        assert (kw["atten_mask"] is None) == (mode == 0)

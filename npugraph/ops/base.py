@@ -8,6 +8,8 @@ from typing import Any
 import attrs
 import torch
 
+from npugraph.errors import ConfigError
+
 __all__ = ["AttentionCall", "StepLens", "OpSpec", "pad_lens"]
 
 
@@ -38,6 +40,11 @@ class AttentionCall:
     window: int | None = None
     query_rope: torch.Tensor | None = None
     key_rope_cache: torch.Tensor | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.query_rope is None) != (self.key_rope_cache is None):
+            # one without the other would silently run attention without the rope scores
+            raise ConfigError("query_rope and key_rope_cache come together (absorbed MLA): pass both or neither")
 
     @property
     def is_mla(self) -> bool:

@@ -60,8 +60,9 @@ def fia_arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor |
         "out": [call.out, lse],
         **_masking(call),
     }
-    if call.query_rope is not None and call.key_rope_cache is not None:
+    if call.is_mla:
         kr = call.key_rope_cache
+        assert kr is not None, "AttentionCall checks that the rope arguments come together"
         kwargs["query_rope"] = call.query_rope
         kwargs["key_rope"] = kr.view(kr.shape[0], kr.shape[1], -1)
     return kwargs

@@ -40,15 +40,14 @@ def _probe_lengths(max_len: int, block_size: int) -> list[int]:
     Every power of two, every block boundary when there are few, an even sweep of at
     most 256 points otherwise, and ``max_len`` itself.
     """
-    pts = {1, max_len}
+    pts = {max_len}
     p = 1
     while p < max_len:
-        pts.add(p)
-        pts.add(min(max_len, p + 1))
+        pts.update((p, p + 1))
         p *= 2
     stride = max(block_size, max_len // 256)
     pts.update(range(stride, max_len + 1, stride))
-    return sorted(x for x in pts if 1 <= x <= max_len)
+    return sorted(pts)
 
 
 def _workspace_bytes(device: Any, kwargs: dict[str, Any], max_model_len: int) -> int:

@@ -261,13 +261,14 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     out, lse_out = p["out"]
     layout = info["layout"]
     b, n, kvn, sq, d, dv = (info[x] for x in ("batch", "heads", "kv_heads", "sq", "d", "dv"))
-    q_per = torch.tensor(info["q_per"], dtype=torch.int64)
-    kv_per = torch.tensor(info["kv_per"], dtype=torch.int64)
+    dev = q.device
+    q_per = torch.tensor(info["q_per"], dtype=torch.int64, device=dev)
+    kv_per = torch.tensor(info["kv_per"], dtype=torch.int64, device=dev)
     # query → [B, N, Sq, D]
     if layout == "TND":
-        starts = torch.tensor(info["starts"], dtype=torch.int64)
-        idx = starts.unsqueeze(1) + torch.arange(sq).unsqueeze(0)  # [B, Sq]
-        idx = torch.where(torch.arange(sq).unsqueeze(0) < q_per.unsqueeze(1), idx, 0)
+        starts = torch.tensor(info["starts"], dtype=torch.int64, device=dev)
+        idx = starts.unsqueeze(1) + torch.arange(sq, device=dev).unsqueeze(0)  # [B, Sq]
+        idx = torch.where(torch.arange(sq, device=dev).unsqueeze(0) < q_per.unsqueeze(1), idx, 0)
         qb = q[idx].permute(0, 2, 1, 3)  # [B, N, Sq, D]
     elif layout == "BSH":
         qb = q.reshape(b, sq, n, d).permute(0, 2, 1, 3)
@@ -288,8 +289,8 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
         vb = K.gather_paged(vc, bt, kv_per, lkv, int(p["block_size"]), where).permute(0, 2, 1, 3)
     elif layout == "TND":
         kstarts = torch.cumsum(kv_per, 0) - kv_per
-        kidx = kstarts.unsqueeze(1) + torch.arange(lkv).unsqueeze(0)
-        kidx = torch.where(torch.arange(lkv).unsqueeze(0) < kv_per.unsqueeze(1), kidx, 0)
+        kidx = kstarts.unsqueeze(1) + torch.arange(lkv, device=dev).unsqueeze(0)
+        kidx = torch.where(torch.arange(lkv, device=dev).unsqueeze(0) < kv_per.unsqueeze(1), kidx, 0)
         kb, vb = k[kidx].permute(0, 2, 1, 3), v[kidx].permute(0, 2, 1, 3)
     elif layout == "BSH":
         kb = k.reshape(b, k.shape[1], kvn, d).permute(0, 2, 1, 3)
@@ -307,14 +308,14 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     band = (int(p["pre_tokens"]), int(p["next_tokens"])) if sparse == 4 else None
     o, lse = K.attention(qb, kb, vb, q_per, kv_per, float(p["scale"]), causal=sparse == 3, mask=mask, band=band)
     # o: [B, N, Sq, Dv]; rows past a request's query length are zero
-    valid_q = (torch.arange(sq).view(1, 1, sq, 1) < q_per.view(b, 1, 1, 1)) if b else None
+    valid_q = (torch.arange(sq, device=dev).view(1, 1, sq, 1) < q_per.view(b, 1, 1, 1)) if b else None
     if valid_q is not None:
-        o = torch.where(valid_q, o, torch.zeros((), dtype=o.dtype))
+        o = torch.where(valid_q, o, torch.zeros((), dtype=o.dtype, device=dev))
     if layout == "TND":
         t = q.shape[0]
-        tok = torch.arange(t)
-        bidx = torch.searchsorted(torch.tensor([*info["starts"][1:], t + 1]), tok, right=True)
-        sidx = tok - torch.tensor(info["starts"])[bidx]
+        tok = torch.arange(t, device=dev)
+        bidx = torch.searchsorted(torch.tensor([*info["starts"][1:], t + 1], device=dev), tok, right=True)
+        sidx = tok - torch.tensor(info["starts"], device=dev)[bidx]
         out.copy_(o[bidx, :, sidx])
         lse_rows = lse[bidx, :, sidx].unsqueeze(-1)
     elif layout == "BSH":
@@ -409,8 +410,8 @@ def alloc_outputs(op: SimOp, p: dict[str, Any]) -> tuple[torch.Tensor, torch.Ten
     info = op.check(p)
     out_shape, lse_shape = _fia_out_shapes(p, info)
     q = p["query"]
-    out = torch.empty(out_shape, dtype=q.dtype)
-    lse = torch.zeros(lse_shape, dtype=torch.float32)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.zeros(lse_shape, dtype=torch.float32, device=q.device)
     return out, lse
 
 

@@ -22,6 +22,7 @@ import torch
 
 from npugraph.sim import _runtime as rt
 from npugraph.sim._capture import CaptureSession, make_host_copy
+from npugraph.sim._memory import MEMORY
 from npugraph.sim._taskgroups import (
     graph_task_group_begin,
     graph_task_group_end,
@@ -252,7 +253,7 @@ def auto_update(g: Any, cpu_update_input: list[dict[str, Any]]) -> None:
             value = update_input[key]
             captured = params.get(key)
             if isinstance(captured, torch.Tensor) and not isinstance(value, torch.Tensor):
-                value = torch.tensor(list(value), dtype=captured.dtype)  # e.g. PA context_lens
+                value = torch.tensor(list(value), dtype=captured.dtype, device=captured.device)  # e.g. PA context_lens
             params[key] = value
         rec["params"] = params  # the record keeps the latest values, as torch_npu's does
         with rt.use_stream(us):
@@ -291,4 +292,4 @@ def max_workspace(op: SimOp, p: dict[str, Any]) -> torch.Tensor:
     rt.get_state().charge("workspace_query")
     for name in op.host_args:
         p[name] = host_copy(name, p.get(name))
-    return torch.empty(op.max_workspace_bytes(p), dtype=torch.uint8)
+    return torch.empty(op.max_workspace_bytes(p), dtype=torch.uint8, device=MEMORY)

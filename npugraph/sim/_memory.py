@@ -30,13 +30,17 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from npugraph.sim.errors import UseAfterFree
 
+# The simulated device's memory. Named on every allocation: the simulator, like a device,
+# ignores the process's default torch device.
+MEMORY = torch.device("cpu")
+
 __all__ = ["Memory", "Owner", "Pool", "ArgRef", "check_refs", "hold_tree", "hold_params"]
 
 _USE_COUNT = torch._C._storage_Use_Count
 
 
 def _one_holder() -> int:
-    t = torch.empty(1)
+    t = torch.empty(1, device=MEMORY)
     return int(_USE_COUNT(t.untyped_storage()._cdata))
 
 
@@ -76,7 +80,7 @@ class Owner:
                 raw = (ctypes.c_char * self.nbytes).from_address(self.ptr)
                 self._base = torch.frombuffer(raw, dtype=torch.uint8)
             else:
-                self._base = torch.empty(0, dtype=torch.uint8)
+                self._base = torch.empty(0, dtype=torch.uint8, device=MEMORY)
             self._base_cdata = int(self._base.untyped_storage()._cdata)
             memory.owners[self._base_cdata] = self
         return self._base
@@ -120,7 +124,7 @@ class Pool:
             best.fresh = False
             return best
         size = max(_BLOCK_ALIGN, -(-nbytes // _BLOCK_ALIGN) * _BLOCK_ALIGN)
-        block = Owner(torch.empty(size, dtype=torch.uint8), self, f"block of pool {self.pool_id}")
+        block = Owner(torch.empty(size, dtype=torch.uint8, device=MEMORY), self, f"block of pool {self.pool_id}")
         self.blocks.append(block)
         memory.owners[block.cdata] = block
         return block
@@ -171,7 +175,7 @@ class Memory:
         found = self.owners.get(cdata)
         if found is not None:
             return found
-        keeper = torch.empty(0, dtype=torch.uint8).set_(storage)
+        keeper = torch.empty(0, dtype=torch.uint8, device=MEMORY).set_(storage)
         owner = Owner(keeper, None, f"eager {t.dtype} tensor of shape {list(t.shape)}")
         self.owners[cdata] = owner
         if len(self.owners) > self._prune_at:
@@ -183,12 +187,12 @@ class Memory:
         owner = owner or self.owner(t)
         base = owner.base(self)
         if t.numel() == 0 or not owner.nbytes:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=MEMORY)
         offset = t.data_ptr() - owner.ptr
         key = (offset, t.shape, t.stride(), t.dtype)
         alias = owner._aliases.get(key)
         if alias is None:
-            alias = owner._aliases[key] = torch.empty(0, dtype=t.dtype).set_(
+            alias = owner._aliases[key] = torch.empty(0, dtype=t.dtype, device=MEMORY).set_(
                 base.untyped_storage(), offset // t.element_size(), t.shape, t.stride()
             )
         return alias
@@ -208,11 +212,11 @@ class Memory:
         size = [int(s) for s in shape]
         strides = [int(s) for s in stride]
         numel_span = 1 + sum((s - 1) * st for s, st in zip(size, strides)) if all(size) else 0
-        nbytes = numel_span * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel_span * torch.empty(0, dtype=dtype, device=MEMORY).element_size()
         if nbytes == 0:
-            return torch.empty_strided(size, strides, dtype=dtype)
+            return torch.empty_strided(size, strides, dtype=dtype, device=MEMORY)
         block = self.pool(pool_id).block(nbytes, self)
-        t = torch.empty(0, dtype=dtype).set_(block.keeper.untyped_storage(), 0, size, strides)
+        t = torch.empty(0, dtype=dtype, device=MEMORY).set_(block.keeper.untyped_storage(), 0, size, strides)
         if block.fresh and t.is_floating_point():
             t.fill_(float("nan"))  # a read before replay shows
         return t

@@ -9,6 +9,7 @@ import torch
 from npugraph.sim import _runtime as rt
 from npugraph.sim import kernels as K
 from npugraph.sim._launch import SimOp, fail, host_copy, launch, need_tensor
+from npugraph.sim._memory import MEMORY
 
 __all__ = ["_npu_paged_attention", "_npu_paged_attention_get_workspace"]
 
@@ -74,7 +75,7 @@ def _pa_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
         q.unsqueeze(2),
         k.permute(0, 2, 1, 3),
         v.permute(0, 2, 1, 3),
-        torch.ones(t, dtype=torch.int32),
+        torch.ones(t, dtype=torch.int32, device=q.device),
         cl,
         float(p["scale_value"]),
     )
@@ -140,4 +141,4 @@ def _npu_paged_attention_get_workspace(
     p.pop("st")
     p["context_lens"] = host_copy("context_lens", context_lens)
     size = _PA.workspace_bytes(p)
-    return torch.empty(size, dtype=torch.uint8)
+    return torch.empty(size, dtype=torch.uint8, device=MEMORY)

@@ -63,7 +63,7 @@ def gather_paged(
     positions past a request's length read block 0 and are masked by the caller.
     """
     num_blocks = cache.shape[0]
-    pos = torch.arange(max_len)
+    pos = torch.arange(max_len, device=cache.device)
     col = pos // block_size
     blk = block_table[:, col].long()  # [B, max_len]
     valid = pos.unsqueeze(0) < lens.unsqueeze(1)
@@ -101,12 +101,12 @@ def attention(
     b, n, sq, d = q.shape
     kvn, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     if sk == 0:  # no request has a key (an empty step): every row is zeros
-        return q.new_zeros(b, n, sq, dv), torch.full((b, n, sq), float("-inf"))
+        return q.new_zeros(b, n, sq, dv), torch.full((b, n, sq), float("-inf"), device=q.device)
     g = n // kvn
     qf = q.float().reshape(b, kvn, g * sq, d)
     s = torch.matmul(qf, k.float().transpose(-1, -2)).reshape(b, kvn, g, sq, sk) * scale
-    qi = torch.arange(sq).view(1, sq, 1)
-    kj = torch.arange(sk).view(1, 1, sk)
+    qi = torch.arange(sq, device=q.device).view(1, sq, 1)
+    kj = torch.arange(sk, device=q.device).view(1, 1, sk)
     ql = q_lens.view(b, 1, 1).long()
     kl = kv_lens.view(b, 1, 1).long()
     allowed = (kj < kl) & (qi < ql)

@@ -1,0 +1,73 @@
+"""The pure rules under every update, stated as properties: padding and PA's length probes."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from npugraph.ops import pad_lens
+from npugraph.ops.pa import _probe_lengths
+
+
+@st.composite
+def steps(draw):
+    """A valid step: R real requests (q tokens each >= 1) in a graph of B rows and T tokens."""
+    r = draw(st.integers(0, 6))
+    q_lens = draw(st.lists(st.integers(1, 4), min_size=r, max_size=r))
+    kv = [q + draw(st.integers(0, 50)) for q in q_lens]
+    batch = draw(st.integers(max(r, 1), 10))
+    real = sum(q_lens)
+    # with every row real there is no padding row for spare tokens, so none may be spare
+    tokens = real if r == batch else draw(st.integers(real + (batch - r), real + 3 * (batch - r) + 2))
+    decode = all(q == 1 for q in q_lens) and draw(st.booleans())
+    return kv, None if decode else list(itertools.accumulate(q_lens)), batch, tokens
+
+
+@given(steps())
+def test_padding_keeps_real_requests_and_spreads_spare_tokens_evenly(step):
+    kv, ends, batch, tokens = step
+    r = len(kv)
+    lens = pad_lens(kv, ends, batch, tokens)
+    assert lens.num_reqs == r
+    assert lens.kv_lens == tuple(kv) + (0,) * (batch - r), "padding requests have no keys"
+    real_ends = tuple(ends) if ends is not None else tuple(range(1, r + 1))
+    assert lens.q_ends[:r] == real_ends, "a real request's query tokens never change"
+    assert len(lens.q_ends) == batch
+    if batch > r:
+        assert lens.q_ends[-1] == tokens, "every spare token belongs to a padding request"
+        starts = (real_ends[-1] if r else 0, *lens.q_ends[r:-1])
+        sizes = [e - s for s, e in zip(starts, lens.q_ends[r:])]
+        assert max(sizes) - min(sizes) <= 1, f"spread evenly: {sizes}"
+        assert sizes == sorted(sizes), "the larger shares last"
+        assert min(sizes) >= 1, "a padding request has a query token"
+
+
+def test_padding_examples():
+    assert pad_lens([5, 7], None, 4, 4).q_ends == (1, 2, 3, 4)
+    assert pad_lens([5, 7], [2, 4], 4, 9).q_ends == (2, 4, 6, 9)
+    assert pad_lens([], None, 3, 3).q_ends == (1, 2, 3)
+    assert pad_lens([], None, 2, 5).q_ends == (2, 5)
+    assert pad_lens([3], [2], 1, 2) == pad_lens((3,), (2,), 1, 2)
+
+
+@given(st.integers(1, 70_000), st.sampled_from([16, 64, 128]))
+def test_pa_probes_cover_the_range(max_len, block_size):
+    pts = _probe_lengths(max_len, block_size)
+    assert pts == sorted(set(pts)), "sorted, each once"
+    assert pts[0] == 1 and pts[-1] == max_len
+    p = 1
+    while p < max_len:
+        assert p in pts and p + 1 in pts, f"{p} and {p + 1}: the kernel's tiling changes at powers of two"
+        p *= 2
+    stride = max(block_size, max_len // 256)
+    assert all(x in pts for x in range(stride, max_len + 1, stride)), "an even sweep"
+    assert len(pts) <= max_len // stride + 2 * math.ceil(math.log2(max_len + 1)) + 2, "bounded: capture stays fast"
+
+
+def test_pa_probe_examples():
+    assert _probe_lengths(1, 16) == [1]
+    assert _probe_lengths(5, 16) == [1, 2, 3, 4, 5]
+    assert _probe_lengths(40, 16) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 40]
