@@ -49,20 +49,31 @@ def test_tables_that_differ_only_beyond_the_requests_may_share_the_buffer():
     _step_with(h, attrs.evolve(a, block_table=wide), attrs.evolve(a, block_table=other))
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        pytest.param(lambda t: t[:, :-1], id="fewer columns"),
-        pytest.param(lambda t: torch.flip(t, [0]), id="rows swapped"),
-    ],
-)
-def test_another_table_on_the_shared_buffer_is_refused(change):
+def test_a_layer_reading_fewer_columns_of_the_same_table_may_share_the_buffer():
+    h = _shared()
+    a = h.random_meta(4, [16, 30, 5, 32])  # at most two blocks per request
+    narrow = attrs.evolve(a, block_table=a.block_table[:, :2])  # a view: the same memory
+    _step_with(h, a, narrow)
+    _step_with(h, a, attrs.evolve(a, block_table=narrow.block_table.clone()))  # a copy: compared
+
+
+def test_another_table_on_the_shared_buffer_is_refused():
     h = _shared()
     a = h.random_meta(4)
+    swapped = attrs.evolve(a, block_table=torch.flip(a.block_table, [0]))
     with pytest.raises(
         MetadataError, match=r"layer 'layer1': its metadata has another block table than layer 'layer0'"
     ):
-        h.rt.update(8, {"layer0": a, "layer1": attrs.evolve(a, block_table=change(a.block_table).contiguous())})
+        h.rt.update(8, {"layer0": a, "layer1": swapped})
+
+
+def test_a_wider_table_than_the_copied_one_is_refused():
+    """The buffer holds the first layer's columns only: a layer that needs more would read stale ids."""
+    h = _shared()
+    a = h.random_meta(4, [16, 30, 5, 32])
+    narrow = attrs.evolve(a, block_table=a.block_table[:, :2].clone())
+    with pytest.raises(MetadataError, match=r"layer 'layer1': its metadata has another block table"):
+        h.rt.update(8, {"layer0": narrow, "layer1": a})
 
 
 def test_a_layer_with_fewer_requests_reads_the_same_rows():
@@ -131,21 +142,31 @@ def test_only_the_last_64_device_checks_are_remembered():
         h.rt.synchronize()
 
 
-def test_a_bad_id_beside_the_columns_in_use_is_not_reported():
-    """Only the blocks a request reads are checked: a stale id past its length is harmless."""
-    h = Harness([4], order="update-first", defer_block_check=True)
+@pytest.mark.parametrize("deferred", [True, False])
+def test_a_bad_id_beside_the_columns_in_use_is_not_reported(deferred):
+    """Only the blocks a request reads are checked: a stale id past its length is harmless,
+    and block 0 is a block like any other (the exact check runs: the table's minimum is bad)."""
+    h = Harness([4], order="update-first", defer_block_check=deferred)
     meta = h.random_meta(2, [16, 20])  # request 0 uses one block, request 1 two
     table = meta.block_table.clone()
-    table[0, 1] = 10_000
-    table[1, 2] = -1
+    table[0, 1] = -1
+    table[1, 2] = 10_000
+    table[1, 0] = 0
     ok = attrs.evolve(meta, block_table=table)
     q = query_for(h, 4, 0)
-    h.check(h.step(4, {"default": ok}, q), q, dict.fromkeys(h.names, ok))
+    with torch.device("meta"):  # the checks allocate where the table lives, whatever the default
+        out = h.step(4, {"default": ok}, q)
+    h.check(out, q, dict.fromkeys(h.names, ok))
     table = table.clone()
     table[1, 1] = 48  # the cache has 48 blocks: 48 is one too many
-    h.rt.update(4, {"default": attrs.evolve(meta, block_table=table)})
-    with pytest.raises(MetadataError, match=r"^step 2 of main/4"):
-        h.rt.synchronize()
+    bad = {"default": attrs.evolve(meta, block_table=table)}
+    if deferred:
+        h.rt.update(4, bad)
+        with pytest.raises(MetadataError, match=r"^step 2 of main/4 layer 'layer0': a block id in use"):
+            h.rt.synchronize()
+    else:
+        with pytest.raises(MetadataError, match=r"layer 'layer0': block_table\[1, 1\] = 48 is not a block id"):
+            h.rt.update(4, bad)
 
 
 @pytest.mark.parametrize("bad_id", [-1, 48])
@@ -180,12 +201,16 @@ def test_device_errors_are_traced_back_to_their_layers():
     def named(exc, entry=None):
         return describe_device_error(m, exc, entry)
 
-    hang = sim.DeadlockError("stuck", blocked=[{"event": t1.event}, {"event": None}, {"event": t0.event}])
+    hang = sim.DeadlockError(
+        "stuck", blocked=[{"event": t1.event}, {"event": None}, {"event": t0.event}, {"event": t1.event}]
+    )
     assert named(hang) == (
         "namespace 'main', key 8, layer 'layer1' (task 1, pa); namespace 'main', key 8, layer 'layer0' (task 0, pa): stuck"
     )
     by_group = sim.DeadlockError("stuck", blocked=[{"event": object(), "task_group": e4.tasks[1].handle._group}])
     assert named(by_group) == "namespace 'main', key 4, layer 'layer1' (task 1, pa): stuck"
+    both = sim.DeadlockError("stuck", blocked=[{"event": t1.event, "task_group": e4.tasks[0].handle._group}])
+    assert named(both).startswith("namespace 'main', key 8, layer 'layer1' "), "the event is the more specific"
     assert named(sim.RaceError("lost", event=t0.event)).startswith("namespace 'main', key 8, layer 'layer0' ")
     race = sim.RaceError("early", task_group=e4.tasks[0].handle._group)
     assert named(race) == "namespace 'main', key 4, layer 'layer0' (task 0, pa): early"
@@ -277,6 +302,7 @@ def test_capture_all_captures_largest_first_and_lists_sizes_in_order():
     assert rt.manager.configured["main"] == [1, 2, 4, 8, 16]
     rt.manager.capture_all(["b", "a"], make, namespace="named", size=sizes.__getitem__)
     assert order[-2:] == ["a", "b"] and rt.manager.configured["named"] == ["b", "a"]
+    assert sorted(rt.manager.keys("named")) == ["a", "b"] and "a" not in rt.manager.keys("main")
 
 
 # --- placement whatever the process default ---------------------------------------------------

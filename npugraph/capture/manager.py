@@ -359,7 +359,7 @@ class CaptureManager:
             if namespace not in (None, ns) or (key is not None and k != key):
                 continue
             for t in entry.tasks:
-                self._by_event.pop(id(t.event), None)
+                del self._by_event[id(t.event)]
             entry.graph.reset()
             del self._entries[(ns, k)]
 

@@ -170,14 +170,11 @@ def bad_block_ids(
 ) -> torch.Tensor:
     """A 0-d bool tensor on ``table``'s device: does a block in use lie outside the cache?
 
-    Device work only (no host read): the updater folds it into a flag that
-    ``Runtime.synchronize`` reads once the device is idle anyway.
+    ``kv``: the lengths of at least one request.  Device work only (no host read): the
+    updater keeps it until ``Runtime.synchronize`` reads it, once the device is idle anyway.
     """
     used_cols = [-(-length // block_size) for length in kv]
-    width = max(used_cols, default=0)
-    if width == 0:
-        return torch.zeros((), dtype=torch.bool, device=table.device)
-    return _bad_mask(table[: len(kv), :width], used_cols, num_blocks).any()
+    return _bad_mask(table[: len(kv), : max(used_cols)], used_cols, num_blocks).any()
 
 
 def _bad_block(where: str, i: int, j: int, block: int, num_blocks: int) -> None:

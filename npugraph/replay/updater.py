@@ -612,15 +612,15 @@ def _spec(plan: UpdatePlan, i: int) -> OpSpec:
 def _same_table(first: AttentionMetadata, other: AttentionMetadata, *, readable: bool) -> bool:
     """Whether ``other``'s layer reads its own block table from a buffer ``first``'s was copied into.
 
-    Tables the host may not read (device memory: a read would synchronize) pass only as
-    the same rows of one table."""
+    It reads its requests' rows and its table's columns.  Tables the host may not read
+    (device memory: a read would synchronize) pass only as views of the same memory."""
     ta, tb = first.block_table, other.block_table
-    rows = other.num_reqs
-    if ta.shape[1] != tb.shape[1] or ta.shape[0] < rows:
+    rows, cols = other.num_reqs, int(tb.shape[1])
+    if ta.shape[0] < rows or ta.shape[1] < cols:
         return False
-    if ta is tb or (ta.data_ptr() == tb.data_ptr() and ta.stride() == tb.stride()):
-        return True  # the same rows of one table (views may differ in length)
-    return readable and bool(torch.equal(ta[:rows], tb[:rows]))
+    if ta.data_ptr() == tb.data_ptr() and ta.stride() == tb.stride():
+        return True  # views of one table: the leading rows and columns are the same memory
+    return readable and bool(torch.equal(ta[:rows, :cols], tb[:rows, :cols]))
 
 
 def _named_tasks(
@@ -628,29 +628,29 @@ def _named_tasks(
 ) -> list[tuple[CapturedGraph, TaskRecord]]:
     """The captured tasks a device error names, most specific first.
 
-    By the event (or task group) of each stream it blocked (a hang), else of the error
-    itself (a race); else by a ``task group #N)`` in its text (the simulator's kernel
-    and memory errors), searched in ``entries``.
+    By the event, else the task group, of each stream it blocked (a hang) or of the
+    error itself (a race); else by the first ``task group #N)`` in its text (the
+    simulator's kernel and memory errors), searched in ``entries``.
     """
     sources = getattr(exc, "blocked", None) or [
         {"event": getattr(exc, "event", None), "task_group": getattr(exc, "task_group", None)}
     ]
-    found: dict[int, tuple[CapturedGraph, TaskRecord]] = {}
+    found: list[tuple[CapturedGraph, TaskRecord]] = []
     for src in sources:
-        event, group = src.get("event"), src.get("task_group")
-        hit = manager.task_for_event(event) if event is not None else None
-        if hit is None and group is not None:
-            hit = manager.task_for_group(group)
-        if hit is not None:
-            found.setdefault(id(hit[1]), hit)
-    if not found:
-        text = str(exc)
-        for e in entries:
-            for t in e.tasks:
-                g = getattr(t.handle, "_group", None)
-                if g is not None and f"task group #{g.group_id})" in text:
-                    found.setdefault(id(t), (e, t))
-    return list(found.values())
+        hit = manager.task_for_event(src.get("event"))
+        if hit is None and src.get("task_group") is not None:
+            hit = manager.task_for_group(src["task_group"])
+        if hit is not None and all(hit[1] is not t for _, t in found):
+            found.append(hit)
+    if found:
+        return found
+    text = str(exc)
+    for e in entries:
+        for t in e.tasks:
+            g = getattr(t.handle, "_group", None)  # the simulator's handles know their group
+            if g is not None and f"task group #{g.group_id})" in text:
+                return [(e, t)]
+    return []
 
 
 def _in_layer(manager: CaptureManager, exc: BaseException, entry: CapturedGraph) -> str:
