@@ -47,6 +47,8 @@ mutation: $(STAMP)
 	# one intra-op thread: forked test workers deadlock on a forked OpenMP pool
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/mutmut run --max-children 2
 	$(BIN)/mutmut results
+	# the score: killed (and timed out) / all; each survivor is killed or explained in docs/mutation.md
+	$(BIN)/mutmut results --all true | awk -F': ' '{print $$2}' | sort | uniq -c
 
 bench: $(STAMP)
 	$(BIN)/npugraph bench --json bench.json

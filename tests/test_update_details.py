@@ -17,6 +17,8 @@ import torch
 
 from npugraph import AttentionMetadata, Runtime, sim
 from npugraph.errors import CaptureFailed, MetadataError, ReplayFailed
+from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
+from npugraph.models.engine import DecodeEngine
 from npugraph.policy import FixedPolicy, StaticPolicy
 from npugraph.replay import describe_device_error
 from tests.helpers import Harness, query_for
@@ -330,3 +332,19 @@ def test_decode_runs_fia_without_a_mask_and_speculation_with_the_causal_one():
         kw = task.kwargs()
         assert kw["sparse_mode"] == mode
         assert (kw["atten_mask"] is None) == (mode == 0)
+
+
+@pytest.mark.parametrize("kind", ["mla", "gemma-like"])
+def test_mla_and_windowed_models_ignore_a_process_wide_default_device(kind):
+    cfg = DecoderConfig(layers=2, num_blocks=64, max_model_len=128, window=24 if kind == "gemma-like" else None)
+    rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    with torch.device("meta"):
+        model = (MLADecoder if kind == "mla" else Decoder)(cfg, rt)
+        eng = DecodeEngine(rt, model, [4])
+        eng.capture()
+        for b in Workload(cfg, [4], seed=1).steps(3):
+            got = eng.step(b).clone()
+    lens = b.meta.seq_lens.tolist()
+    ind = model.reference_logits(b.input_ids, b.positions, b.slot_mapping, lens, [1] * len(lens), b.meta.block_table)
+    assert got.device.type == "cpu"
+    assert (got - ind).abs().max() < 0.06 * ind.abs().max()
