@@ -1,15 +1,19 @@
-"""The pure rules under every update, stated as properties: padding and PA's length probes."""
+"""The pure rules under every update, stated as properties: padding, PA's length probes and workspace."""
 
 from __future__ import annotations
 
 import itertools
 import math
 
+import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from npugraph.ops import pad_lens
+from npugraph.device import load_device
+from npugraph.ops import PA, AttentionCall, pad_lens
 from npugraph.ops.pa import _probe_lengths
+from npugraph.sim import kernels
 
 
 @st.composite
@@ -71,3 +75,27 @@ def test_pa_probe_examples():
     assert _probe_lengths(1, 16) == [1]
     assert _probe_lengths(5, 16) == [1, 2, 3, 4, 5]
     assert _probe_lengths(40, 16) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 40]
+
+
+@pytest.mark.parametrize(
+    ("batch", "kv_heads", "max_len"), [(1, 1, 64), (4, 2, 128), (2, 8, 3000), (8, 4, 8192), (3, 1, 5000)]
+)
+def test_pa_workspace_is_the_maximum_over_every_length(batch, kv_heads, max_len):
+    """Exactly the most the kernel's model needs at any length up to max_model_len:
+    never less (corruption on hardware), never more (a wasted pool block per graph)."""
+    heads, d, bs = 8, 128, 128
+    nb = -(-max_len // bs) * batch
+    call = AttentionCall(
+        query=torch.zeros(batch, heads, d, dtype=torch.float16),
+        key_cache=torch.zeros(nb, bs, kv_heads, d, dtype=torch.float16),
+        value_cache=torch.zeros(nb, bs, kv_heads, d, dtype=torch.float16),
+        block_table=torch.zeros(batch, -(-max_len // bs), dtype=torch.int32),
+        out=torch.zeros(batch, heads, d, dtype=torch.float16),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        scale=d**-0.5,
+    )
+    lens = pad_lens([1] * batch, None, batch, batch)
+    got = PA.workspace_bytes(load_device("sim"), PA.arguments(call, lens, None), max_len)
+    want = max(kernels.pa_workspace_bytes(batch, heads, kv_heads, d, n) for n in range(max_len + 1))
+    assert got == want
