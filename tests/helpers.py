@@ -43,6 +43,7 @@ class Harness:
 
     ``groups`` maps layer name to its KV-cache group; each group has its own block-table
     buffer.  ``ubatches`` > 1 runs every layer once per micro-batch in one forward.
+    ``windows`` maps a layer to its sliding window; ``blocks`` to its KV cache's block count.
     """
 
     def __init__(
@@ -56,16 +57,19 @@ class Harness:
         tokens_per_request=1,
         ubatches=1,
         seed=0,
+        windows=None,
+        blocks=None,
         **rt_kwargs,
     ):
         self.rt = Runtime("sim", max_model_len=MAX_LEN, policy=policy, **rt_kwargs)
         self.dtype, self.tpr, self.ubatches = dtype, tokens_per_request, ubatches
         self.names = [f"layer{i}" for i in range(layers)]
         self.groups = groups or dict.fromkeys(self.names, "default")
+        self.windows = windows or {}
         gen = torch.Generator().manual_seed(seed)
-        shape = (BLOCKS, BLOCK, KV_HEADS, HEAD)
+        shapes = {n: ((blocks or {}).get(n, BLOCKS), BLOCK, KV_HEADS, HEAD) for n in self.names}
         self.caches = {
-            n: (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+            n: (torch.randn(shapes[n], generator=gen).to(dtype), torch.randn(shapes[n], generator=gen).to(dtype))
             for n in self.names
         }
         self.attn = {
@@ -77,6 +81,7 @@ class Harness:
                 head_size=HEAD,
                 group=self.groups[n],
                 tokens_per_request=tokens_per_request,
+                window=self.windows.get(n),
             )
             for n in self.names
         }
@@ -132,7 +137,14 @@ class Harness:
         r = meta.num_reqs
         qlens = [self.tpr] * r
         return paged_attention_reference(
-            q[: r * self.tpr], k, v, meta.block_table, meta.seq_lens.tolist(), self.attn[name].scale, qlens
+            q[: r * self.tpr],
+            k,
+            v,
+            meta.block_table,
+            meta.seq_lens.tolist(),
+            self.attn[name].scale,
+            qlens,
+            window=self.windows.get(name),
         )
 
     def step(self, size, metadata, q):

@@ -16,11 +16,15 @@ import pytest
 import torch
 
 from npugraph import AttentionMetadata, Runtime, sim
+from npugraph.device import load_device
 from npugraph.errors import CaptureFailed, MetadataError, ReplayFailed
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
+from npugraph.ops import PA, AttentionCall, pad_lens
+from npugraph.ops.pa import _probe_lengths
 from npugraph.policy import FixedPolicy, StaticPolicy
 from npugraph.replay import describe_device_error
+from npugraph.sim import kernels
 from tests.helpers import Harness, query_for
 
 # --- layers sharing one captured block-table buffer ---------------------------------------
@@ -130,9 +134,12 @@ def test_several_bad_device_tables_name_the_first_and_count_the_rest():
 def test_a_single_bad_device_table_is_named_alone():
     h = Harness([4], order="update-first", defer_block_check=True)
     h.rt.update(4, {"default": _bad_table(h.random_meta(2))})
-    with pytest.raises(MetadataError, match=r"^step 1 of main/4 layer 'layer0': ") as info:
+    with pytest.raises(
+        MetadataError,
+        match=r"^step 1 of main/4 layer 'layer0': a block id in use in its device-resident block table is not "
+        r"a block of the KV cache\. That step has already run",
+    ):
         h.rt.synchronize()
-    assert "later check" not in str(info.value)
 
 
 def test_only_the_last_64_device_checks_are_remembered():
@@ -177,7 +184,10 @@ def test_the_edges_of_the_block_ids_are_checked_on_the_host_too(bad_id):
     meta = h.random_meta(2, [16, 20])
     table = meta.block_table.clone()
     table[1, 1] = bad_id
-    with pytest.raises(MetadataError, match=rf"block_table\[1, 1\] = {bad_id} is not a block id of the KV cache"):
+    with pytest.raises(
+        MetadataError,
+        match=rf"^main/4 layer 'layer0': block_table\[1, 1\] = {bad_id} is not a block id of the KV cache",
+    ):
         h.rt.update(4, {"default": attrs.evolve(meta, block_table=table)})
     table[1, 1] = 0 if bad_id < 0 else 47  # the first and last blocks are fine
     ok = attrs.evolve(meta, block_table=table)
@@ -348,3 +358,98 @@ def test_mla_and_windowed_models_ignore_a_process_wide_default_device(kind):
     ind = model.reference_logits(b.input_ids, b.positions, b.slot_mapping, lens, [1] * len(lens), b.meta.block_table)
     assert got.device.type == "cpu"
     assert (got - ind).abs().max() < 0.06 * ind.abs().max()
+
+
+# --- graphs whose layers differ ---------------------------------------------------------------
+
+
+def test_one_graph_with_pa_and_fia_layers_reading_one_metadata():
+    """A windowed layer runs FIA where the others run PA: one metadata, each kernel its own host form."""
+    h = Harness([4], layers=3, policy=StaticPolicy(), windows={"layer1": 20})
+    assert [t.spec.name for t in h.rt.manager.entry("main", 4).tasks] == ["pa", "fia", "pa"]
+    for step in range(3):
+        meta = h.random_meta(3)
+        q = query_for(h, 4, step)
+        h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
+def test_each_layer_checks_block_ids_against_its_own_cache():
+    h = Harness([4], layers=2, blocks={"layer1": 24})
+    meta = h.random_meta(2, [16, 16])
+    table = meta.block_table.clone()
+    table[:2, 0] = torch.tensor([3, 30], dtype=torch.int32)  # 30: a block of layer0's cache only
+    with pytest.raises(
+        MetadataError,
+        match=r"layer 'layer1': block_table\[1, 0\] = 30 is not a block id of the KV cache \(0 <= id < 24\)",
+    ):
+        h.rt.update(4, {"default": attrs.evolve(meta, block_table=table)})
+    table[1, 0] = 23
+    ok = attrs.evolve(meta, block_table=table)
+    q = query_for(h, 4, 0)
+    h.check(h.step(4, {"default": ok}, q), q, dict.fromkeys(h.names, ok))
+
+
+def test_more_requests_than_table_columns():
+    h = Harness([16], layers=1)
+    meta = h.random_meta(12)
+    assert meta.block_table.shape[1] < 12
+    q = query_for(h, 16, 0)
+    h.check(h.step(16, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
+def test_a_table_narrower_than_the_captured_buffer():
+    h = Harness([4], layers=2)
+    meta = h.random_meta(3, [40, 7, 64])  # at most 4 blocks each
+    narrow = attrs.evolve(meta, block_table=meta.block_table[:, :4].clone())
+    q = query_for(h, 4, 0)
+    h.check(h.step(4, {"default": narrow}, q), q, dict.fromkeys(h.names, narrow))
+
+
+def test_a_deferred_block_id_error_writes_a_postmortem(tmp_path):
+    h = Harness([4], order="update-first", defer_block_check=True, postmortem_dir=str(tmp_path))
+    h.rt.update(4, {"default": _bad_table(h.random_meta(2))})
+    with pytest.raises(MetadataError) as info:
+        h.rt.synchronize()
+    doc = json.loads(Path(info.value.postmortem).read_text())
+    assert doc["error"]["type"] == "MetadataError" and doc["error"]["key"] is None
+
+
+# --- PA's workspace probes, seen by the device --------------------------------------------------
+
+
+@attrs.define
+class _RecordingOps:
+    """The simulator's ops, recording the context lengths PA's workspace helper is asked about."""
+
+    asked: list = attrs.field(factory=list)
+    empty: bool = False  # a device whose PA needs no workspace
+
+    def __getattr__(self, name):
+        return getattr(sim, name)
+
+    def _npu_paged_attention_get_workspace(self, **kwargs):
+        self.asked.append(tuple(kwargs["context_lens"].tolist()))
+        ws = sim._npu_paged_attention_get_workspace(**kwargs)
+        return ws[:0] if self.empty else ws
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_pa_workspace_probes_uniform_and_one_long_batches_at_every_sampled_length(empty):
+    ops = _RecordingOps(empty=empty)
+    device = attrs.evolve(load_device("sim"), name="recording", ops=ops)
+    batch, bs, max_len = 3, 16, 100
+    call = AttentionCall(
+        query=torch.zeros(batch, 4, 64, dtype=torch.float16),
+        key_cache=torch.zeros(24, bs, 2, 64, dtype=torch.float16),
+        value_cache=torch.zeros(24, bs, 2, 64, dtype=torch.float16),
+        block_table=torch.zeros(batch, 7, dtype=torch.int32),
+        out=torch.zeros(batch, 4, 64, dtype=torch.float16),
+        num_heads=4,
+        num_kv_heads=2,
+        scale=0.125,
+    )
+    got = PA.workspace_bytes(device, PA.arguments(call, pad_lens([1] * batch, None, batch, batch), None), max_len)
+    want = [lens for n in _probe_lengths(max_len, bs) for lens in ((n, n, n), (n, 1, 1))]
+    assert ops.asked == want
+    assert 16 in _probe_lengths(max_len, bs) and 48 in _probe_lengths(max_len, bs), "block boundaries"
+    assert got == (0 if empty else max(kernels.pa_workspace_bytes(batch, 4, 2, 64, n) for n in range(max_len + 1)))

@@ -49,6 +49,7 @@ class _Capture:
 
 
 def _shape(call: AttentionCall) -> tuple[Any, ...]:
+    """What a kernel choice depends on: calls alike in all of it share one choice."""
     return (
         tuple(call.query.shape),
         tuple(call.key_cache.shape),
@@ -56,6 +57,8 @@ def _shape(call: AttentionCall) -> tuple[Any, ...]:
         tuple(call.block_table.shape),
         call.query.dtype,
         call.tokens_per_request,
+        call.window,
+        None if call.query_rope is None else tuple(call.query_rope.shape),
     )
 
 

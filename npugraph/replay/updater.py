@@ -53,10 +53,12 @@ class UpdatePlan:
     kwargs: tuple[dict[str, Any], ...]
     qkv: tuple[tuple[Any, Any, Any] | None, ...]
     block_tables: tuple[Any, ...]
+    buffers: tuple[Any, ...]  # the distinct block-table buffers
+    slot_set: tuple[str, ...]  # the distinct length slots
     geometry: tuple[tuple[int, int, int, int, int], ...]
     spec_set: tuple[OpSpec, ...]  # the distinct specs of the graph
     spec_names: tuple[str, ...]
-    uniform: bool  # one spec, one length slot and one block-table buffer for every task
+    uniform: bool  # one spec and one cache geometry for every task: one metadata converts once for all
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -81,12 +83,25 @@ class GraphState:
 
 @attrs.define
 class _NamespaceSteps:
-    """Step bookkeeping of one namespace: which replay the next update must follow."""
+    """Step bookkeeping of one namespace: which replay the next update must follow.
 
-    done: tuple[Any, Any]
+    Two events take turns: this step's replay records :attr:`done`; this step's update
+    waits for :attr:`previous`, recorded by the previous step's replay.
+    """
+
+    events: tuple[Any, Any]
     step: int = 0
     updated: bool = False
     replayed: bool = False
+
+    @property
+    def done(self) -> Any:
+        return self.events[self.step % 2]
+
+    @property
+    def previous(self) -> Any:
+        """The previous step's replay-done event (None before the first step completes)."""
+        return self.events[1 - self.step % 2] if self.step else None
 
     def advance_if_complete(self) -> None:
         if self.updated and self.replayed:
@@ -172,7 +187,7 @@ class ReplayUpdater:
         st = self._steps.get(namespace)
         if st is None:
             npu = self.device.npu
-            st = self._steps[namespace] = _NamespaceSteps(done=(npu.Event(), npu.Event()))
+            st = self._steps[namespace] = _NamespaceSteps(events=(npu.Event(), npu.Event()))
         return st
 
     def state(self, entry: CapturedGraph) -> GraphState:
@@ -201,10 +216,7 @@ class ReplayUpdater:
             qkv.append((kw.pop("query"), kw.pop("key"), kw.pop("value")) if use_fused else None)
             kwargs.append(kw)
             (table_arg,) = t.spec.refreshed_buffers  # the block table, refreshed by copy
-            bt = t.tensor(table_arg)
-            kc = t.tensor(t.spec.cache_arg)
-            q = t.tensor("query")
-            assert bt is not None and kc is not None and q is not None, "op specs declare these arguments"
+            bt, kc, q = t.args[table_arg], t.args[t.spec.cache_arg], t.args["query"]  # every spec has them
             geometry.append((int(kc.shape[1]), int(kc.shape[0]), int(bt.shape[1]), int(bt.shape[0]), int(q.shape[0])))
             tables.append(buffers.setdefault((bt.data_ptr(), tuple(bt.shape), tuple(bt.stride())), bt))
         return UpdatePlan(
@@ -221,12 +233,10 @@ class ReplayUpdater:
             kwargs=tuple(kwargs),
             qkv=tuple(qkv),
             block_tables=tuple(tables),
+            buffers=tuple({id(b): b for b in tables}.values()),
+            slot_set=tuple(dict.fromkeys(t.slot for t in entry.tasks)),
             geometry=tuple(geometry),
-            uniform=bool(entry.tasks)
-            and len({t.spec.name for t in entry.tasks}) == 1
-            and len({t.slot for t in entry.tasks}) == 1
-            and len({id(b) for b in tables}) == 1
-            and len(set(geometry)) == 1,
+            uniform=len({t.spec.name for t in entry.tasks}) == 1 and len(set(geometry)) == 1,
         )
 
     # --- update ----------------------------------------------------------------------
@@ -282,14 +292,16 @@ class ReplayUpdater:
             return self._prepare_one(entry, plan, state, metas[0])
         copies: dict[int, tuple[Any, AttentionMetadata]] = {}
         deferred: list[_DeferredCheck] = []
+        lens_by: dict[tuple[int, tuple[int, ...]], StepLens] = {}
         host_by: dict[tuple[int, str], dict[str, Any]] = {}
-        lens_by: dict[int, StepLens] = {}
         new_lens: dict[str, StepLens] = {}
+        host: list[dict[str, Any]] = []
         for i, meta in enumerate(metas):
-            mid = id(meta)
-            lens = lens_by.get(mid)
-            if lens is None:  # each distinct metadata object once
-                lens = lens_by[mid] = self._convert(entry, plan, state, i, meta, deferred)
+            # each distinct metadata once per cache geometry (a layer's own cache bounds its block ids)
+            ck = (id(meta), plan.geometry[i])
+            lens = lens_by.get(ck)
+            if lens is None:
+                lens = lens_by[ck] = self._convert(entry, plan, state, i, meta, deferred)
                 new_lens[plan.slots[i]] = lens
             buf = plan.block_tables[i]
             seen = copies.get(id(buf))
@@ -302,18 +314,19 @@ class ReplayUpdater:
                     "read one captured block-table buffer; give those layers their own buffers (capture "
                     "them with separate block tables or KV-cache groups) or the same block table"
                 )
-            hk = (mid, plan.spec_names[i])
-            if hk not in host_by:
-                cached = state.last_host.get((plan.slots[i], plan.spec_names[i]))
+            name = plan.spec_names[i]
+            hv = host_by.get((id(lens), name))
+            if hv is None:
+                cached = state.last_host.get((plan.slots[i], name))
                 if cached is not None and cached[0] is lens:
-                    host_by[hk] = cached[1]
+                    hv = cached[1]
                 else:
                     hv = _spec(plan, i).host_values(lens)
-                    state.last_host[(plan.slots[i], plan.spec_names[i])] = (lens, hv)
-                    host_by[hk] = hv
+                    state.last_host[(plan.slots[i], name)] = (lens, hv)
+                host_by[(id(lens), name)] = hv
+            host.append(hv)
         state.last_lens.update(new_lens)
-        host = [host_by[(id(m), n)] for m, n in zip(metas, plan.spec_names)]
-        return _Step(host=host, copies=copies, deferred=tuple(deferred))
+        return _Step(host=host, copies=tuple(copies.values()), deferred=tuple(deferred))
 
     def _convert(
         self,
@@ -365,7 +378,7 @@ class ReplayUpdater:
         return isinstance(table, torch.Tensor) and table.device.type != "cpu"
 
     def _prepare_one(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, meta: Any) -> _Step:
-        """The common step: one metadata object for every task of one kernel and one table."""
+        """The common step: one metadata object for every task of one kernel and one cache geometry."""
         deferred: list[_DeferredCheck] = []
         lens = self._convert(entry, plan, state, 0, meta, deferred)
         slot, spec = plan.slots[0], plan.spec_set[0]
@@ -375,9 +388,11 @@ class ReplayUpdater:
         else:
             hv = spec.host_values(lens)
             state.last_host[(slot, spec.name)] = (lens, hv)
-        state.last_lens[slot] = lens
-        buf = plan.block_tables[0]
-        return _Step(host=[hv] * len(plan.handles), copies={id(buf): (buf, meta)}, deferred=tuple(deferred))
+        for slot in plan.slot_set:
+            state.last_lens[slot] = lens
+        return _Step(
+            host=[hv] * len(plan.handles), copies=tuple((b, meta) for b in plan.buffers), deferred=tuple(deferred)
+        )
 
     def _issue(
         self,
@@ -395,16 +410,17 @@ class ReplayUpdater:
         streams = self.streams
         us = streams[0]
         steps = self._ns(entry.namespace)
-        if steps.step > 0:
+        previous = steps.previous
+        if previous is not None:
             # Order after the previous replay: it must consume the previous step's
             # lengths and events before this step's land (no host synchronize).
             for s in streams:
-                s.wait_event(steps.done[(steps.step - 1) % 2])
+                s.wait_event(previous)
         with npu.stream(us):
             try:
                 for check in step.deferred:
                     self._flag(check)
-                for buf, meta in step.copies.values():
+                for buf, meta in step.copies:
                     src = meta.block_table
                     if buf.data_ptr() != src.data_ptr():
                         rows = min(int(src.shape[0]), int(buf.shape[0]))
@@ -562,7 +578,7 @@ class ReplayUpdater:
             state.replay_waiting = True
         else:
             pending[:] = [False] * len(pending)
-        steps.done[steps.step % 2].record(npu.current_stream())
+        steps.done.record(npu.current_stream())
         state.replays += 1
         steps.replayed = True
         steps.advance_if_complete()
@@ -592,7 +608,7 @@ class _Step:
     """One update, prepared: host values per task, block tables to copy, deferred checks."""
 
     host: list[dict[str, Any]]
-    copies: dict[int, tuple[Any, AttentionMetadata]]
+    copies: tuple[tuple[Any, AttentionMetadata], ...]  # (captured buffer, metadata whose table it gets)
     deferred: tuple[_DeferredCheck, ...]
 
 
