@@ -182,6 +182,10 @@ def test_parallel_updates_from_four_threads_against_the_reference(kernel, fused)
         meta = h.random_meta(h.rng.randint(1, size))
         q = query_for(h, size, step)
         h.check(h.step(size, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+        state = h.rt.updater.state(h.rt.manager.entry("main", size))
+        assert state.last_reissued == 6, "every worker's tasks are re-issued and counted"
+        h.check(h.step(size, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+        assert state.last_reissued == 0, "unchanged lengths: no task is re-issued"
 
 
 def test_parallel_updates_under_adversarial_scheduling():

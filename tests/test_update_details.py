@@ -453,3 +453,28 @@ def test_pa_workspace_probes_uniform_and_one_long_batches_at_every_sampled_lengt
     assert ops.asked == want
     assert 16 in _probe_lengths(max_len, bs) and 48 in _probe_lengths(max_len, bs), "block boundaries"
     assert got == (0 if empty else max(kernels.pa_workspace_bytes(batch, 4, 2, 64, n) for n in range(max_len + 1)))
+
+
+# --- the fused (4-in-1) update path ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["update-first", "replay-first"])
+def test_the_fused_path_skips_unchanged_tasks_and_survives_a_second_update(order):
+    h = Harness([4], layers=3, policy=FixedPolicy("fia"), fused_update=True, order=order)
+    entry = h.rt.manager.entry("main", 4)
+    state = h.rt.updater.state(entry)
+    assert all(h.rt.updater.plan(entry).fused)
+    meta = h.random_meta(3)
+    for step in range(3):  # the same lengths: tasks re-issued once, events recorded every step
+        q = query_for(h, 4, step)
+        h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+        assert state.last_reissued == (3 if step == 0 else 0)
+    # two updates before one replay: the second rewrites tasks whose events are still pending
+    first, second = h.random_meta(2), h.random_meta(4)
+    h.rt.update(4, {"default": first})
+    h.rt.update(4, {"default": second})
+    q = query_for(h, 4, 9)
+    h.rt.copy_inputs(entry, {"query": q})
+    h.rt.replay(4)
+    h.rt.synchronize()
+    h.check(entry.outputs, q, dict.fromkeys(h.names, second))

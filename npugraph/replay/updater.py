@@ -147,7 +147,8 @@ class ReplayUpdater:
         # (task i by thread i % K, so layers land in order); worth it where the update
         # call releases the GIL (the 4-in-1). Check the device first: npugraph selftest.
         self.update_workers = update_workers
-        self._pool = ThreadPoolExecutor(update_workers - 1, "npugraph-update") if update_workers > 1 else None
+        # threads start on first use: none with K = 1
+        self._pool = ThreadPoolExecutor(max(1, update_workers - 1), "npugraph-update")
         self._streams: list[Any] = []
         self.device = manager.device
         self.validate = validate
@@ -428,20 +429,16 @@ class ReplayUpdater:
                         buf[:rows, :cols].copy_(src[:rows, :cols], non_blocking=True)
             except Exception as exc:
                 raise _TaskFailed(-1, exc) from exc
-            n = len(plan.handles)
-            if self._pool is None or n < 2:
-                reissued = self._issue_tasks(us, plan, state, step.host, range(n))
-            else:
-                k = self.update_workers
-                futures = [
-                    self._pool.submit(self._issue_on, streams[w], plan, state, step.host, range(w, n, k))
-                    for w in range(1, k)
-                ]
-                try:
-                    reissued = self._issue_tasks(us, plan, state, step.host, range(0, n, k))
-                finally:
-                    wait(futures)  # every worker is done before the update returns or raises
-                reissued += sum(f.result() for f in futures)
+            n, k = len(plan.handles), self.update_workers
+            futures = [
+                self._pool.submit(self._issue_on, streams[w], plan, state, step.host, range(w, n, k))
+                for w in range(1, k)
+            ]
+            try:
+                reissued = self._issue_tasks(us, plan, state, step.host, range(0, n, k))
+            finally:
+                wait(futures)  # every worker is done before the update returns or raises
+            reissued += sum(f.result() for f in futures)
         if state.replay_waiting:
             # The replay already queued consumes these events.
             state.replay_waiting = False
@@ -465,9 +462,8 @@ class ReplayUpdater:
         handles, events, kernels, fused = plan.handles, plan.events, plan.kernels, plan.fused
         kwargs, qkv = plan.kwargs, plan.qkv
         reissued = 0
-        i = -1
-        try:
-            for i in indices:
+        for i in indices:
+            try:
                 hv = host[i]
                 if skip and applied[i] is hv:
                     if not pending[i]:
@@ -498,8 +494,8 @@ class ReplayUpdater:
                 if not pending[i]:
                     events[i].record(us)
                     pending[i] = True
-        except Exception as exc:
-            raise _TaskFailed(i, exc) from exc
+            except Exception as exc:
+                raise _TaskFailed(i, exc) from exc
         return reissued
 
     def _flag(self, check: _DeferredCheck) -> None:
