@@ -336,6 +336,8 @@ def bench_validation(
                 num_blocks=64,
                 capacity_blocks=cols,
                 where="bench",
+                validate=True,
+                tokens_per_request=1,
             )
             t1 = time.perf_counter()
             rt.update(r, {"default": meta})  # never replayed: the kernels' math would dominate the run

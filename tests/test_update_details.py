@@ -17,7 +17,7 @@ import torch
 
 from npugraph import AttentionMetadata, Runtime, sim
 from npugraph.device import load_device
-from npugraph.errors import CaptureFailed, MetadataError, ReplayFailed
+from npugraph.errors import CaptureFailed, MetadataError, NotReplayableError, ReplayFailed
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.ops import PA, AttentionCall, pad_lens
@@ -25,7 +25,7 @@ from npugraph.ops.pa import _probe_lengths
 from npugraph.policy import FixedPolicy, StaticPolicy
 from npugraph.replay import describe_device_error
 from npugraph.sim import kernels
-from tests.helpers import Harness, query_for
+from tests.helpers import MAX_LEN, Harness, query_for
 
 # --- layers sharing one captured block-table buffer ---------------------------------------
 
@@ -478,3 +478,102 @@ def test_the_fused_path_skips_unchanged_tasks_and_survives_a_second_update(order
     h.rt.replay(4)
     h.rt.synchronize()
     h.check(entry.outputs, q, dict.fromkeys(h.names, second))
+
+
+# --- ordering, failures and their reports -----------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_a_chain_of_steps_behind_a_busy_device_keeps_each_update_after_its_replay(steps):
+    """Every update must wait for the previous step's replay, not an older one (no host sync)."""
+    h = Harness([4], layers=2, order="update-first")
+    entry = h.rt.manager.entry("main", 4)
+    base = h.random_meta(3, [MAX_LEN] * 3)  # one table for every step: its copies are alike
+    metas = [
+        attrs.evolve(base, seq_lens=torch.tensor([h.rng.randint(1, MAX_LEN) for _ in range(3)], dtype=torch.int32))
+        for _ in range(steps)
+    ]
+    q = query_for(h, 4, 0)
+    npu = sim.npu
+    main, hold = npu.Stream(), npu.ExternalEvent()
+    with npu.stream(main):
+        hold.wait(main)  # the device is busy: every replay stays queued
+        for m in metas:
+            h.rt.copy_inputs(entry, {"query": q})
+            h.rt.update(4, {"default": m})
+            h.rt.replay(4)
+        hold.record(npu.Stream())
+        h.rt.synchronize()
+    h.check(entry.outputs, q, dict.fromkeys(h.names, metas[-1]))
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_speculative_steps_without_query_start_loc(size):
+    """Uniform speculative steps may leave query_start_loc out: each request has 2 tokens."""
+    h = Harness([size], tokens_per_request=2, dtype=torch.float32)
+    for step in range(3):
+        meta = attrs.evolve(h.random_meta(size if step else max(1, size - 1)), query_start_loc=None)
+        q = query_for(h, size, step)
+        h.check(h.step(size, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+    # a request whose every key is new this step (query tokens == key length) is valid
+    first = AttentionMetadata(
+        seq_lens=torch.full((size,), 2, dtype=torch.int32), block_table=h.random_meta(size).block_table
+    )
+    q = query_for(h, size, 9)
+    h.check(h.step(size, {"default": first}, q), q, dict.fromkeys(h.names, first))
+
+
+def test_without_validation_nothing_is_checked_on_the_device_either():
+    h = Harness([4], order="update-first", validate=False)
+    h.rt.update(4, {"default": _bad_table(h.random_meta(2))})
+    h.rt.synchronize()  # no deferred check was queued
+
+
+def test_a_failed_replay_refuses_until_a_complete_update_and_reports_its_graph(tmp_path):
+    h = Harness([4], layers=2, order="update-first", validate=False, postmortem_dir=str(tmp_path))
+    entry = h.rt.manager.entry("main", 4)
+    good = h.random_meta(3)
+    h.rt.update(4, {"default": _bad_table(good)})  # unchecked: the kernel meets block 10000
+    with pytest.raises(ReplayFailed, match=r"^replay of main/4 failed in layer 'layer0' \(task 0, pa\): ValueError: .*block id 10000") as info:
+        h.rt.replay(4)
+    assert ".." not in str(info.value).split(" [post-mortem")[0]
+    assert json.loads(Path(info.value.postmortem).read_text())["error"]["key"] == "4"
+    with pytest.raises(NotReplayableError, match=r"^main/4 is not replayable") as info:
+        h.rt.replay(4)
+    assert json.loads(Path(info.value.postmortem).read_text())["error"]["key"] == "4"
+    q = query_for(h, 4, 0)
+    h.rt.copy_inputs(entry, {"query": q})
+    h.rt.update(4, {"default": good})
+    h.rt.replay(4)
+    h.rt.synchronize()
+    h.check(entry.outputs, q, dict.fromkeys(h.names, good))
+
+
+def test_query_start_loc_errors_say_what_was_expected():
+    h = Harness([4], tokens_per_request=2, dtype=torch.float32)
+    meta = h.random_meta(2)
+    with pytest.raises(
+        MetadataError,
+        match=r"^main/4 layer 'layer0': query_start_loc must have R\+1=3 entries starting at 0, got \[0, 2\]$",
+    ):
+        h.rt.update(4, {"default": attrs.evolve(meta, query_start_loc=torch.tensor([0, 2], dtype=torch.int32))})
+    long = torch.arange(0, 10, dtype=torch.int32)
+    with pytest.raises(MetadataError, match=r"entries starting at 0, got \[0, 1, 2, 3, 4, 5, 6, 7\]$"):
+        h.rt.update(4, {"default": attrs.evolve(meta, query_start_loc=long)})
+    with pytest.raises(
+        MetadataError, match=r"^main/4 layer 'layer0': query_start_loc must be non-decreasing, got \[0, 3, 2\]$"
+    ):
+        h.rt.update(4, {"default": attrs.evolve(meta, query_start_loc=torch.tensor([0, 3, 2], dtype=torch.int32))})
+    three = h.random_meta(3, [20, 20, 20])
+    with pytest.raises(MetadataError, match=r"^main/4 layer 'layer0': 9 query tokens do not fit the captured 8$"):
+        h.rt.update(4, {"default": attrs.evolve(three, query_start_loc=torch.tensor([0, 2, 4, 9], dtype=torch.int32))})
+    with pytest.raises(MetadataError, match=r"^main/4 layer 'layer0': query_start_loc must be a CPU int32 tensor"):
+        h.rt.update(4, {"default": attrs.evolve(meta, query_start_loc=[0, 2, 4])})
+
+
+def test_a_task_records_arguments_are_its_own():
+    h = Harness([4], layers=1, policy=FixedPolicy("fia"))
+    (task,) = h.rt.manager.entry("main", 4).tasks
+    kw = task.kwargs()
+    kw["out"].append("junk")
+    assert len(task.kwargs()["out"]) == 2, "the record's lists are copied, never shared"

@@ -57,18 +57,19 @@ def convert(
     num_blocks: int,
     capacity_blocks: int,
     where: str,
-    validate: bool = True,
+    validate: bool,
+    tokens_per_request: int,
     check_block_ids: bool | None = None,
-    tokens_per_request: int = 1,
 ) -> StepLens:
     """Validate ``meta`` against a captured graph and pad it to that graph's size.
 
     ``where`` names the graph and layer in error messages.  The checks of shapes,
     types and query/key lengths always run; ``validate`` adds the bounds of every
     length and, when ``check_block_ids`` (default: the table is on the host), of every
-    block id in use.  Without ``query_start_loc`` every request has ``tokens_per_request``
-    query tokens (1: decode; more: speculative verification) — reading a device table here would synchronize, so the updater
+    block id in use — reading a device table here would synchronize, so the updater
     checks those on the device instead (the cost grows with the blocks in use).
+    Without ``query_start_loc`` every request has ``tokens_per_request`` query tokens
+    (1: decode; more: speculative verification).
     """
     if not isinstance(meta, AttentionMetadata):
         raise MetadataError(
@@ -87,7 +88,6 @@ def convert(
         raise MetadataError(f"{where}: block_table must be an int32 tensor [R={r}, cols], got {shape}")
     if table.dtype != torch.int32:
         raise MetadataError(f"{where}: block_table must be int32, got {table.dtype}")
-    q_ends = None
     if meta.query_start_loc is not None:
         qsl = _host_ints(meta.query_start_loc, "query_start_loc", where)
         if len(qsl) != r + 1 or qsl[0] != 0:
@@ -102,15 +102,11 @@ def convert(
                     f"{where}: request {i} has {q_len} query tokens but seq_lens[{i}] = {kv[i]}; the key "
                     "length counts this step's tokens too"
                 )
-        if q_ends and q_ends[-1] > tokens:
-            raise MetadataError(f"{where}: {q_ends[-1]} query tokens do not fit the captured {tokens}")
-    elif tokens_per_request > 1:
-        q_ends = [tokens_per_request * (i + 1) for i in range(r)]
-        if q_ends and q_ends[-1] > tokens:
-            raise MetadataError(f"{where}: {q_ends[-1]} query tokens do not fit the captured {tokens}")
-    elif r > tokens:
-        raise MetadataError(f"{where}: {r} decode tokens do not fit the captured {tokens}")
-    real_tokens = q_ends[-1] if q_ends else r
+    else:  # uniform: tokens_per_request each (1: decode; more: speculative verification)
+        q_ends = list(range(tokens_per_request, tokens_per_request * r + 1, tokens_per_request))
+    if q_ends and q_ends[-1] > tokens:
+        raise MetadataError(f"{where}: {q_ends[-1]} query tokens do not fit the captured {tokens}")
+    real_tokens = q_ends[-1] if q_ends else 0
     if r == batch and real_tokens < tokens:
         raise MetadataError(
             f"{where}: all {batch} captured request rows are real but the step has {real_tokens} of "

@@ -549,22 +549,28 @@ class ReplayUpdater:
                 f"{namespace}/{key!r} already has a replay waiting for its update; update it before replaying again"
             )
         pending = state.event_pending
-        waits = bool(pending) and not (pending[0] and pending[-1])
-        npu = self.device.npu
+        # an update records every task's event, so the first task's tells for all
+        waits = bool(pending) and not pending[0]
         steps = self._ns(namespace)
         try:
             entry.graph.replay()
         except Exception as exc:
-            # The device cancels the rest of the graph: the next complete update recovers.
+            # The device cancels the rest of the graph: the events of the tasks after the
+            # one that failed stay recorded (their waits never ran), the others were consumed.
+            # The next complete update then recovers.
+            failed = _failed_task(self.manager, exc, entry)
             state.replayable = False
             state.replay_waiting = False
-            pending[:] = [False] * len(pending)
+            pending[:] = [failed is not None and i > failed.index for i in range(len(pending))]
             state.applied[:] = [None] * len(pending)
             if isinstance(exc, self.device.race_errors):
                 err = GraphRace(describe_device_error(self.manager, exc, entry))
             else:
+                where = (
+                    "" if failed is None else f" in layer {failed.layer!r} (task {failed.index}, {failed.spec.name})"
+                )
                 err = ReplayFailed(
-                    f"replay of {namespace}/{key!r} failed{_in_layer(self.manager, exc, entry)}: "
+                    f"replay of {namespace}/{key!r} failed{where}: "
                     f"{type(exc).__name__}: {str(exc).rstrip('.')}. Update the graph with complete, valid "
                     "metadata to replay it again."
                 )
@@ -574,7 +580,7 @@ class ReplayUpdater:
             state.replay_waiting = True
         else:
             pending[:] = [False] * len(pending)
-        steps.done.record(npu.current_stream())
+        steps.done.record()  # on the current stream, where the replay went
         state.replays += 1
         steps.replayed = True
         steps.advance_if_complete()
@@ -665,12 +671,9 @@ def _named_tasks(
     return []
 
 
-def _in_layer(manager: CaptureManager, exc: BaseException, entry: CapturedGraph) -> str:
-    """`` in layer 'x' (task i, kernel)`` for the first task of ``entry`` a device error names."""
-    for e, t in _named_tasks(manager, exc, [entry]):
-        if e is entry:
-            return f" in layer {t.layer!r} (task {t.index}, {t.spec.name})"
-    return ""
+def _failed_task(manager: CaptureManager, exc: BaseException, entry: CapturedGraph) -> TaskRecord | None:
+    """The first task of ``entry`` a device error names, if any."""
+    return next((t for e, t in _named_tasks(manager, exc, [entry]) if e is entry), None)
 
 
 def describe_device_error(manager: CaptureManager, exc: BaseException, entry: CapturedGraph | None = None) -> str:

@@ -74,7 +74,10 @@ class KernelTask:
     def run(self) -> None:
         where = self.describe()
         check_refs(self.refs, where)
-        self.op.execute(self.params, where=where)
+        try:
+            self.op.execute(self.params, where=where)
+        except ValueError as exc:  # a kernel's own argument check: say which node of which graph
+            raise ValueError(f"{str(exc).rstrip('.')} (in {where})") from exc
         if self.group is not None:
             self.group.pending_update = False
             self.group.executions += 1
