@@ -534,7 +534,9 @@ def test_a_failed_replay_refuses_until_a_complete_update_and_reports_its_graph(t
     entry = h.rt.manager.entry("main", 4)
     good = h.random_meta(3)
     h.rt.update(4, {"default": _bad_table(good)})  # unchecked: the kernel meets block 10000
-    with pytest.raises(ReplayFailed, match=r"^replay of main/4 failed in layer 'layer0' \(task 0, pa\): ValueError: .*block id 10000") as info:
+    with pytest.raises(
+        ReplayFailed, match=r"^replay of main/4 failed in layer 'layer0' \(task 0, pa\): ValueError: .*block id 10000"
+    ) as info:
         h.rt.replay(4)
     assert ".." not in str(info.value).split(" [post-mortem")[0]
     assert json.loads(Path(info.value.postmortem).read_text())["error"]["key"] == "4"
