@@ -17,7 +17,7 @@ import torch
 
 from npugraph import AttentionMetadata, Runtime, sim
 from npugraph.device import load_device
-from npugraph.errors import CaptureFailed, MetadataError, NotReplayableError, ReplayFailed
+from npugraph.errors import CaptureFailed, MetadataError, NotReplayableError, ReplayFailed, UpdateFailed
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.ops import PA, AttentionCall, pad_lens
@@ -579,3 +579,68 @@ def test_a_task_records_arguments_are_its_own():
     kw = task.kwargs()
     kw["out"].append("junk")
     assert len(task.kwargs()["out"]) == 2, "the record's lists are copied, never shared"
+
+
+# --- caches, fast paths and bounds ----------------------------------------------------------------
+
+
+def test_the_update_plan_is_worked_out_once_per_graph():
+    h = Harness([4], layers=2)
+    entry = h.rt.manager.entry("main", 4)
+    assert h.rt.updater.plan(entry) is h.rt.updater.plan(entry)
+
+
+def test_each_distinct_metadata_is_converted_once_per_layer_geometry():
+    """Counted by the device-side checks each conversion queues: one per distinct metadata."""
+    h = Harness([4], layers=3, order="update-first", defer_block_check=True)
+    a = _bad_table(h.random_meta(2))
+    b = attrs.evolve(a, seq_lens=a.seq_lens + 1)  # the same table, other lengths
+    h.rt.update(4, {"layer0": a, "layer1": b, "layer2": a})
+    with pytest.raises(MetadataError, match=r"\(and 1 later check\(s\)\)"):
+        h.rt.synchronize()
+
+
+def test_unchanged_per_layer_metadata_reissues_nothing():
+    h = Harness([4], layers=3)
+    base = h.random_meta(3, [MAX_LEN] * 3)
+    metas = {
+        n: attrs.evolve(base, seq_lens=torch.tensor([5 + i, 9, 30], dtype=torch.int32)) for i, n in enumerate(h.names)
+    }
+    state = h.rt.updater.state(h.rt.manager.entry("main", 4))
+    for step in range(3):
+        q = query_for(h, 4, step)
+        h.check(h.step(4, metas, q), q, metas)
+        assert state.last_reissued == (3 if step == 0 else 0)
+
+
+def test_a_group_entry_with_one_layer_overridden():
+    """{group: A, layer1: B}: layer 1 gets B, every other layer A."""
+    h = Harness([4], layers=3)
+    a = h.random_meta(3, [MAX_LEN] * 3)
+    b = attrs.evolve(a, seq_lens=torch.tensor([3, 60, 17], dtype=torch.int32))
+    q = query_for(h, 4, 0)
+    h.check(h.step(4, {"default": a, "layer1": b}, q), q, {"layer0": a, "layer1": b, "layer2": a})
+
+
+def test_a_request_at_max_model_len_fits():
+    h = Harness([4], layers=1)
+    meta = h.random_meta(2, [MAX_LEN, MAX_LEN - 1])
+    q = query_for(h, 4, 0)
+    h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
+def test_eager_steps_check_host_block_ids_too():
+    h = Harness([4], layers=1)
+    with pytest.raises(MetadataError, match=r"^eager main layer 'layer0': block_table\[0, 0\] = 10000"):
+        h.forward(query_for(h, 4, 0), [{"default": _bad_table(h.random_meta(2))}])
+
+
+def test_an_update_failing_at_the_first_layer_names_it(tmp_path):
+    h = Harness([4], layers=2, validate=False, postmortem_dir=str(tmp_path))
+    bad = attrs.evolve(h.random_meta(2), seq_lens=torch.tensor([9999, 3], dtype=torch.int32))
+    with pytest.raises(
+        UpdateFailed, match=r"^update of main/4 failed at layer 'layer0' \(task 0\): ValueError: "
+    ) as info:
+        h.rt.update(4, {"default": bad})
+    assert ".." not in str(info.value).split(" [post-mortem")[0]
+    assert json.loads(Path(info.value.postmortem).read_text())["error"]["key"] == "4"

@@ -66,16 +66,20 @@ class GraphState:
     """The updater's per-step state of one captured graph (capture's records stay frozen).
 
     ``applied[i]``: the host values last written into task ``i`` (identity tells an
-    unchanged task); ``event_pending[i]``: its event is recorded and not yet consumed
-    by a replay; ``replay_waiting``: a replay is queued ahead of its update.
+    unchanged task); ``lens_of[i]`` / ``host_of[i]``: the lengths task ``i`` was last
+    given and their host values (a step with equal lengths reuses both objects, so its
+    tasks skip the re-issue); ``event_pending[i]``: its event is recorded and not yet
+    consumed by a replay; ``replay_waiting``: a replay is queued ahead of its update;
+    ``last_lens``: each length slot's latest lengths (for dumps).
     """
 
     replayable: bool = True
     replay_waiting: bool = False
     applied: list[Any]
     event_pending: list[bool]
+    lens_of: list[StepLens | None]
+    host_of: list[tuple[StepLens, dict[str, Any]] | None]
     last_lens: dict[str, StepLens] = attrs.field(factory=dict)
-    last_host: dict[tuple[str, str], tuple[StepLens, dict[str, Any]]] = attrs.field(factory=dict)
     steps: int = 0
     replays: int = 0
     last_reissued: int = 0
@@ -196,7 +200,9 @@ class ReplayUpdater:
         st = self._states.get(entry)
         if st is None:
             n = len(entry.tasks)
-            st = self._states[entry] = GraphState(applied=[None] * n, event_pending=[False] * n)
+            st = self._states[entry] = GraphState(
+                applied=[None] * n, event_pending=[False] * n, lens_of=[None] * n, host_of=[None] * n
+            )
         return st
 
     def plan(self, entry: CapturedGraph) -> UpdatePlan:
@@ -265,14 +271,15 @@ class ReplayUpdater:
             state.last_reissued = self._issue(entry, plan, state, step)
         except _TaskFailed as failed:
             cause = failed.error
-            where = "copying block tables" if failed.index < 0 else f"layer {plan.layers[failed.index]!r}"
+            i = failed.index
+            where = "copying block tables" if i < 0 else f"layer {plan.layers[i]!r} (task {i})"
             if isinstance(cause, self.device.race_errors):
                 err: NpuGraphError = GraphRace(
                     f"update of {namespace}/{key!r} at {where}: " + describe_device_error(self.manager, cause, entry)
                 )
             else:
                 err = UpdateFailed(
-                    f"update of {namespace}/{key!r} failed at {where} (task {failed.index}): "
+                    f"update of {namespace}/{key!r} failed at {where}: "
                     f"{type(cause).__name__}: {str(cause).rstrip('.')}. The graph will not replay until a "
                     "complete update succeeds."
                 )
@@ -316,15 +323,15 @@ class ReplayUpdater:
                     "them with separate block tables or KV-cache groups) or the same block table"
                 )
             name = plan.spec_names[i]
-            hv = host_by.get((id(lens), name))
-            if hv is None:
-                cached = state.last_host.get((plan.slots[i], name))
-                if cached is not None and cached[0] is lens:
-                    hv = cached[1]
-                else:
-                    hv = _spec(plan, i).host_values(lens)
-                    state.last_host[(plan.slots[i], name)] = (lens, hv)
+            cached = state.host_of[i]
+            if cached is not None and cached[0] is lens:
+                hv = cached[1]  # task i's own lengths, unchanged
+            else:
+                found = host_by.get((id(lens), name))
+                hv = found if found is not None else _spec(plan, i).host_values(lens)
                 host_by[(id(lens), name)] = hv
+                state.host_of[i] = (lens, hv)
+            state.lens_of[i] = lens
             host.append(hv)
         state.last_lens.update(new_lens)
         return _Step(host=host, copies=tuple(copies.values()), deferred=tuple(deferred))
@@ -365,7 +372,7 @@ class ReplayUpdater:
                     where=f"step {state.steps + 1} of {where}",
                 )
             )
-        prev = state.last_lens.get(plan.slots[i])
+        prev = state.lens_of[i]
         if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
             return prev  # unchanged: identity lets tasks skip the re-issue
         return lens
@@ -382,13 +389,13 @@ class ReplayUpdater:
         """The common step: one metadata object for every task of one kernel and one cache geometry."""
         deferred: list[_DeferredCheck] = []
         lens = self._convert(entry, plan, state, 0, meta, deferred)
-        slot, spec = plan.slots[0], plan.spec_set[0]
-        cached = state.last_host.get((slot, spec.name))
+        cached = state.host_of[0]  # the first task stands for all: the others follow it
         if cached is not None and cached[0] is lens:
             hv = cached[1]
         else:
-            hv = spec.host_values(lens)
-            state.last_host[(slot, spec.name)] = (lens, hv)
+            hv = plan.spec_set[0].host_values(lens)
+            state.host_of[0] = (lens, hv)
+        state.lens_of[0] = lens
         for slot in plan.slot_set:
             state.last_lens[slot] = lens
         return _Step(
