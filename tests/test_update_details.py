@@ -17,7 +17,7 @@ import torch
 
 from npugraph import AttentionMetadata, Runtime, sim
 from npugraph.device import load_device
-from npugraph.errors import CaptureFailed, MetadataError, NotReplayableError, ReplayFailed, UpdateFailed
+from npugraph.errors import CaptureFailed, GraphDeadlock, MetadataError, NotReplayableError, ReplayFailed, UpdateFailed
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.ops import PA, AttentionCall, pad_lens
@@ -644,3 +644,56 @@ def test_an_update_failing_at_the_first_layer_names_it(tmp_path):
         h.rt.update(4, {"default": bad})
     assert ".." not in str(info.value).split(" [post-mortem")[0]
     assert json.loads(Path(info.value.postmortem).read_text())["error"]["key"] == "4"
+
+
+# --- resolution messages, records and capture details -------------------------------------------
+
+
+def test_a_graph_without_attention_takes_any_metadata():
+    rt = Runtime("sim", max_model_len=64)
+    rt.capture(lambda: torch.zeros(2), key=2, require_attention=False)
+    rt.update(2, {})
+    rt.update(2, [{}])  # as a list too: it has no micro-batches to miss
+    rt.replay(2)
+    rt.synchronize()
+
+
+def test_a_missing_layer_is_named_with_what_the_step_has():
+    h = Harness([4], layers=2, groups={"layer0": "a", "layer1": "b"})
+    meta = h.random_meta(2)
+    others = {f"x{i}": meta for i in range(7)}
+    with pytest.raises(
+        MetadataError,
+        match=r"^main/4: the step's metadata has no entry for layer 'layer1' nor for its KV-cache group 'b' "
+        r"\(it has \['a', 'x0', 'x1', 'x2', 'x3', 'x4'\]\.\.\.\); pass metadata for every captured layer$",
+    ):
+        h.rt.update(4, {"a": meta, **others})
+    with pytest.raises(
+        MetadataError,
+        match=r"^main/4: the step's metadata of micro-batch 0 has no entry for layer 'layer1' nor for its "
+        r"KV-cache group 'b' \(it has \['a'\]\.\.\.\)",
+    ):
+        h.rt.update(4, [{"a": meta}])
+
+
+def test_a_task_record_gives_tensors_only_as_tensors():
+    h = Harness([4], layers=1)
+    (task,) = h.rt.manager.entry("main", 4).tasks
+    assert task.tensor("num_heads") is None and task.tensor("query") is not None
+
+
+def test_every_task_of_a_graph_uses_its_one_shared_workspace():
+    h = Harness([4, 8], layers=3, policy=StaticPolicy())
+    for size in (4, 8):
+        entry = h.rt.manager.entry("main", size)
+        spaces = [t.tensor("workspace") for t in entry.tasks]
+        assert all(w is not None for w in spaces), "captured with the graph's workspace, never a kernel's own"
+        assert len({w.data_ptr() for w in spaces}) == 1
+        assert spaces[0].numel() == entry.workspace_bytes
+
+
+def test_a_hang_names_the_event_of_the_layer_it_waits_for():
+    h = Harness([2], layers=2)
+    h.rt.replay(2)  # replay-first, and the update never comes
+    with pytest.raises(GraphDeadlock, match=r"(?s)namespace 'main', key 2, layer 'layer0'.*\[main/2/layer0\]"):
+        h.rt.synchronize()

@@ -128,7 +128,7 @@ class CaptureManager:
         entry = self._entries.get((namespace, key))
         return entry.choice if entry is not None else None
 
-    def attention(self, layer: str, group: str, call: AttentionCall, lens: StepLens, ubatch: int = 0) -> None:
+    def attention(self, layer: str, group: str, call: AttentionCall, lens: StepLens, ubatch: int) -> None:
         """Record one attention call of the capture in progress as an updatable task.
 
         ``ubatch`` tells apart the calls of one layer in the micro-batches of one
@@ -150,8 +150,7 @@ class CaptureManager:
         npu = self.device.npu
         stream = npu.current_stream()
         event = npu.ExternalEvent()
-        event.wait(stream)
-        event.reset(stream)
+        event.wait(stream)  # no reset(): a no-op on every CANN with task groups, which npugraph needs
         npu.graph_task_group_begin(stream)
         spec.launch(self.device, kwargs)
         handle = npu.graph_task_group_end(stream)
