@@ -21,6 +21,7 @@ from npugraph.errors import CaptureFailed, GraphDeadlock, MetadataError, NotRepl
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.ops import PA, AttentionCall, pad_lens
+from npugraph.ops.fia import causal_mask
 from npugraph.ops.pa import _probe_lengths
 from npugraph.policy import FixedPolicy, StaticPolicy
 from npugraph.replay import describe_device_error
@@ -88,10 +89,12 @@ def test_a_layer_with_fewer_requests_reads_the_same_rows():
     _step_with(h, a, AttentionMetadata(seq_lens=a.seq_lens[:3], block_table=a.block_table[:3].clone()))
 
 
-def test_a_layer_with_more_requests_than_the_copied_table_has_rows_is_refused():
+@pytest.mark.parametrize("view", [False, True])
+def test_a_layer_with_more_requests_than_the_copied_table_has_rows_is_refused(view):
     h = _shared()
     b = h.random_meta(4)
-    a = AttentionMetadata(seq_lens=b.seq_lens[:3], block_table=b.block_table[:3].clone())
+    rows = b.block_table[:3] if view else b.block_table[:3].clone()  # a view: the same memory, fewer rows
+    a = AttentionMetadata(seq_lens=b.seq_lens[:3], block_table=rows)
     with pytest.raises(MetadataError, match=r"layer 'layer1': its metadata has another block table"):
         h.rt.update(8, {"layer0": a, "layer1": b})
 
@@ -346,6 +349,7 @@ def test_decode_runs_fia_without_a_mask_and_speculation_with_the_causal_one():
 
 @pytest.mark.parametrize("kind", ["mla", "gemma-like"])
 def test_mla_and_windowed_models_ignore_a_process_wide_default_device(kind):
+    causal_mask.cache_clear()  # made once per device: let this test decide where it is made
     cfg = DecoderConfig(layers=2, num_blocks=64, max_model_len=128, window=24 if kind == "gemma-like" else None)
     rt = Runtime("sim", max_model_len=cfg.max_model_len)
     with torch.device("meta"):
