@@ -327,6 +327,7 @@ def test_capture_all_captures_largest_first_and_lists_sizes_in_order():
 def test_a_process_wide_default_device_changes_nothing(kernel, tpr):
     """Every tensor npugraph makes names its device: a default device (as an engine may set)
     must not move host lengths or device buffers."""
+    causal_mask.cache_clear()  # made once per device: let this test decide where it is made
     h = Harness([4], layers=2, policy=FixedPolicy(kernel), tokens_per_request=tpr, dtype=torch.float32)
     h.rt.manager.reset()
     meta = h.random_meta(3)
@@ -701,3 +702,13 @@ def test_a_hang_names_the_event_of_the_layer_it_waits_for():
     h.rt.replay(2)  # replay-first, and the update never comes
     with pytest.raises(GraphDeadlock, match=r"(?s)namespace 'main', key 2, layer 'layer0'.*\[main/2/layer0\]"):
         h.rt.synchronize()
+
+
+def test_speculative_tokens_of_a_windowed_layer_see_no_later_key():
+    """Each query token sees the window ending at its own position, never the next token's key."""
+    h = Harness([4], layers=2, tokens_per_request=2, windows={"layer1": 10}, dtype=torch.float32)
+    assert [t.spec.name for t in h.rt.manager.entry("main", 4).tasks] == ["fia", "fia"]
+    for step in range(3):
+        meta = h.random_meta(3)
+        q = query_for(h, 4, step)
+        h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))

@@ -7,7 +7,7 @@ speculative verification (``sparse_mode=3``: causal within each request).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -61,8 +61,7 @@ def fia_arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor |
         **_masking(call),
     }
     if call.is_mla:
-        kr = call.key_rope_cache
-        assert kr is not None, "AttentionCall checks that the rope arguments come together"
+        kr = cast(torch.Tensor, call.key_rope_cache)  # AttentionCall: both rope arguments or neither
         kwargs["query_rope"] = call.query_rope
         kwargs["key_rope"] = kr.view(kr.shape[0], kr.shape[1], -1)
     return kwargs

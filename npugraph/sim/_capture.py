@@ -147,6 +147,9 @@ class CaptureSession:
             return func(*args, **kwargs)
         if func.is_view:
             return func(*args, **kwargs)  # metadata only: safe to run now
+        device = kwargs.get("device")
+        if func.overloadpacket in _ALLOC_PACKETS and device is not None and torch.device(device).type == "meta":
+            return func(*args, **kwargs)  # shapes only: nothing for the device to hold
         schema = func._schema
         try:
             meta_out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
