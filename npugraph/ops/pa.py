@@ -40,11 +40,8 @@ def _probe_lengths(max_len: int, block_size: int) -> list[int]:
     Every power of two, every block boundary when there are few, an even sweep of at
     most 256 points otherwise, and ``max_len`` itself.
     """
-    pts = {max_len}
-    p = 1
-    while p < max_len:
-        pts.update((p, p + 1))
-        p *= 2
+    powers = [1 << k for k in range((max_len - 1).bit_length())]  # each power of two below max_len
+    pts = {max_len, *powers, *(p + 1 for p in powers)}
     stride = max(block_size, max_len // 256)
     pts.update(range(stride, max_len + 1, stride))
     return sorted(pts)
