@@ -75,6 +75,8 @@ def test_pa_probe_examples():
     assert _probe_lengths(1, 16) == [1]
     assert _probe_lengths(5, 16) == [1, 2, 3, 4, 5]
     assert _probe_lengths(40, 16) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 40]
+    assert _probe_lengths(15, 16) == [1, 2, 3, 4, 5, 8, 9, 15], "nothing past max_len"
+    assert _probe_lengths(47, 16) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 47]
 
 
 @pytest.mark.parametrize(
