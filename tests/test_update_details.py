@@ -488,9 +488,11 @@ def test_the_fused_path_skips_unchanged_tasks_and_survives_a_second_update(order
 # --- ordering, failures and their reports -----------------------------------------------------
 
 
-@pytest.mark.parametrize("steps", [2, 4])
-def test_a_chain_of_steps_behind_a_busy_device_keeps_each_update_after_its_replay(steps):
+@pytest.mark.parametrize(("steps", "seed"), [(2, None), (4, None), (4, 1), (5, 2), (6, 3)])
+def test_a_chain_of_steps_behind_a_busy_device_keeps_each_update_after_its_replay(steps, seed):
     """Every update must wait for the previous step's replay, not an older one (no host sync)."""
+    if seed is not None:
+        sim.configure(adversarial_seed=seed)
     h = Harness([4], layers=2, order="update-first")
     entry = h.rt.manager.entry("main", 4)
     base = h.random_meta(3, [MAX_LEN] * 3)  # one table for every step: its copies are alike
@@ -712,3 +714,12 @@ def test_speculative_tokens_of_a_windowed_layer_see_no_later_key():
         meta = h.random_meta(3)
         q = query_for(h, 4, step)
         h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
+def test_one_metadata_for_two_groups_refreshes_both_tables():
+    """The fast path (one metadata, one kernel, one geometry) still copies into every buffer."""
+    h = Harness([4], layers=2, groups={"layer0": "a", "layer1": "b"})
+    for step in range(2):
+        meta = h.random_meta(3)
+        q = query_for(h, 4, step)
+        h.check(h.step(4, {"a": meta, "b": meta}, q), q, dict.fromkeys(h.names, meta))

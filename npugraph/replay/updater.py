@@ -566,8 +566,7 @@ class ReplayUpdater:
             # one that failed stay recorded (their waits never ran), the others were consumed.
             # The next complete update then recovers.
             failed = _failed_task(self.manager, exc, entry)
-            state.replayable = False
-            state.replay_waiting = False
+            state.replayable = False  # (no replay was waiting: that was refused above)
             pending[:] = [failed is not None and i > failed.index for i in range(len(pending))]
             state.applied[:] = [None] * len(pending)
             if isinstance(exc, self.device.race_errors):
