@@ -245,8 +245,21 @@ def test_a_replay_on_freed_memory_names_the_layer():
     h.rt.update(4, {"default": meta})
     del h.caches["layer1"]  # the model drops one layer's KV cache; the graph still reads it
     gc.collect()
-    with pytest.raises(ReplayFailed, match=r"^replay of main/4 failed in layer 'layer1' \(task 1, pa\): UseAfterFree"):
+    with pytest.raises(
+        ReplayFailed, match=r"^replay of main/4 failed in layer 'layer1' \(task 1, pa\): UseAfterFree"
+    ) as info:
         h.rt.replay(4)
+    assert "replaying. Update the graph with complete, valid metadata" in str(info.value), "one full stop"
+    # replay-first: the queued replay runs inside the next update, which reports it
+    h = Harness([4], layers=3, policy=FixedPolicy("pa"), order="replay-first")
+    h.step(4, {"default": meta}, q)
+    del h.caches["layer1"]
+    gc.collect()
+    with pytest.raises(
+        UpdateFailed, match=r"^update of main/4 failed at layer 'layer1' \(task 1\): UseAfterFree"
+    ) as info:
+        h.rt.step(4, {"default": meta}, inputs={"query": q})
+    assert "replaying. The graph will not replay until" in str(info.value), "one full stop"
 
 
 def test_a_failed_update_postmortem_names_its_graph(tmp_path):
