@@ -24,6 +24,7 @@ from npugraph.ops import PA, AttentionCall, pad_lens
 from npugraph.ops.fia import causal_mask
 from npugraph.ops.pa import _probe_lengths
 from npugraph.policy import FixedPolicy, StaticPolicy
+from npugraph.reference import paged_attention_reference
 from npugraph.replay import describe_device_error
 from npugraph.sim import kernels
 from tests.helpers import MAX_LEN, Harness, query_for
@@ -736,3 +737,24 @@ def test_one_metadata_for_two_groups_refreshes_both_tables():
         meta = h.random_meta(3)
         q = query_for(h, 4, step)
         h.check(h.step(4, {"a": meta, "b": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
+def test_query_start_loc_with_every_key_new_and_long_errors_shown_in_part():
+    h = Harness([4], tokens_per_request=2, dtype=torch.float32)
+    meta = h.random_meta(2)
+    first = attrs.evolve(
+        meta,
+        seq_lens=torch.tensor([2, 1], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 2, 3], dtype=torch.int32),
+    )
+    q = query_for(h, 4, 0)
+    out = h.step(4, {"default": first}, q)  # query tokens == key length: every key is new
+    for li, n in enumerate(h.names):
+        k, v = h.caches[n]
+        ref = paged_attention_reference(q[0, :3], k, v, first.block_table, [2, 1], h.attn[n].scale, [2, 1])
+        assert (out[0, li, :3].double() - ref).abs().max() < 1e-4
+    h = Harness([8], layers=1, tokens_per_request=2, dtype=torch.float32)
+    eight = h.random_meta(8, [20] * 8)
+    bad = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 5], dtype=torch.int32)
+    with pytest.raises(MetadataError, match=r"non-decreasing, got \[0, 1, 2, 3, 4, 5, 6, 7\]$"):
+        h.rt.update(8, {"default": attrs.evolve(eight, query_start_loc=bad)})
