@@ -301,3 +301,28 @@ def test_fia_band_mode_is_a_sliding_window(window, qper, data):
         s = (qi @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
         ref = (torch.softmax(s, -1) @ v).transpose(0, 1)
         assert (out[i * qper : (i + 1) * qper].double() - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("sparse_mode", [3, 4])
+def test_fia_reads_the_compressed_mask_it_is_given(sparse_mode):
+    """Modes 3 and 4 read the 2048x2048 mask as it is: the causal one (bool or int8, as
+    vllm-ascend makes it) runs; anything else (not yet written, all ones, all zeros) is refused."""
+    b, n, d, bs, nb = 2, 2, 16, 4, 8
+    kc, vc = torch.randn(nb, bs, n * d), torch.randn(nb, bs, n * d)
+    bt = torch.arange(nb, dtype=torch.int32).view(b, nb // b)
+    q = torch.randn(b * 2, n, d)
+    causal = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)
+
+    def run(mask):
+        torch_npu.npu_fused_infer_attention_score(
+            q, kc, vc, num_heads=n, num_key_value_heads=n, scale=0.3, input_layout="TND",
+            block_table=bt, block_size=bs, actual_seq_lengths=[2, 4], actual_seq_lengths_kv=[5, 9],
+            sparse_mode=sparse_mode, pre_tokens=3, next_tokens=0, atten_mask=mask,
+        )  # fmt: skip
+        npu.synchronize()
+
+    run(causal)
+    run(causal.to(torch.int8))
+    for bad in (torch.ones_like(causal), torch.zeros_like(causal), causal.T.contiguous()):
+        with pytest.raises(ValueError, match="atten_mask.*compressed causal mask.*before any capture"):
+            run(bad)

@@ -362,6 +362,18 @@ def test_decode_runs_fia_without_a_mask_and_speculation_with_the_causal_one():
         assert (kw["atten_mask"] is None) == (mode == 0)
 
 
+@pytest.mark.parametrize(("tpr", "windows"), [(1, {"layer1": 20}), (2, None)])
+def test_the_causal_mask_is_made_before_the_first_capture(tpr, windows):
+    """A mask made inside the first capture comes from its graph's pool and is written only
+    by its replay: a smaller graph replayed first would read it unwritten."""
+    causal_mask.cache_clear()  # no earlier test may have made it
+    h = Harness([8, 4], layers=2, windows=windows, tokens_per_request=tpr, dtype=torch.float32)
+    for size in (4, 8):
+        meta = h.random_meta(3)
+        q = query_for(h, size, size)
+        h.check(h.step(size, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+
+
 @pytest.mark.parametrize("kind", ["mla", "gemma-like"])
 def test_mla_and_windowed_models_ignore_a_process_wide_default_device(kind):
     causal_mask.cache_clear()  # made once per device: let this test decide where it is made

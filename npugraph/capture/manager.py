@@ -246,6 +246,8 @@ class CaptureManager:
         npu = self.device.npu
         if self._stream is None:
             self._stream = npu.Stream()
+        for spec in SPECS.values():
+            spec.prepare(self.device.memory)
         ctx = _Capture(namespace=namespace, key=key, tokens=int(tokens))
         graph = npu.NPUGraph()
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ __all__ = ["Device", "load_device"]
 class Device:
     """A torch_npu-shaped op module (``ops``) and its ``torch.npu``-shaped module (``npu``).
 
-    ``memory`` is the torch device where this device's memory lives (``npu`` on
+    ``memory`` is the torch device where this device's memory lives (``npu:<current device>`` on
     Ascend; the CPU on the simulator): npugraph allocates every device tensor there.
     ``deadlock_errors`` / ``race_errors`` / ``memory_errors`` are the exception types the
     device raises for hangs, races and use of freed memory (the simulator's; empty on
@@ -81,5 +81,5 @@ def load_device(kind: str | Device = "sim") -> Device:
                 "torch_npu matching your torch and source CANN's set_env.sh, or use "
                 "device='sim' (the built-in simulator) on machines without an NPU."
             ) from exc
-        return Device(name="npu", ops=torch_npu, npu=torch.npu, memory=torch.device("npu"))  # type: ignore[attr-defined]
+        return Device(name="npu", ops=torch_npu, npu=torch.npu, memory=torch.device("npu", torch.npu.current_device()))  # type: ignore[attr-defined]
     raise DeviceUnavailable(f"unknown device {kind!r}: expected 'sim' or 'npu'")

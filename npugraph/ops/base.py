@@ -99,6 +99,10 @@ def pad_lens(
     return StepLens(kv_lens=kv, q_ends=q, num_reqs=r)
 
 
+def _no_constants(memory: torch.device) -> None:
+    """Most kernels share no constant between graphs."""
+
+
 @attrs.frozen(kw_only=True)
 class OpSpec:
     """One attention kernel, declared once.
@@ -114,7 +118,10 @@ class OpSpec:
     * ``workspace_bytes(device, kwargs, max_model_len)``: one workspace for every length
       up to ``max_model_len`` (queried at capture only, never per step);
     * ``unsupported(call)``: why this kernel cannot run ``call`` (or ``None``);
-    * ``fused_update``: the device's 4-in-1 update entry point may be used.
+    * ``fused_update``: the device's 4-in-1 update entry point may be used;
+    * ``prepare(memory)``: make the per-device constants its arguments share across
+      graphs (FIA's causal mask) — called before every capture, since a tensor made
+      inside one comes from that graph's pool and is written only by its replay.
     """
 
     name: str
@@ -128,6 +135,7 @@ class OpSpec:
     workspace_bytes: Callable[[Any, dict[str, Any], int], int]
     unsupported: Callable[[AttentionCall], str | None]
     fused_update: bool = False
+    prepare: Callable[[torch.device], object] = _no_constants
 
     def kernel_fn(self, device: Any) -> Callable[..., Any]:
         """Resolve the entry point on ``device`` (once per capture, not per step)."""

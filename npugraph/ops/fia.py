@@ -101,5 +101,6 @@ FIA = OpSpec(
         fia_workspace_bytes, "_npu_fused_infer_attention_score_get_max_workspace", "actual_seq_lengths_kv"
     ),
     unsupported=_unsupported,
+    prepare=causal_mask,
     fused_update=True,
 )

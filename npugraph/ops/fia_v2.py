@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from npugraph.ops.base import AttentionCall, OpSpec, StepLens
-from npugraph.ops.fia import fia_arguments, fia_workspace_bytes
+from npugraph.ops.fia import causal_mask, fia_arguments, fia_workspace_bytes
 
 __all__ = ["FIA_V2"]
 
@@ -53,4 +53,5 @@ FIA_V2 = OpSpec(
         fia_workspace_bytes, "_npu_fused_infer_attention_score_v2_get_max_workspace", "actual_seq_kvlen"
     ),
     unsupported=_unsupported,
+    prepare=causal_mask,
 )

@@ -34,5 +34,6 @@ MLA = OpSpec(
     host_values=FIA.host_values,
     workspace_bytes=FIA.workspace_bytes,
     unsupported=_unsupported,
+    prepare=FIA.prepare,
     fused_update=True,  # the 4-in-1 forwards every keyword, rope included
 )

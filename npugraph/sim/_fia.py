@@ -255,6 +255,29 @@ def _fia_out_shapes(p: dict[str, Any], info: dict[str, Any]) -> tuple[list[int],
     return out, lse
 
 
+def _check_compressed_mask(mask: torch.Tensor) -> None:
+    """Sparse modes 3 and 4 read the compressed mask as it is: garbage there is garbage out.
+
+    Sampled (its diagonal, first row and first column), not compared in full: cheap enough
+    for every run, and a mask not written yet (a pool block: NaN, read as 1) fails it.
+    """
+    m = mask.reshape(-1, *mask.shape[-2:])[0] if mask.dim() >= 2 else mask
+    ok = (
+        m.dim() == 2
+        and min(m.shape) >= 2
+        and not bool((m.diagonal() != 0).any())
+        and bool((m[0, 1:] != 0).all())
+        and not bool((m[1:, 0] != 0).any())
+    )
+    if not ok:
+        raise ValueError(
+            "npu_fused_infer_attention_score: argument 'atten_mask' is not the compressed causal mask "
+            "triu(ones(2048, 2048), 1) that sparse_mode 3 and 4 read (hardware computes wrong rows from "
+            "it). A mask made inside a capture is written only by that graph's replay: make it before "
+            "any capture."
+        )
+
+
 def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     p = _with_rope(p)
     q, k, v = p["query"], p["key"], p["value"]
@@ -301,6 +324,8 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
         kb, vb = k, v
     mask = None
     sparse = int(p["sparse_mode"])
+    if sparse in (3, 4):
+        _check_compressed_mask(p["atten_mask"])
     if sparse == 0 and p.get("atten_mask") is not None:
         mask = p["atten_mask"]
     # sparse_mode 4 (band): anchored bottom-right like 3, key j of query i visible iff
