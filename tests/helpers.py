@@ -96,7 +96,8 @@ class Harness:
     def capture(self, sizes):
         """Capture every size, largest first (the host lengths are the test's: on the CPU)."""
         tokens_per_request, ubatches = self.tpr, self.ubatches
-        for size in sorted(sizes, reverse=True):
+
+        def make(size):
             t = size * tokens_per_request
             metas = [
                 {
@@ -108,9 +109,10 @@ class Harness:
                 }
                 for u in range(ubatches)
             ]
-            self.rt.capture(
-                self.forward, self.query[:, :t], metas, key=size, tokens=t, static_inputs={"query": self.query[:, :t]}
-            )
+            q = self.query[:, :t]
+            return self.forward, (q, metas), {"tokens": t, "static_inputs": {"query": q}}
+
+        self.rt.manager.capture_all(sizes, make)
 
     def forward(self, query, metas):
         outs = []

@@ -100,6 +100,17 @@ def test_capture_error_mode_validated():
         pass
 
 
+@pytest.mark.parametrize("pool", ["", 0, (1,), ("a", "b"), [0, 1]])
+def test_a_pool_is_a_pool_id_or_none(pool):
+    """torch_npu's binding takes two integers (graph_pool_handle(), another graph's pool())."""
+    with pytest.raises(TypeError, match="pool must be None or a pool id"), npu.graph(npu.NPUGraph(), pool=pool):
+        pass
+    g = npu.NPUGraph()
+    with npu.graph(g, pool=(0, 123456)):
+        torch.zeros(2).add_(1)
+    assert g.pool() == (0, 123456)
+
+
 def test_replay_and_pool_before_capture_raise():
     g = npu.NPUGraph()
     with pytest.raises(RuntimeError, match="Called NPUGraph::replay without a preceding successful capture."):

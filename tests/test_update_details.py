@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gc
 import json
+import re
+import threading
 from pathlib import Path
 
 import attrs
@@ -16,8 +18,17 @@ import pytest
 import torch
 
 from npugraph import AttentionMetadata, Runtime, sim
+from npugraph.capture import CaptureManager
 from npugraph.device import load_device
-from npugraph.errors import CaptureFailed, GraphDeadlock, MetadataError, NotReplayableError, ReplayFailed, UpdateFailed
+from npugraph.errors import (
+    CaptureFailed,
+    ConfigError,
+    GraphDeadlock,
+    MetadataError,
+    NotReplayableError,
+    ReplayFailed,
+    UpdateFailed,
+)
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.ops import PA, AttentionCall, pad_lens
@@ -25,9 +36,9 @@ from npugraph.ops.fia import causal_mask
 from npugraph.ops.pa import _probe_lengths
 from npugraph.policy import FixedPolicy, StaticPolicy
 from npugraph.reference import paged_attention_reference
-from npugraph.replay import describe_device_error
+from npugraph.replay import ReplayUpdater, describe_device_error
 from npugraph.sim import kernels
-from tests.helpers import MAX_LEN, Harness, query_for
+from tests.helpers import BLOCKS, MAX_LEN, Harness, query_for
 
 # --- layers sharing one captured block-table buffer ---------------------------------------
 
@@ -770,3 +781,99 @@ def test_query_start_loc_with_every_key_new_and_long_errors_shown_in_part():
     bad = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 5], dtype=torch.int32)
     with pytest.raises(MetadataError, match=r"non-decreasing, got \[0, 1, 2, 3, 4, 5, 6, 7\]$"):
         h.rt.update(8, {"default": attrs.evolve(eight, query_start_loc=bad)})
+
+
+# --- the pieces engines may build themselves ---------------------------------------------------
+
+
+def _update_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("npugraph-update")}
+
+
+def test_a_replay_updater_built_by_hand_validates_skips_and_stays_on_one_thread():
+    """Engines that drive capture and update themselves get the Runtime's safe defaults:
+    block ids checked, unchanged tasks skipped, one host thread."""
+    h = Harness([4], layers=3, dtype=torch.float32)
+    before = _update_threads()
+    updater = ReplayUpdater(h.rt.manager)
+    entry = h.rt.manager.entry("main", 4)
+    bad = h.random_meta(2)
+    bad.block_table[1, 0] = BLOCKS  # one past the cache
+    with pytest.raises(MetadataError, match="block"):
+        updater.update("main", 4, {"default": bad})
+    meta = h.random_meta(3)
+    for step in range(2):
+        q = query_for(h, 4, step)
+        h.query[:, :4].copy_(q)
+        updater.update("main", 4, {"default": meta})
+        assert updater.state(entry).last_reissued == (3 if step == 0 else 0)
+        updater.replay("main", 4)
+        h.rt.synchronize()
+        h.check(entry.outputs, q, dict.fromkeys(h.names, meta))
+    assert _update_threads() == before, "one update worker runs on the calling thread"
+
+
+def test_update_workers_run_on_named_threads_one_fewer_than_asked():
+    """K workers: the calling thread and K - 1 pool threads, named for stack dumps."""
+    before = _update_threads()
+    h = Harness([8], layers=8, update_workers=3, dtype=torch.float32)
+    for step in range(3):
+        meta = h.random_meta(6)
+        q = query_for(h, 8, step)
+        h.check(h.step(8, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+    new = _update_threads() - before
+    assert 1 <= len(new) <= 2
+    assert all(t.name.startswith("npugraph-update_") for t in new)
+
+
+@pytest.mark.parametrize("workers", [0, True, "2", 1.5])
+def test_update_workers_must_be_a_positive_int(workers):
+    with pytest.raises(ConfigError, match=rf"update_workers must be an int >= 1, got {re.escape(repr(workers))}"):
+        Runtime("sim", max_model_len=MAX_LEN, update_workers=workers)
+
+
+def test_a_capture_manager_built_by_hand():
+    """Its own defaults and arguments: namespace 'main', the policy given, no progress bar
+    unless asked, and a model length of one is a model length."""
+    device = load_device("sim")
+    fixed = FixedPolicy("fia")
+    assert CaptureManager(device, max_model_len=1, policy=fixed).policy is fixed
+    assert CaptureManager(device, max_model_len=1).progress is False
+    h = Harness([4], layers=1)
+    h.rt.manager.reset()
+    meta = {
+        "default": AttentionMetadata(seq_lens=torch.ones(4, dtype=torch.int32), block_table=h.tables["default"][0, :4])
+    }
+    h.rt.manager.capture(h.forward, h.query[:, :4], [meta], key=4)
+    assert h.rt.manager.keys("main") == [4]
+    graph = h.rt.manager.capture(lambda: torch.zeros(2, device="cpu"), key=2, require_attention=False)
+    assert graph is not None and h.rt.manager.entry("main", 2).batch == 0
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_a_progress_bar_only_when_asked(progress, capsys):
+    h = Harness([4], layers=1, progress=progress)
+    h.rt.manager.reset()
+    h.capture([4, 2])
+    err = capsys.readouterr().err
+    assert ("capturing main" in err) == progress
+
+
+@pytest.mark.parametrize("fused", [None, True, False])
+def test_the_simulator_updates_through_the_four_in_one_only_on_request(fused, monkeypatch):
+    """On hardware the 4-in-1 is the default (C++ without the GIL); the simulator's is the
+    same Python calls, so by default it runs begin / op / end / record, as hand-written
+    vllm-ascend code does."""
+    real = sim._C._npu_fused_infer_attention_score_out_graph
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sim._C, "_npu_fused_infer_attention_score_out_graph", counted)
+    h = Harness([4], layers=2, policy=FixedPolicy("fia"), fused_update=fused, dtype=torch.float32)
+    meta = h.random_meta(3)
+    q = query_for(h, 4, 0)
+    h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+    assert len(calls) == (2 if fused else 0)

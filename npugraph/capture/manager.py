@@ -375,10 +375,8 @@ def _host_tuple(v: Any) -> tuple[int, ...]:
 
 
 def _batch_of(tasks: Sequence[TaskRecord]) -> int:
-    if not tasks:
-        return 0
-    bt = tasks[0].tensor(tasks[0].spec.refreshed_buffers[0])
-    return int(bt.shape[0]) if bt is not None else 0
+    """The graph's request slots: rows of its first task's block table (0 without attention)."""
+    return int(tasks[0].args[tasks[0].spec.refreshed_buffers[0]].shape[0]) if tasks else 0
 
 
 def _raised_at(exc: BaseException, skip: tuple[str, ...]) -> str:

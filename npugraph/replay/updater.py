@@ -153,7 +153,7 @@ class ReplayUpdater:
         self.update_workers = update_workers
         # threads start on first use: none with K = 1
         self._pool = ThreadPoolExecutor(max(1, update_workers - 1), "npugraph-update")
-        self._streams: list[Any] = []
+        self._streams: list[Any] | None = None  # made on first use
         self.device = manager.device
         self.validate = validate
         # None: block ids of device-resident tables are checked on the device (a host read
@@ -184,7 +184,7 @@ class ReplayUpdater:
     @property
     def streams(self) -> list[Any]:
         """One update stream per update worker."""
-        if not self._streams:
+        if self._streams is None:
             self._streams = [self.device.npu.Stream() for _ in range(self.update_workers)]
         return self._streams
 

@@ -89,6 +89,12 @@ class NPUGraph:
             raise CaptureError(f"{st.capture.graph!r} is already capturing; captures do not nest")
         if pool is None:
             pool = graph_pool_handle()
+        elif not (isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(x, int) for x in pool)):
+            # torch_npu's binding takes a MempoolId_t (two integers) or None
+            raise TypeError(
+                f"capture_begin(): incompatible function arguments: pool must be None or a pool id "
+                f"(graph_pool_handle(), or another graph's pool()), got {pool!r}"
+            )
         st.memory.pool(pool)
         self._pool = pool
         self._capture_stream = stream
