@@ -11,6 +11,7 @@ import gc
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import attrs
@@ -34,7 +35,7 @@ from npugraph.models.engine import DecodeEngine
 from npugraph.ops import PA, AttentionCall, pad_lens
 from npugraph.ops.fia import causal_mask
 from npugraph.ops.pa import _probe_lengths
-from npugraph.policy import FixedPolicy, StaticPolicy
+from npugraph.policy import FixedPolicy, KernelChoice, StaticPolicy
 from npugraph.reference import paged_attention_reference
 from npugraph.replay import ReplayUpdater, describe_device_error
 from npugraph.sim import kernels
@@ -734,6 +735,7 @@ def test_every_task_of_a_graph_uses_its_one_shared_workspace():
         assert all(w is not None for w in spaces), "captured with the graph's workspace, never a kernel's own"
         assert len({w.data_ptr() for w in spaces}) == 1
         assert spaces[0].numel() == entry.workspace_bytes
+        assert spaces[0].dtype == torch.uint8, "sized in bytes: any other dtype multiplies the memory"
 
 
 def test_a_hang_names_the_event_of_the_layer_it_waits_for():
@@ -840,14 +842,30 @@ def test_a_capture_manager_built_by_hand():
     assert CaptureManager(device, max_model_len=1, policy=fixed).policy is fixed
     assert CaptureManager(device, max_model_len=1).progress is False
     h = Harness([4], layers=1)
-    h.rt.manager.reset()
+    manager = h.rt.manager
+    manager.reset()
     meta = {
         "default": AttentionMetadata(seq_lens=torch.ones(4, dtype=torch.int32), block_table=h.tables["default"][0, :4])
     }
-    h.rt.manager.capture(h.forward, h.query[:, :4], [meta], key=4)
-    assert h.rt.manager.keys("main") == [4]
-    graph = h.rt.manager.capture(lambda: torch.zeros(2, device="cpu"), key=2, require_attention=False)
-    assert graph is not None and h.rt.manager.entry("main", 2).batch == 0
+    t0 = time.perf_counter()
+    manager.capture(h.forward, h.query[:, :4], metas=[meta], key=4)  # keyword arguments reach the callable
+    took = time.perf_counter() - t0
+    assert manager.keys("main") == [4]
+    entry = manager.entry("main", 4)
+    assert 0 < entry.capture_seconds <= took
+    assert entry.pool == manager.pool == entry.graph.pool(), "every graph allocates from the manager's one pool"
+    with pytest.raises(CaptureFailed, match="made no attention call"):
+        manager.capture(lambda: torch.zeros(2, device="cpu"), key=2)
+    manager.capture(lambda: torch.zeros(2, device="cpu"), key=2, require_attention=False)
+    plain = manager.entry("main", 2)
+    assert (plain.batch, plain.workspace_bytes, plain.tasks) == (0, 0, ())
+    assert plain.choice == KernelChoice(kernel="none", reason="no attention in this graph")
+
+    def broken():
+        raise ValueError("bad shape.")
+
+    with pytest.raises(CaptureFailed, match=r"ValueError: bad shape\. Nothing was registered for this key\.$"):
+        manager.capture(broken, key=1)
 
 
 @pytest.mark.parametrize("progress", [True, False])

@@ -98,7 +98,6 @@ class CaptureManager:
         self.progress = progress
         self._entries: dict[tuple[str, Hashable], CapturedGraph] = {}
         self._pool: Any = None
-        self._stream: Any = None
         self._ctx: _Capture | None = None
         self._by_event: dict[int, tuple[CapturedGraph, TaskRecord]] = {}
         self.configured: dict[str, list[Hashable]] = {}
@@ -244,8 +243,6 @@ class CaptureManager:
                 raise CaptureFailed(f"key {key!r} is not a token count: pass tokens=")
             tokens = key
         npu = self.device.npu
-        if self._stream is None:
-            self._stream = npu.Stream()
         for spec in SPECS.values():
             spec.prepare(self.device.memory)
         ctx = _Capture(namespace=namespace, key=key, tokens=int(tokens))
@@ -253,7 +250,9 @@ class CaptureManager:
         t0 = time.perf_counter()
         self._ctx = ctx
         try:
-            with npu.graph(graph, pool=self.pool, stream=self._stream):
+            # on the device's one side stream for captures (torch_npu's default), as graphs
+            # sharing a pool must be
+            with npu.graph(graph, pool=self.pool):
                 outputs = fn(*args, **kwargs)
             if not ctx.tasks and require_attention:
                 raise CaptureFailed(
