@@ -854,6 +854,9 @@ def test_a_capture_manager_built_by_hand():
     entry = manager.entry("main", 4)
     assert 0 < entry.capture_seconds <= took
     assert entry.pool == manager.pool == entry.graph.pool(), "every graph allocates from the manager's one pool"
+    nested = manager.capture(lambda q, metas: {"out": [h.forward(q, metas)]}, h.query[:, :4], [meta], key=8, tokens=4)
+    aliased = manager.entry("main", 8).outputs["out"][0]  # outputs keep their structure, tensors as aliases
+    assert aliased.data_ptr() == nested["out"][0].data_ptr() and aliased.shape == nested["out"][0].shape
     with pytest.raises(CaptureFailed, match="made no attention call"):
         manager.capture(lambda: torch.zeros(2, device="cpu"), key=2)
     manager.capture(lambda: torch.zeros(2, device="cpu"), key=2, require_attention=False)
