@@ -55,7 +55,7 @@ def _setup(layers: int, size: int, kernel: str, cost: bool) -> tuple[Runtime, An
     """A captured attention stack; returns the runtime, the stack, and the graph's block-table
     and query buffers (the caller keeps them alive: the graph reads them)."""
     sim.configure(cost_model=sim.HostCostModel.atlas_a2() if cost else None)
-    rt = Runtime("sim", max_model_len=_MAX_MODEL_LEN, policy=FixedPolicy(kernel))
+    rt = Runtime("sim", max_model_len=_MAX_MODEL_LEN, policy=FixedPolicy(kernel), order="update-first")
     stack = AttentionStack(rt, layers=layers)
     cols = _MAX_MODEL_LEN // stack.block_size
     dev = rt.device.memory
@@ -307,7 +307,7 @@ def bench_validation(
     max_len, block = 32768, 128
     for r in requests:
         sim.configure()
-        rt = Runtime("sim", max_model_len=max_len, policy=FixedPolicy("fia"))
+        rt = Runtime("sim", max_model_len=max_len, policy=FixedPolicy("fia"), order="update-first")
         stack = AttentionStack(rt, layers=layers, block_size=block, num_blocks=64)
         cols = max_len // block
         dev = rt.device.memory
@@ -391,22 +391,13 @@ def _shadow(rt: Runtime, size: int, dev: RecordingDevice) -> Any:
 def _implementations(rt: Runtime, size: int, kernel: str) -> dict[str, tuple[RecordingDevice, Callable[[Any], None]]]:
     """Each implementation's step, on its own recording device (step metadata built outside)."""
     out: dict[str, tuple[RecordingDevice, Callable[[Any], None]]] = {}
-    for name, workers, order in (
-        ("npugraph_k1", 1, "replay-first"),
-        ("npugraph_k1_update_first", 1, "update-first"),
-        ("npugraph_k4", 4, "replay-first"),
-    ):
+    for name, order in (("npugraph_k1", "replay-first"), ("npugraph_k1_update_first", "update-first")):
         dev = RecordingDevice(kernel)
         shadow = _shadow(rt, size, dev)
-        upd = ReplayUpdater(_ShadowManager(dev, shadow, rt.max_model_len), fused_update=True, update_workers=workers)  # type: ignore[arg-type]
+        upd = ReplayUpdater(_ShadowManager(dev, shadow, rt.max_model_len), order=order, fused_update=True)  # type: ignore[arg-type]
 
-        def npugraph_step(meta: Any, upd: ReplayUpdater = upd, order: str = order) -> None:
-            if order == "replay-first":
-                upd.replay("main", size)
-                upd.update("main", size, {"default": meta.meta})
-            else:
-                upd.update("main", size, {"default": meta.meta})
-                upd.replay("main", size)
+        def npugraph_step(meta: Any, upd: ReplayUpdater = upd) -> None:
+            upd.step("main", size, {"default": meta.meta})
 
         out[name] = (dev, npugraph_step)
     out["updatable"] = _updatable(rt, size, kernel)
@@ -543,10 +534,9 @@ def modeled_summary(
             "host_us_per_step": {k: round(r.host_us_per_step, 1) for k, r in res.items()},
         }
         row["npugraph_k1_vs_updatable"] = sps["npugraph_k1"] / sps["updatable"]
-        row["npugraph_k4_vs_updatable"] = sps["npugraph_k4"] / sps["updatable"]
         row["legacy_vs_updatable"] = sps["legacy"] / sps["updatable"]
         device_limit = 1e6 / (shape["layers"] * shape["costs"].attention_us)  # type: ignore[attr-defined]
-        row["npugraph_vs_device_limit"] = max(sps["npugraph_k1"], sps["npugraph_k4"]) / device_limit
+        row["npugraph_vs_device_limit"] = sps["npugraph_k1"] / device_limit
         out[label] = row
         if progress is not None:
             progress(label, res)

@@ -164,26 +164,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for i, batch in enumerate(steps):
         ref = engine.eager(batch).clone()
         inputs = {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": batch.slot_mapping}
-        rt.copy_inputs(rt.manager.entry("main", batch.size), inputs)
         t = times[batch.size]
         metadata = engine.metadata(batch.meta)
         t1 = time.perf_counter()
-        if args.order == "update-first":
-            rt.update(batch.size, metadata)
-            t2 = time.perf_counter()
-            out = rt.replay(batch.size)
-            t3 = time.perf_counter()
-            t["update"].append(t2 - t1)
-            t["replay"].append(t3 - t2)
-        else:
-            out = rt.replay(batch.size)
-            t2 = time.perf_counter()
-            rt.update(batch.size, metadata)
-            t3 = time.perf_counter()
-            t["replay"].append(t2 - t1)
-            t["update"].append(t3 - t2)
+        out = rt.step(batch.size, metadata, inputs=inputs)
         rt.synchronize()
         t["total"].append(time.perf_counter() - t1)
+        state = rt.graph_state(batch.size)
+        t["update"].append(state.last_update_s)
+        t["replay"].append(state.last_replay_s)
         got = out[: batch.num_reqs]
         if not torch.equal(got, ref):
             mismatches += 1
@@ -212,7 +201,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"{'size':>5} {'kernel':>6} {'replays':>8} {'update us':>10} {'replay us':>10} {'total us':>10}  why")
     for e in sorted(rt.manager.entries(), key=lambda e: e.tokens):
         t = times[e.tokens]
-        replays = rt.updater.state(e).replays
+        replays = rt.graph_state(e.key).replays
         print(
             f"{e.tokens:>5} {e.choice.kernel:>6} {replays:>8} {med(t['update']):>10} {med(t['replay']):>10} "
             f"{med(t['total']):>10}  {e.choice.reason}"
@@ -290,8 +279,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     modeled, host_bound = bench.modeled_summary(progress=show_model)
     hb, db = modeled["host_bound"], modeled["device_bound"]
     print(
-        f"  host-bound: npugraph_k1/updatable {hb['npugraph_k1_vs_updatable']:.2f}, npugraph_k4/updatable "
-        f"{hb['npugraph_k4_vs_updatable']:.2f}, legacy/updatable {hb['legacy_vs_updatable']:.2f}; device-bound: "
+        f"  host-bound: npugraph_k1/updatable {hb['npugraph_k1_vs_updatable']:.2f}, legacy/updatable {hb['legacy_vs_updatable']:.2f}; device-bound: "
         f"npugraph at {db['npugraph_vs_device_limit']:.3f} of the device limit",
         flush=True,
     )

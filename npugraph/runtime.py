@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -14,14 +14,12 @@ from npugraph.device import Device, load_device
 from npugraph.dump.manifest import build_manifest, save_manifest
 from npugraph.dump.postmortem import PostMortem
 from npugraph.dump.trace import UpdateTrace
-from npugraph.errors import ConfigError, GraphDeadlock, GraphRace, MetadataError, NpuGraphError, ReplayFailed
+from npugraph.errors import ConfigError, MetadataError, NpuGraphError
 from npugraph.ops import SPECS, AttentionCall, pad_lens
 from npugraph.policy import KernelPolicy
-from npugraph.replay import AttentionMetadata, ReplayUpdater, StepMetadata, convert, describe_device_error
+from npugraph.replay import ORDERS, AttentionMetadata, GraphState, ReplayUpdater, StepMetadata, convert
 
 __all__ = ["Runtime"]
-
-_ORDERS = ("update-first", "replay-first")
 
 
 class Runtime:
@@ -60,25 +58,24 @@ class Runtime:
         trace_depth: int = 16,
         eager_fallback: Callable[[Hashable, StepMetadata, Mapping[str, torch.Tensor]], Any] | None = None,
         defer_block_check: bool | None = None,
-        update_workers: int = 1,
     ) -> None:
-        if order not in _ORDERS:
-            raise ConfigError(f"order must be 'update-first' or 'replay-first', got {order!r}")
+        if order not in ORDERS:  # before any device work
+            raise ConfigError(f"order must be 'replay-first' or 'update-first', got {order!r}")
         self.device = load_device(device)
         self.manager = CaptureManager(self.device, max_model_len=max_model_len, progress=progress)
         self.trace = UpdateTrace(depth=trace_depth)
         self.updater = ReplayUpdater(
             self.manager,
+            order=order,
             validate=validate,
             skip_unchanged=skip_unchanged,
             fused_update=fused_update,
             on_error=self._on_error,
             on_update=self.trace.note,
             defer_block_check=defer_block_check,
-            update_workers=update_workers,
         )
+        self.manager.on_captured = self.updater.register
         self.postmortem = PostMortem(self.manager, self.updater, self.trace, postmortem_dir)
-        self.order = order
         self.validate = validate
         self.eager_fallback = eager_fallback
         self._namespaces: dict[str, int] = {}
@@ -95,6 +92,16 @@ class Runtime:
     @property
     def max_model_len(self) -> int:
         return self.manager.max_model_len
+
+    @property
+    def order(self) -> str:
+        """``"replay-first"`` (default: the device starts the graph while the host updates)
+        or ``"update-first"``: the order of the two halves of every step."""
+        return self.updater.order
+
+    @order.setter
+    def order(self, order: str) -> None:
+        self.updater.order = order
 
     def _on_error(self, err: NpuGraphError, entry: CapturedGraph | None) -> None:
         self.postmortem.on_error(err, entry)
@@ -154,6 +161,7 @@ class Runtime:
             where=f"eager {namespace} layer {layer!r}",
             validate=self.validate,
             tokens_per_request=tpr if meta.query_start_loc is None else 1,
+            table_device=self.device.memory,
         )
         choice = self.manager.kernel_for(namespace, tokens)
         if choice is None or choice.kernel not in SPECS or SPECS[choice.kernel].unsupported(call):
@@ -173,7 +181,12 @@ class Runtime:
         require_attention: bool = True,
         **kwargs: Any,
     ) -> Any:
-        """Capture ``fn(*args, **kwargs)`` for ``key``; see :meth:`CaptureManager.capture`."""
+        """Capture ``fn(*args, **kwargs)`` for ``key``; see :meth:`CaptureManager.capture`.
+
+        Capturing synchronizes the device first (as ``torch.npu.graph`` does): an error
+        of earlier steps is reported here, typed, before anything is captured.
+        """
+        self.synchronize()
         return self.manager.capture(
             fn,
             *args,
@@ -184,6 +197,43 @@ class Runtime:
             require_attention=require_attention,
             **kwargs,
         )
+
+    def capture_all(
+        self,
+        keys: Iterable[Hashable],
+        make: Callable[[Hashable], tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]],
+        *,
+        namespace: str = "main",
+        size: Callable[[Hashable], int] | None = None,
+    ) -> None:
+        """Capture every key, largest first (smaller graphs reuse the shared pool).
+
+        ``make(key)`` returns ``(fn, args, kwargs)`` for :meth:`capture`; ``size(key)``
+        orders non-integer keys (default: the key itself).
+        """
+        self.manager.capture_all(keys, make, namespace=namespace, size=size)
+
+    # --- what is captured ------------------------------------------------------------
+    def entries(self, namespace: str | None = None) -> list[CapturedGraph]:
+        """The captured graphs (of one namespace, or all)."""
+        return self.manager.entries(namespace)
+
+    def entry(self, key: Hashable, *, namespace: str = "main") -> CapturedGraph:
+        """The captured graph of ``key``; raises :class:`~npugraph.errors.UnknownKeyError`
+        listing the captured keys."""
+        return self.manager.entry(namespace, key)
+
+    def has(self, key: Hashable, *, namespace: str = "main") -> bool:
+        """Whether ``key`` has a captured graph in ``namespace``."""
+        return self.manager.has(namespace, key)
+
+    def graph_state(self, key: Hashable, *, namespace: str = "main") -> GraphState:
+        """The step state of the graph of ``key``: its phase, replays, steps, last lengths."""
+        return self.updater.state(self.manager.entry(namespace, key))
+
+    def reset(self, namespace: str | None = None, key: Hashable | None = None) -> None:
+        """Free captured graphs: one key, one namespace, or all (the keys capture again)."""
+        self.manager.reset(namespace, key)
 
     def unique_namespace(self, prefix: str) -> str:
         """A namespace name not used yet by this runtime (``prefix.0``, ``prefix.1``, ...)."""
@@ -216,25 +266,23 @@ class Runtime:
         namespace: str = "main",
         pad_values: Mapping[str, float] | None = None,
     ) -> Any:
-        """Copy ``inputs`` into the captured buffers, update, replay; return the outputs.
+        """Copy ``inputs`` into the captured buffers, then update and replay; return the outputs.
 
         Each input's first dimension may be shorter than the captured buffer; the rest
-        is filled with ``pad_values[name]`` (default 0).  A key that was never
-        captured raises :class:`~npugraph.errors.UnknownKeyError` listing the captured
-        keys, or runs ``eager_fallback(key, metadata, inputs)`` when one was configured.
+        is filled with ``pad_values[name]`` (default 0 — **padding tokens run the whole
+        model, KV-cache write included**: give ``slot_mapping`` a pad value that writes
+        nowhere (``-1``, vLLM's ``PAD_SLOT_ID``, which the cache-write kernels skip) or
+        a slot no request owns).  A key that was never captured raises
+        :class:`~npugraph.errors.UnknownKeyError` listing the captured keys, or runs
+        ``eager_fallback(key, metadata, inputs)`` when one was configured.  Bad metadata
+        is refused before any device call; after any error the next good step succeeds.
         """
         if self.eager_fallback is not None and not self.manager.has(namespace, key):
             return self.eager_fallback(key, metadata, inputs or {})
         entry = self.manager.entry(namespace, key)
         if inputs:
             self.copy_inputs(entry, inputs, pad_values)
-        if self.order == "update-first" or not self.updater.state(entry).replayable:
-            # (after a failed update or replay, the complete update must come first)
-            self.update(key, metadata, namespace=namespace)
-            return self.replay(key, namespace=namespace)
-        out = self.replay(key, namespace=namespace)  # the device starts while the host updates
-        self.update(key, metadata, namespace=namespace)
-        return out
+        return self.updater.step(namespace, key, metadata)
 
     def copy_inputs(
         self,
@@ -278,25 +326,13 @@ class Runtime:
     def synchronize(self) -> None:
         """Wait for the device; name the namespace, key and layer if it would hang.
 
-        Then report a bad block id found by the device-side check of a device-resident
-        block table (:class:`~npugraph.errors.MetadataError` naming step, key and layer).
+        A replay still waiting for its update raises :class:`~npugraph.errors.GraphDeadlock`
+        at once (the device would wait out its event timeout); a fault inside a replay
+        raises :class:`~npugraph.errors.ReplayFailed` naming graph and layer.  Then a bad
+        block id found by the device-side check of a device-resident block table is
+        reported (:class:`~npugraph.errors.MetadataError` naming step, key and layer).
         """
-        dev = self.device
-        try:
-            dev.npu.synchronize()
-        except dev.deadlock_errors as exc:
-            err: NpuGraphError = GraphDeadlock(describe_device_error(self.manager, exc))
-            self.postmortem.on_error(err, None)
-            raise err from exc
-        except dev.race_errors as exc:
-            err = GraphRace(describe_device_error(self.manager, exc))
-            self.postmortem.on_error(err, None)
-            raise err from exc
-        except dev.memory_errors as exc:
-            err = ReplayFailed(describe_device_error(self.manager, exc))
-            self.postmortem.on_error(err, None)
-            raise err from exc
-        self.updater.check_deferred()
+        self.updater.synchronize()
 
     # --- introspection ---------------------------------------------------------------
     def summary(self) -> list[dict[str, Any]]:
@@ -313,6 +349,7 @@ class Runtime:
                     "tasks": len(e.tasks),
                     "workspace_bytes": e.workspace_bytes,
                     "replays": self.updater.state(e).replays,
+                    "phase": self.updater.state(e).phase.value,
                 }
             )
         return rows

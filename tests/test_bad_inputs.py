@@ -26,7 +26,6 @@ from npugraph.errors import (
     GraphDeadlock,
     MetadataError,
     NotReplayableError,
-    NpuGraphError,
     PolicyError,
     UnknownKeyError,
     UpdateFailed,
@@ -35,6 +34,7 @@ from npugraph.files import FileError
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.policy import KernelChoice, MeasuredPolicy, PolicySignature, load_policy
+from npugraph.replay import StepPhase
 
 
 @pytest.fixture(autouse=True)
@@ -394,7 +394,7 @@ RUNTIME_CASES = [
     (
         "unknown order",
         ConfigError,
-        r"order must be 'update-first' or 'replay-first', got 'sideways'",
+        r"order must be 'replay-first' or 'update-first', got 'sideways'",
         lambda w: Runtime("sim", max_model_len=8, order="sideways"),
     ),
     (
@@ -412,7 +412,7 @@ RUNTIME_CASES = [
     (
         "capture a captured key",
         CaptureFailed,
-        r"main/8 is already captured; call reset\('main', 8\) first",
+        r"main/8 is already captured; call Runtime\.reset\('main', 8\)",
         lambda w: w.rt.capture(lambda: None, key=8),
     ),
     (
@@ -424,7 +424,7 @@ RUNTIME_CASES = [
     (
         "key without tokens",
         CaptureFailed,
-        r"key 'x' is not a token count: pass tokens=",
+        r"capture of main/'x': the key is not a token count; pass tokens=",
         lambda w: w.rt.capture(lambda: None, key="x"),
     ),
     (
@@ -503,18 +503,20 @@ def test_bad_input_names_itself_and_the_runtime_stays_usable(world, exc, match, 
     assert world.rt.manager.keys() == [8, 4], "nothing half-registered"
 
 
-def test_a_second_replay_before_the_update_is_refused(world):
+def test_a_second_replay_before_the_update_releases_the_first(world):
     world.rt.replay(8)  # replay-first: it waits on the device for the update that follows
-    with pytest.raises(NpuGraphError, match=r"main/8 already has a replay waiting for its update"):
-        world.rt.replay(8)
-    world.rt.update(8, {"default": world.steps[8].meta})  # the update the first replay waits for
+    world.rt.replay(8)  # the first is abandoned: it runs empty, this one waits
+    assert world.rt.graph_state(8).phase is StepPhase.REPLAY_QUEUED
+    world.rt.update(8, {"default": world.steps[8].meta})  # the update the second replay waits for
     world.rt.synchronize()
     world.still_usable()
 
 
 def test_a_graph_that_would_hang_recovers_with_a_complete_update(world):
-    world.rt.replay(8)  # update-first order, but the update never comes
-    with pytest.raises(GraphDeadlock, match=r"namespace 'main', key 8, layer 'main\.layers\.0\.attn'"):
+    world.rt.replay(8)  # replay-first order, but the update never comes
+    with pytest.raises(
+        GraphDeadlock, match=r"the replay of main/8 \(first layer 'main\.layers\.0\.attn'\) waits on the device"
+    ):
         world.rt.synchronize()
     world.rt.update(8, {"default": world.steps[8].meta})  # the complete update the replay waits for
     world.rt.synchronize()
@@ -528,8 +530,9 @@ def _another_runtime(world: World, **kwargs: object) -> tuple[Runtime, DecodeEng
     return rt, eng
 
 
-def test_half_way_update_failure_names_the_layer_and_a_full_update_recovers(world):
-    rt, eng = _another_runtime(world, validate=False)
+@pytest.mark.parametrize("order", ["update-first", "replay-first"])
+def test_half_way_update_failure_names_the_layer_and_a_full_update_recovers(world, order):
+    rt, eng = _another_runtime(world, validate=False, order=order)
     b = world.steps[8]
     ref = eng.step(b).clone()
     bad = AttentionMetadata(seq_lens=torch.full((b.num_reqs,), 9999, dtype=torch.int32), block_table=b.meta.block_table)
@@ -537,8 +540,10 @@ def test_half_way_update_failure_names_the_layer_and_a_full_update_recovers(worl
         UpdateFailed, match=r"failed at layer 'main\.layers\.1\.attn' \(task 1\): ValueError: .*actual_seq_lengths_kv"
     ):
         rt.update(8, {"main.layers.0.attn": b.meta, "main.layers.1.attn": bad})
-    with pytest.raises(NotReplayableError, match=r"main/8 is not replayable"):
-        rt.replay(8)
+    assert rt.graph_state(8).phase is StepPhase.BROKEN
+    if order == "update-first":
+        with pytest.raises(NotReplayableError, match=r"main/8 is not replayable: its last update or replay failed"):
+            rt.replay(8)
     assert torch.equal(eng.step(b), ref)
     world.still_usable()
 

@@ -155,7 +155,7 @@ def test_dot_output_parses(captured):
 
 
 def test_deadlock_writes_a_postmortem_that_inspect_reads(tmp_path, capsys):
-    cfg, rt, model, eng = build(sizes=[2], layers=2, postmortem_dir=str(tmp_path))
+    cfg, rt, model, eng = build(sizes=[2], layers=2, postmortem_dir=str(tmp_path), order="replay-first")
     rt.replay(2)  # the update never comes
     with pytest.raises(GraphDeadlock) as info:
         rt.synchronize()

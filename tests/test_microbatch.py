@@ -83,8 +83,7 @@ def test_micro_batched_graph_updates_each_micro_batch_from_its_own_metadata():
         ref1 = q[4:]
         for i, (attn, (k, v)) in enumerate(zip(model.attn, model.caches)):
             ref1 = attn(ref1, k, v, _padded(m1 if i == 0 else m1_group, 4), ubatch=1)
-        rt.update(8, [{"default": m0}, {"main.layers.0.attn": m1, "default": m1_group}])
-        out = rt.replay(8)
+        out = rt.step(8, [{"default": m0}, {"main.layers.0.attn": m1, "default": m1_group}])
         rt.synchronize()
         assert torch.equal(out[0], ref0) and torch.equal(out[1], ref1), f"step {step}"
         wrong = model(q[:4], q[4:], _padded(m0, 4), _padded(m1, 4))[1]

@@ -35,7 +35,7 @@ def test_decode_against_the_reference(kernel, order):
 
 def test_the_fused_update_path_against_the_reference():
     h = Harness([8], policy=FixedPolicy("fia"), fused_update=True)
-    assert h.rt.updater.plan(h.rt.manager.entry("main", 8)).fused[0]
+    assert h.rt.updater.plan(h.rt.manager.entry("main", 8)).tasks[0].fused
     for step in range(6):
         meta = h.random_meta(h.rng.randint(1, 8))
         q = query_for(h, 8, step)
@@ -174,34 +174,33 @@ def test_uneven_spare_tokens_go_to_padding_requests_only():
 
 
 @pytest.mark.parametrize(("kernel", "fused"), [("pa", False), ("fia", True), ("fia", False)])
-def test_parallel_updates_from_four_threads_against_the_reference(kernel, fused):
-    h = Harness([4, 8], layers=6, policy=FixedPolicy(kernel), update_workers=4, fused_update=fused)
-    assert len({id(s) for s in h.rt.updater.streams}) == 4
+def test_one_updater_against_the_reference_re_issues_only_changed_tasks(kernel, fused):
+    h = Harness([4, 8], layers=6, policy=FixedPolicy(kernel), fused_update=fused)
     for step in range(10):
         size = 8 if step % 2 else 4
         meta = h.random_meta(h.rng.randint(1, size))
         q = query_for(h, size, step)
         h.check(h.step(size, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
-        state = h.rt.updater.state(h.rt.manager.entry("main", size))
-        assert state.last_reissued == 6, "every worker's tasks are re-issued and counted"
+        state = h.rt.graph_state(size)
+        assert state.last_reissued == 6, "every task is re-issued and counted"
         h.check(h.step(size, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
         assert state.last_reissued == 0, "unchanged lengths: no task is re-issued"
 
 
-def test_parallel_updates_under_adversarial_scheduling():
+def test_updates_under_adversarial_scheduling_against_the_reference():
     sim.configure(adversarial_seed=11)
-    h = Harness([8], layers=6, update_workers=3, fused_update=True, order="replay-first")
+    h = Harness([8], layers=6, fused_update=True, order="replay-first")
     for step in range(8):
         meta = h.random_meta(h.rng.randint(1, 8))
         q = query_for(h, 8, step)
         h.check(h.step(8, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
 
 
-def test_a_failure_in_a_worker_thread_names_its_layer():
-    h = Harness([8], layers=4, policy=FixedPolicy("fia"), update_workers=2, validate=False)
+def test_a_failure_part_way_names_its_layer_and_the_next_step_is_right():
+    h = Harness([8], layers=4, policy=FixedPolicy("fia"), validate=False)
     good = h.random_meta(3)
     bad = AttentionMetadata(seq_lens=torch.full((3,), 10**6, dtype=torch.int32), block_table=good.block_table)
-    with pytest.raises(UpdateFailed, match=r"failed at layer 'layer(1|3)'"):
+    with pytest.raises(UpdateFailed, match=r"failed at layer 'layer1' \(task 1\)"):
         h.rt.update(8, {"layer0": good, "layer1": bad, "layer2": good, "layer3": bad})
     q = query_for(h, 8, 0)
     h.check(h.step(8, {"default": good}, q), q, dict.fromkeys(h.names, good))

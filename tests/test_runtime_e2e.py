@@ -27,8 +27,8 @@ def test_300_steps_bitwise_equal_to_eager(order):
 
 def test_fused_4_in_1_update_path_is_bitwise_equal():
     cfg, rt, _, eng = build(sizes=[1, 8, 16], fused_update=True)
-    assert rt.updater.plan(rt.manager.entry("main", 8)).fused[0], "FIA tasks use the 4-in-1"
-    assert not rt.updater.plan(rt.manager.entry("main", 1)).fused[0], "PA has no 4-in-1"
+    assert rt.updater.plan(rt.manager.entry("main", 8)).tasks[0].fused, "FIA tasks use the 4-in-1"
+    assert not rt.updater.plan(rt.manager.entry("main", 1)).tasks[0].fused, "PA has no 4-in-1"
     assert run(eng, cfg, 60, seed=6) == 0
 
 

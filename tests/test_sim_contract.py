@@ -276,13 +276,14 @@ def test_op_inside_update_is_not_executed_and_must_match():
         npu.graph_task_update_begin(us, h)
         with pytest.raises(torch_npu.UpdateMismatchError, match="'block_table' was Tensor.*of the captured shape"):
             _pa(q, kc, vc, wide, lens, out)
-        us._updating = None
+        npu.graph_task_update_end(us)
     with npu.stream(us):
         npu.graph_task_update_begin(us, h)
         with pytest.raises(torch_npu.UpdateMismatchError, match="differs from the op captured"):
             torch_npu.npu_fused_infer_attention_score(
                 q.unsqueeze(1), q.unsqueeze(1), q.unsqueeze(1), num_heads=4, input_layout="BSND"
             )
+        npu.graph_task_update_end(us)
 
 
 def test_host_args_are_copied_at_call_time():

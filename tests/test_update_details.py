@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import re
 import threading
 import time
 from pathlib import Path
@@ -23,7 +22,6 @@ from npugraph.capture import CaptureManager
 from npugraph.device import load_device
 from npugraph.errors import (
     CaptureFailed,
-    ConfigError,
     GraphDeadlock,
     MetadataError,
     NotReplayableError,
@@ -37,7 +35,7 @@ from npugraph.ops.fia import causal_mask
 from npugraph.ops.pa import _probe_lengths
 from npugraph.policy import FixedPolicy, KernelChoice, StaticPolicy
 from npugraph.reference import paged_attention_reference
-from npugraph.replay import ReplayUpdater, describe_device_error
+from npugraph.replay import ReplayUpdater, StepPhase, describe_device_error
 from npugraph.sim import kernels
 from tests.helpers import BLOCKS, MAX_LEN, Harness, query_for
 
@@ -250,29 +248,23 @@ def test_device_errors_are_traced_back_to_their_layers():
     assert named(sim.RaceError("not ours", event=sim.npu.ExternalEvent())) == "no captured task matched: not ours"
 
 
-def test_a_replay_on_freed_memory_names_the_layer():
-    h = Harness([4], layers=3, policy=FixedPolicy("pa"))
+@pytest.mark.parametrize("order", ["update-first", "replay-first"])
+def test_a_replay_on_freed_memory_names_the_layer(order):
+    h = Harness([4], layers=3, policy=FixedPolicy("pa"), order=order)
     meta = h.random_meta(2)
     q = query_for(h, 4, 0)
     h.step(4, {"default": meta}, q)
-    h.rt.update(4, {"default": meta})
-    del h.caches["layer1"]  # the model drops one layer's KV cache; the graph still reads it
+    kept = h.caches.pop("layer1")  # the model drops one layer's KV cache; the graph still reads it
+    del kept
     gc.collect()
+    h.rt.step(4, {"default": meta}, inputs={"query": q})  # asynchronous: nothing is reported yet
     with pytest.raises(
         ReplayFailed, match=r"^replay of main/4 failed in layer 'layer1' \(task 1, pa\): UseAfterFree"
     ) as info:
-        h.rt.replay(4)
-    assert "replaying. Update the graph with complete, valid metadata" in str(info.value), "one full stop"
-    # replay-first: the queued replay runs inside the next update, which reports it
-    h = Harness([4], layers=3, policy=FixedPolicy("pa"), order="replay-first")
-    h.step(4, {"default": meta}, q)
-    del h.caches["layer1"]
-    gc.collect()
-    with pytest.raises(
-        UpdateFailed, match=r"^update of main/4 failed at layer 'layer1' \(task 1\): UseAfterFree"
-    ) as info:
-        h.rt.step(4, {"default": meta}, inputs={"query": q})
-    assert "replaying. The graph will not replay until" in str(info.value), "one full stop"
+        h.rt.synchronize()
+    assert "replaying. The rest of that replay was cancelled" in str(info.value), "one full stop"
+    assert h.rt.graph_state(4).phase is StepPhase.BROKEN
+    h.rt.synchronize()  # reported once
 
 
 def test_a_failed_update_postmortem_names_its_graph(tmp_path):
@@ -506,19 +498,25 @@ def test_the_fused_path_skips_unchanged_tasks_and_survives_a_second_update(order
     h = Harness([4], layers=3, policy=FixedPolicy("fia"), fused_update=True, order=order)
     entry = h.rt.manager.entry("main", 4)
     state = h.rt.updater.state(entry)
-    assert all(h.rt.updater.plan(entry).fused)
+    assert all(t.fused for t in h.rt.updater.plan(entry).tasks)
     meta = h.random_meta(3)
     for step in range(3):  # the same lengths: tasks re-issued once, events recorded every step
         q = query_for(h, 4, step)
         h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
         assert state.last_reissued == (3 if step == 0 else 0)
-    # two updates before one replay: the second rewrites tasks whose events are still pending
     first, second = h.random_meta(2), h.random_meta(4)
-    h.rt.update(4, {"default": first})
-    h.rt.update(4, {"default": second})
     q = query_for(h, 4, 9)
-    h.rt.copy_inputs(entry, {"query": q})
-    h.rt.replay(4)
+    h.rt.update(4, {"default": first})
+    if order == "update-first":
+        # two updates before one replay: the second rewrites tasks whose events are still pending
+        h.rt.update(4, {"default": second})
+        h.rt.copy_inputs(entry, {"query": q})
+        h.rt.replay(4)
+    else:
+        # an update with no replay before it is stale in this order: the next step consumes it
+        h.rt.copy_inputs(entry, {"query": q})
+        h.rt.replay(4)
+        h.rt.update(4, {"default": second})
     h.rt.synchronize()
     h.check(entry.outputs, q, dict.fromkeys(h.names, second))
 
@@ -579,10 +577,11 @@ def test_a_failed_replay_refuses_until_a_complete_update_and_reports_its_graph(t
     entry = h.rt.manager.entry("main", 4)
     good = h.random_meta(3)
     h.rt.update(4, {"default": _bad_table(good)})  # unchecked: the kernel meets block 10000
+    h.rt.replay(4)  # asynchronous: the fault comes back from the next synchronize
     with pytest.raises(
         ReplayFailed, match=r"^replay of main/4 failed in layer 'layer0' \(task 0, pa\): ValueError: .*block id 10000"
     ) as info:
-        h.rt.replay(4)
+        h.rt.synchronize()
     assert ".." not in str(info.value).split(" [post-mortem")[0]
     assert json.loads(Path(info.value.postmortem).read_text())["error"]["key"] == "4"
     with pytest.raises(NotReplayableError, match=r"^main/4 is not replayable") as info:
@@ -740,7 +739,7 @@ def test_every_task_of_a_graph_uses_its_one_shared_workspace():
 
 def test_a_hang_names_the_event_of_the_layer_it_waits_for():
     h = Harness([2], layers=2)
-    h.rt.replay(2)  # replay-first, and the update never comes
+    h.rt.entry(2).graph.replay()  # behind the runtime's back: only the device sees the hang
     with pytest.raises(GraphDeadlock, match=r"(?s)namespace 'main', key 2, layer 'layer0'.*\[main/2/layer0\]"):
         h.rt.synchronize()
 
@@ -807,31 +806,11 @@ def test_a_replay_updater_built_by_hand_validates_skips_and_stays_on_one_thread(
     for step in range(2):
         q = query_for(h, 4, step)
         h.query[:, :4].copy_(q)
-        updater.update("main", 4, {"default": meta})
+        updater.step("main", 4, {"default": meta})
         assert updater.state(entry).last_reissued == (3 if step == 0 else 0)
-        updater.replay("main", 4)
         h.rt.synchronize()
         h.check(entry.outputs, q, dict.fromkeys(h.names, meta))
     assert _update_threads() == before, "one update worker runs on the calling thread"
-
-
-def test_update_workers_run_on_named_threads_one_fewer_than_asked():
-    """K workers: the calling thread and K - 1 pool threads, named for stack dumps."""
-    before = _update_threads()
-    h = Harness([8], layers=8, update_workers=3, dtype=torch.float32)
-    for step in range(3):
-        meta = h.random_meta(6)
-        q = query_for(h, 8, step)
-        h.check(h.step(8, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
-    new = _update_threads() - before
-    assert 1 <= len(new) <= 2
-    assert all(t.name.startswith("npugraph-update_") for t in new)
-
-
-@pytest.mark.parametrize("workers", [0, True, "2", 1.5])
-def test_update_workers_must_be_a_positive_int(workers):
-    with pytest.raises(ConfigError, match=rf"update_workers must be an int >= 1, got {re.escape(repr(workers))}"):
-        Runtime("sim", max_model_len=MAX_LEN, update_workers=workers)
 
 
 def test_a_capture_manager_built_by_hand():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import enum
 import os
 import time
@@ -11,6 +13,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.utils._pytree as pytree
 from tqdm import tqdm
 
 from npugraph.capture.records import CapturedGraph, TaskRecord
@@ -89,6 +92,7 @@ class CaptureManager:
         max_model_len: int,
         policy: KernelPolicy | None = None,
         progress: bool = False,
+        on_captured: Callable[[CapturedGraph], None] | None = None,
     ) -> None:
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ConfigError(f"max_model_len must be an int >= 1, got {max_model_len!r}")
@@ -96,6 +100,9 @@ class CaptureManager:
         self.max_model_len = max_model_len
         self.policy: KernelPolicy = policy if policy is not None else StaticPolicy()
         self.progress = progress
+        # told of each graph before it is registered (the updater builds its plan there);
+        # if it raises, the capture fails and nothing is registered
+        self.on_captured = on_captured
         self._entries: dict[tuple[str, Hashable], CapturedGraph] = {}
         self._pool: Any = None
         self._ctx: _Capture | None = None
@@ -201,13 +208,20 @@ class CaptureManager:
         return v
 
     def _alias_tree(self, v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return self.device.weak_ref_tensor(v)
-        if isinstance(v, (tuple, list)):
-            return type(v)(self._alias_tree(x) for x in v)
-        if isinstance(v, dict):
-            return {k: self._alias_tree(x) for k, x in v.items()}
-        return v
+        """``v`` with every tensor a non-owning alias, its structure kept: any pytree
+        (tuples, namedtuples, lists, dicts) and dataclasses."""
+
+        def leaf(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return self.device.weak_ref_tensor(x)
+            if dataclasses.is_dataclass(x) and not isinstance(x, type):
+                y = copy.copy(x)
+                for f in dataclasses.fields(x):
+                    object.__setattr__(y, f.name, self._alias_tree(getattr(x, f.name)))
+                return y
+            return x
+
+        return pytree.tree_map(leaf, v)
 
     # --- capture ---------------------------------------------------------------------
     def capture(
@@ -234,13 +248,17 @@ class CaptureManager:
             raise CaptureFailed(f"graph key {key!r} is not hashable: {exc}") from exc
         if (namespace, key) in self._entries:
             raise CaptureFailed(
-                f"{namespace}/{key!r} is already captured; call reset({namespace!r}, {key!r}) first to capture it again"
+                f"{namespace}/{key!r} is already captured; call Runtime.reset({namespace!r}, {key!r}) "
+                "(or CaptureManager.reset) first to capture it again"
             )
         if self._ctx is not None:
-            raise CaptureFailed("captures do not nest")
+            raise CaptureFailed(
+                f"capture of {namespace}/{key!r}: {self._ctx.namespace}/{self._ctx.key!r} is being captured; "
+                "captures do not nest"
+            )
         if tokens is None:
             if isinstance(key, bool) or not isinstance(key, int):
-                raise CaptureFailed(f"key {key!r} is not a token count: pass tokens=")
+                raise CaptureFailed(f"capture of {namespace}/{key!r}: the key is not a token count; pass tokens=")
             tokens = key
         npu = self.device.npu
         for spec in SPECS.values():
@@ -249,42 +267,58 @@ class CaptureManager:
         graph = npu.NPUGraph()
         t0 = time.perf_counter()
         self._ctx = ctx
+        failure: BaseException | None = None
         try:
             # on the device's one side stream for captures (torch_npu's default), as graphs
             # sharing a pool must be
             with npu.graph(graph, pool=self.pool):
-                outputs = fn(*args, **kwargs)
+                try:
+                    outputs = fn(*args, **kwargs)
+                except BaseException as exc:
+                    failure = exc  # the graph context still ends the capture (as torch_npu's does)
+            if failure is not None:
+                raise failure
             if not ctx.tasks and require_attention:
                 raise CaptureFailed(
                     f"capture of {namespace}/{key!r}: the callable made no attention call "
                     "through the runtime; nothing would be updated"
                 )
-        except CaptureFailed:
-            graph.reset()
-            raise
-        except Exception as exc:
-            graph.reset()
-            where = f" in layer {ctx.layer!r}" if ctx.layer else ""
+            entry = CapturedGraph(
+                namespace=namespace,
+                key=key,
+                graph=graph,
+                choice=ctx.choice or KernelChoice(kernel="none", reason="no attention in this graph"),
+                tasks=tuple(ctx.tasks),
+                tokens=ctx.tokens,
+                batch=_batch_of(ctx.tasks),
+                workspace_bytes=max(ctx.needs.values(), default=0),
+                outputs=self._alias_tree(outputs),
+                static_inputs=dict(static_inputs or {}),
+                capture_seconds=time.perf_counter() - t0,
+                pool=self.pool,
+            )
+            if self.on_captured is not None:
+                self.on_captured(entry)
+        except BaseException as exc:
+            graph.reset()  # nothing registered: the same key captures again at once
+            # the callable's own error, even if ending the capture raised another
+            cause = failure if failure is not None else exc
+            if not isinstance(cause, Exception) or isinstance(cause, CaptureFailed):
+                if cause is exc:
+                    raise  # Ctrl-C stays itself; our own errors already say where
+                raise cause from None
+            layer = ctx.layer or (ctx.tasks[-1].layer if ctx.tasks else None)
+            where = (
+                f" in layer {ctx.layer!r}"
+                if ctx.layer
+                else (f" after layer {layer!r} (the last attention call recorded)" if layer else "")
+            )
             raise CaptureFailed(
-                f"capture of {namespace}/{key!r} failed{where} at {_raised_at(exc, self._library_code)}: "
-                f"{type(exc).__name__}: {str(exc).rstrip('.')}. Nothing was registered for this key."
-            ) from exc
+                f"capture of {namespace}/{key!r} failed{where} at {_raised_at(cause, self._library_code)}: "
+                f"{type(cause).__name__}: {str(cause).rstrip('.')}. Nothing was registered for this key."
+            ) from cause
         finally:
             self._ctx = None
-        entry = CapturedGraph(
-            namespace=namespace,
-            key=key,
-            graph=graph,
-            choice=ctx.choice or KernelChoice(kernel="none", reason="no attention in this graph"),
-            tasks=tuple(ctx.tasks),
-            tokens=ctx.tokens,
-            batch=_batch_of(ctx.tasks),
-            workspace_bytes=max(ctx.needs.values(), default=0),
-            outputs=self._alias_tree(outputs),
-            static_inputs=dict(static_inputs or {}),
-            capture_seconds=time.perf_counter() - t0,
-            pool=self.pool,
-        )
         self._entries[(namespace, key)] = entry
         for t in entry.tasks:
             self._by_event[id(t.event)] = (entry, t)

@@ -25,9 +25,10 @@ class Device:
 
     ``memory`` is the torch device where this device's memory lives (``npu:<current device>`` on
     Ascend; the CPU on the simulator): npugraph allocates every device tensor there.
-    ``deadlock_errors`` / ``race_errors`` / ``memory_errors`` are the exception types the
-    device raises for hangs, races and use of freed memory (the simulator's; empty on
-    hardware, which hangs or corrupts silently).
+    ``deadlock_errors`` / ``race_errors`` / ``fault_errors`` are the exception types the
+    device raises for hangs, races and faults inside a replay (reported by the next
+    synchronize; the simulator's, empty on hardware, which hangs, corrupts silently or
+    reports an error code that ends the process).
     """
 
     name: str
@@ -36,7 +37,7 @@ class Device:
     memory: torch.device
     deadlock_errors: tuple[type[BaseException], ...] = ()
     race_errors: tuple[type[BaseException], ...] = ()
-    memory_errors: tuple[type[BaseException], ...] = ()
+    fault_errors: tuple[type[BaseException], ...] = ()
 
     @property
     def is_sim(self) -> bool:
@@ -69,7 +70,7 @@ def load_device(kind: str | Device = "sim") -> Device:
             memory=torch.device("cpu"),
             deadlock_errors=(sim.DeadlockError,),
             race_errors=(sim.RaceError,),
-            memory_errors=(sim.UseAfterFree,),
+            fault_errors=(sim.ReplayFault,),
         )
     if kind == "npu":
         try:

@@ -201,9 +201,10 @@ class NpuGraphWrapper:
     2. first call for the context's ``batch_descriptor`` → capture it through the
        runtime's :class:`~npugraph.capture.CaptureManager` into the shared pool
        (warm-up, kernel choice, capture) and return the outputs;
-    3. later calls → in FULL mode, update the graph's attention tasks from
+    3. later calls → one :meth:`Runtime.step <npugraph.runtime.Runtime.step>` in the
+       runtime's order: in FULL mode the graph's attention tasks are updated from
        ``forward_context.attn_metadata`` (on the runtime's update stream, after the
-       previous replay, no host synchronize), then replay; return the outputs.
+       previous replay, no host synchronize) and the graph replays; return the outputs.
 
     It does not copy inputs: as in vLLM, the model runner passes persistent buffers
     whose addresses must not change.  With ``check_addresses`` (default: when
@@ -279,13 +280,14 @@ class NpuGraphWrapper:
             return out
         if self.check_addresses:
             self._check_addresses(key, args, kwargs)
-        if self._full and self.runtime.manager.entry(self.namespace, key).tasks:
-            metadata = _step_metadata(ctx.attn_metadata)
-            # replay first: the device starts the graph while the host updates layer by layer
-            out = self.runtime.replay(key, namespace=self.namespace)
-            self.runtime.update(key, metadata, namespace=self.namespace)
-            return out
-        return self.runtime.replay(key, namespace=self.namespace)
+        metadata = (
+            _step_metadata(ctx.attn_metadata)
+            if self._full and self.runtime.entry(key, namespace=self.namespace).tasks
+            else {}
+        )
+        # the runtime's one step protocol, in its order (replay-first by default: the
+        # device starts the graph while the host updates layer by layer)
+        return self.runtime.step(key, metadata, namespace=self.namespace)
 
     def _capture(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from vllm.compilation.counter import compilation_counter

@@ -1,14 +1,27 @@
 """Per-step update and replay of captured graphs."""
 
 from npugraph.replay.lens import AttentionMetadata, convert, pad_lens
-from npugraph.replay.updater import GraphState, ReplayUpdater, StepMetadata, UpdatePlan, describe_device_error
+from npugraph.replay.plan import Geometry, TaskPlan, UpdatePlan, build_plan
+from npugraph.replay.updater import (
+    ORDERS,
+    GraphState,
+    ReplayUpdater,
+    StepMetadata,
+    StepPhase,
+    describe_device_error,
+)
 
 __all__ = [
+    "ORDERS",
     "AttentionMetadata",
+    "Geometry",
     "GraphState",
     "ReplayUpdater",
     "StepMetadata",
+    "StepPhase",
+    "TaskPlan",
     "UpdatePlan",
+    "build_plan",
     "convert",
     "describe_device_error",
     "pad_lens",

@@ -60,6 +60,7 @@ def convert(
     validate: bool,
     tokens_per_request: int,
     check_block_ids: bool | None = None,
+    table_device: torch.device | None = None,
 ) -> StepLens:
     """Validate ``meta`` against a captured graph and pad it to that graph's size.
 
@@ -69,7 +70,8 @@ def convert(
     block id in use — reading a device table here would synchronize, so the updater
     checks those on the device instead (the cost grows with the blocks in use).
     Without ``query_start_loc`` every request has ``tokens_per_request`` query tokens
-    (1: decode; more: speculative verification).
+    (1: decode; more: speculative verification).  ``table_device``: the device's memory;
+    a block table must be there or on the host.
     """
     if not isinstance(meta, AttentionMetadata):
         raise MetadataError(
@@ -88,6 +90,11 @@ def convert(
         raise MetadataError(f"{where}: block_table must be an int32 tensor [R={r}, cols], got {shape}")
     if table.dtype != torch.int32:
         raise MetadataError(f"{where}: block_table must be int32, got {table.dtype}")
+    if table.device.type != "cpu" and (table_device is None or table.device.type != table_device.type):
+        raise MetadataError(
+            f"{where}: block_table is on {table.device}; it must be on the host or on the device's memory "
+            f"({table_device or 'cpu'}), where the runtime copies it into the captured buffer"
+        )
     if meta.query_start_loc is not None:
         qsl = _host_ints(meta.query_start_loc, "query_start_loc", where)
         if len(qsl) != r + 1 or qsl[0] != 0:

@@ -1,12 +1,21 @@
-"""Rewrite captured graphs' host-side kernel arguments before each replay."""
+"""Rewrite captured graphs' host-side kernel arguments, and sequence every step.
+
+A captured graph's per-step state is one :class:`StepPhase` (and which of its tasks'
+events are recorded but not yet consumed).  :meth:`ReplayUpdater.step` is the one place
+that orders a step's update and replay; :meth:`~ReplayUpdater.update` and
+:meth:`~ReplayUpdater.replay` are its halves, for engines that call them apart, and
+follow the same table.  After any error the graph is left in a phase from which the
+next good step succeeds, in either order (see the README's "Errors and recovery").
+"""
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import attrs
@@ -15,6 +24,7 @@ import torch
 from npugraph.capture import CapturedGraph, CaptureManager, TaskRecord
 from npugraph.errors import (
     ConfigError,
+    GraphDeadlock,
     GraphRace,
     MetadataError,
     NotReplayableError,
@@ -22,138 +32,127 @@ from npugraph.errors import (
     ReplayFailed,
     UpdateFailed,
 )
-from npugraph.ops import OpSpec, StepLens
+from npugraph.ops import StepLens
 from npugraph.replay.lens import AttentionMetadata, bad_block_ids, convert
+from npugraph.replay.plan import TaskPlan, UpdatePlan, build_plan
 
-__all__ = ["ReplayUpdater", "StepMetadata", "UpdatePlan", "GraphState", "describe_device_error"]
+__all__ = ["ORDERS", "ReplayUpdater", "StepMetadata", "StepPhase", "GraphState", "describe_device_error"]
 
 # Layer or KV-cache-group name -> metadata; a list of those with micro-batching.
 StepMetadata = Mapping[str, AttentionMetadata] | Sequence[Mapping[str, AttentionMetadata]]
 
+ORDERS = ("replay-first", "update-first")
 
-@attrs.frozen(kw_only=True)
-class UpdatePlan:
-    """What an update of one graph touches, worked out once after capture.
 
-    Per task (in layer order): its layer, KV-cache group, micro-batch and length slot,
-    task-group handle, event, resolved kernel entry point, whether the fused 4-in-1
-    update applies, its captured arguments less the host ones (positional query, key,
-    value for the 4-in-1), its block-table buffer, and the cache geometry its lengths
-    are validated against: (block_size, num_blocks, table columns, batch rows, tokens).
-    """
+class StepPhase(enum.Enum):
+    """Where a captured graph is in its step protocol (see :class:`ReplayUpdater`)."""
 
-    layers: tuple[str, ...]
-    groups: tuple[str, ...]
-    ubatches: tuple[int, ...]
-    slots: tuple[str, ...]
-    handles: tuple[Any, ...]
-    events: tuple[Any, ...]
-    kernels: tuple[Callable[..., Any], ...]
-    fused: tuple[bool, ...]
-    kwargs: tuple[dict[str, Any], ...]
-    qkv: tuple[tuple[Any, Any, Any] | None, ...]
-    block_tables: tuple[Any, ...]
-    buffers: tuple[Any, ...]  # the distinct block-table buffers
-    slot_set: tuple[str, ...]  # the distinct length slots
-    geometry: tuple[tuple[int, int, int, int, int], ...]
-    spec_set: tuple[OpSpec, ...]  # the distinct specs of the graph
-    spec_names: tuple[str, ...]
-    uniform: bool  # one spec and one cache geometry for every task: one metadata converts once for all
+    IDLE = "idle"  # no update pending, no replay waiting
+    UPDATED = "updated"  # an update landed; the next replay runs it
+    REPLAY_QUEUED = "replay-queued"  # a replay waits on the device for its update
+    BROKEN = "broken"  # an update or replay failed part-way: tasks may hold several steps' lengths
 
 
 @attrs.define(kw_only=True, eq=False)
 class GraphState:
-    """The updater's per-step state of one captured graph (capture's records stay frozen).
+    """The per-step state of one captured graph (what capture recorded stays frozen).
 
+    ``pending[i]``: task ``i``'s event is recorded and not yet consumed by a replay;
     ``applied[i]``: the host values last written into task ``i`` (identity tells an
-    unchanged task); ``lens_of[i]`` / ``host_of[i]``: the lengths task ``i`` was last
-    given and their host values (a step with equal lengths reuses both objects, so its
-    tasks skip the re-issue); ``event_pending[i]``: its event is recorded and not yet
-    consumed by a replay; ``replay_waiting``: a replay is queued ahead of its update;
-    ``last_lens``: each length slot's latest lengths (for dumps).
+    unchanged task; ``None``: unknown, re-issue it); ``lens_of[i]`` / ``host_of[i]``: the
+    lengths task ``i`` was last given and their host values (a step with equal lengths
+    reuses both objects, so its tasks skip the re-issue); ``done``: two events its
+    replays record in turn (the next update is ordered after them); ``last_lens``: each
+    length slot's latest lengths (for dumps); ``last_update_s`` / ``last_replay_s``: host
+    seconds of the last step's two halves.
     """
 
-    replayable: bool = True
-    replay_waiting: bool = False
+    phase: StepPhase = StepPhase.IDLE
+    pending: list[bool]
     applied: list[Any]
-    event_pending: list[bool]
     lens_of: list[StepLens | None]
     host_of: list[tuple[StepLens, dict[str, Any]] | None]
+    done: tuple[Any, Any]
+    waiting_done: Any = None  # the done event of the replay that waits for its update
     last_lens: dict[str, StepLens] = attrs.field(factory=dict)
     steps: int = 0
     replays: int = 0
     last_reissued: int = 0
-
-
-@attrs.define
-class _NamespaceSteps:
-    """Step bookkeeping of one namespace: which replay the next update must follow.
-
-    Two events take turns: this step's replay records :attr:`done`; this step's update
-    waits for :attr:`previous`, recorded by the previous step's replay.
-    """
-
-    events: tuple[Any, Any]
-    step: int = 0
-    updated: bool = False
-    replayed: bool = False
+    last_update_s: float = 0.0
+    last_replay_s: float = 0.0
 
     @property
-    def done(self) -> Any:
-        return self.events[self.step % 2]
-
-    @property
-    def previous(self) -> Any:
-        """The previous step's replay-done event (None before the first step completes)."""
-        return self.events[1 - self.step % 2] if self.step else None
-
-    def advance_if_complete(self) -> None:
-        if self.updated and self.replayed:
-            self.step += 1
-            self.updated = self.replayed = False
+    def replayable(self) -> bool:
+        """Whether a replay may run now without a complete update first."""
+        return self.phase is not StepPhase.BROKEN
 
 
 class ReplayUpdater:
-    """Apply each step's lengths and block tables to captured graphs, then replay them.
+    """Apply each step's lengths and block tables to captured graphs, and sequence each step.
 
-    Workflow per step (either order of 2 and 3 works):
+    Workflow per step:
 
     1. the engine builds per-layer (or per-KV-cache-group) :class:`AttentionMetadata`;
-    2. :meth:`update` — validates and pads every distinct metadata object once, copies
-       block tables into the captured buffers once per buffer, then on its own update
-       stream, ordered after the namespace's previous replay by an event (never a host
-       synchronize), re-issues each task whose host arguments changed inside
-       ``graph_task_update_begin/end`` and records each task's ``ExternalEvent``;
-    3. :meth:`replay` — enqueues the graph on the current stream.
+    2. :meth:`step` validates and pads every distinct metadata object once (a bad one
+       raises :class:`~npugraph.errors.MetadataError` before any device call), then in
+       the runtime's ``order`` replays the graph and updates it — copying block tables
+       into the captured buffers once per buffer, and on the one update stream, ordered
+       after the previous replay by an event (never a host synchronize), re-issuing
+       each task whose host arguments changed inside ``graph_task_update_begin/end`` and
+       recording each task's ``ExternalEvent``;
+    3. :meth:`synchronize` before reading outputs on the host.
 
-    FIA tasks are updated through the device's 4-in-1 ``_npu_fused_infer_attention_score_out_graph``
-    where it has one (``fused_update``; default: on hardware).  A graph whose update
-    or replay failed refuses to replay until a complete update succeeds.  The updater
-    never captures and never synchronizes; it owns every graph's per-step state.
+    The phases of a graph (``order`` decides the two calls a step makes):
+
+    =================  =======================  ==================================
+    phase              call                     next phase
+    =================  =======================  ==================================
+    IDLE               update                   UPDATED
+    IDLE               replay (replay-first)    REPLAY_QUEUED
+    IDLE               replay (update-first)    refused: update first
+    UPDATED            replay (update-first)    IDLE (the replay runs the update)
+    UPDATED            replay (replay-first)    REPLAY_QUEUED (the stale update's
+                                                events are consumed first)
+    UPDATED            update                   UPDATED (newer lengths)
+    REPLAY_QUEUED      update (replay-first)    IDLE (the waiting replay runs it)
+    REPLAY_QUEUED      update (update-first)    UPDATED (the waiting replay of an
+                                                earlier step is released first)
+    REPLAY_QUEUED      replay                   REPLAY_QUEUED (the waiting one is
+                                                released first)
+    BROKEN             update                   UPDATED (stale events consumed,
+                                                every task re-issued)
+    BROKEN             replay (replay-first)    REPLAY_QUEUED (likewise)
+    BROKEN             replay (update-first)    refused: update first
+    =================  =======================  ==================================
+
+    A *released* replay runs with no request (every key length 0: it reads no block
+    and its attention writes zeros), so nothing waits forever.  Errors: bad metadata
+    changes nothing on the device, except that a replay waiting for it is released;
+    a device error part-way through an update releases a waiting replay, else leaves
+    the graph BROKEN; a replay fault (reported by :meth:`synchronize`, as the device
+    reports asynchronous work) leaves it BROKEN; :meth:`synchronize` with a replay still
+    waiting raises :class:`~npugraph.errors.GraphDeadlock` at once instead of hanging.
+
+    FIA tasks are updated through the device's 4-in-1
+    ``_npu_fused_infer_attention_score_out_graph`` where it has one (``fused_update``;
+    default: on hardware).  One updater, one update stream, one thread: CANN does not
+    allow concurrent task updates.  The updater never captures.
     """
 
     def __init__(
         self,
         manager: CaptureManager,
         *,
+        order: str = "replay-first",
         validate: bool = True,
         skip_unchanged: bool = True,
         fused_update: bool | None = None,
         on_error: Callable[[NpuGraphError, CapturedGraph | None], None] | None = None,
         on_update: Callable[[CapturedGraph, GraphState], None] | None = None,
         defer_block_check: bool | None = None,
-        update_workers: int = 1,
     ) -> None:
-        if isinstance(update_workers, bool) or not isinstance(update_workers, int) or update_workers < 1:
-            raise ConfigError(f"update_workers must be an int >= 1, got {update_workers!r}")
         self.manager = manager
-        # K > 1: tasks are updated from K host threads, each on its own update stream
-        # (task i by thread i % K, so layers land in order); worth it where the update
-        # call releases the GIL (the 4-in-1). Check the device first: npugraph selftest.
-        self.update_workers = update_workers
-        # threads start on first use: none with K = 1
-        self._pool = ThreadPoolExecutor(max(1, update_workers - 1), "npugraph-update")
-        self._streams: list[Any] | None = None  # made on first use
+        self.order = order
         self.device = manager.device
         self.validate = validate
         # None: block ids of device-resident tables are checked on the device (a host read
@@ -168,173 +167,324 @@ class ReplayUpdater:
             # simulator's is the same Python calls, so it is used there only on request.
             fused_update = not self.device.is_sim
         self._fused = self.device.fused_fia_update if fused_update else None
+        self._stream: Any = None  # made on first use
+        # The done event of the latest replay that waits for no update: every update is
+        # ordered after it, so it lands after the replays that read what it rewrites.
+        self._after: Any = None
         # dropped with the graph: a plan holds task-group handles, which must not
         # outlive the graph the manager released
         self._plans: weakref.WeakKeyDictionary[CapturedGraph, UpdatePlan] = weakref.WeakKeyDictionary()
         self._states: weakref.WeakKeyDictionary[CapturedGraph, GraphState] = weakref.WeakKeyDictionary()
-        self._steps: dict[str, _NamespaceSteps] = {}
         self._on_error = on_error
         self._on_update = on_update
 
     @property
-    def stream(self) -> Any:
-        """The (first) update stream, shared by every namespace."""
-        return self.streams[0]
+    def order(self) -> str:
+        """The order of a step's two halves: ``"replay-first"`` or ``"update-first"``."""
+        return self._order
+
+    @order.setter
+    def order(self, order: str) -> None:
+        if order not in ORDERS:
+            raise ConfigError(f"order must be 'replay-first' or 'update-first', got {order!r}")
+        self._order = order
 
     @property
-    def streams(self) -> list[Any]:
-        """One update stream per update worker."""
-        if self._streams is None:
-            self._streams = [self.device.npu.Stream() for _ in range(self.update_workers)]
-        return self._streams
+    def stream(self) -> Any:
+        """The one update stream, shared by every graph and namespace."""
+        if self._stream is None:
+            self._stream = self.device.npu.Stream()
+        return self._stream
 
-    def _ns(self, namespace: str) -> _NamespaceSteps:
-        st = self._steps.get(namespace)
-        if st is None:
-            npu = self.device.npu
-            st = self._steps[namespace] = _NamespaceSteps(events=(npu.Event(), npu.Event()))
-        return st
+    def register(self, entry: CapturedGraph) -> None:
+        """Build ``entry``'s update plan and step state (when its capture ends)."""
+        npu = self.device.npu
+        n = len(entry.tasks)
+        plan = build_plan(entry, self.device, self._fused)
+        state = GraphState(
+            pending=[False] * n,
+            applied=[None] * n,
+            lens_of=[None] * n,
+            host_of=[None] * n,
+            done=(npu.Event(), npu.Event()),
+        )
+        self._plans[entry] = plan
+        self._states[entry] = state
 
     def state(self, entry: CapturedGraph) -> GraphState:
-        """The per-step state of ``entry`` (created on first use)."""
+        """The per-step state of ``entry``."""
         st = self._states.get(entry)
         if st is None:
-            n = len(entry.tasks)
-            st = self._states[entry] = GraphState(
-                applied=[None] * n, event_pending=[False] * n, lens_of=[None] * n, host_of=[None] * n
-            )
+            self.register(entry)  # a graph captured by a bare CaptureManager
+            st = self._states[entry]
         return st
 
     def plan(self, entry: CapturedGraph) -> UpdatePlan:
-        """The update plan of ``entry`` (built on first use)."""
+        """The update plan of ``entry`` (built when its capture ended)."""
         plan = self._plans.get(entry)
         if plan is None:
-            plan = self._plans[entry] = self._build_plan(entry)
+            self.register(entry)
+            plan = self._plans[entry]
         return plan
 
-    def _build_plan(self, entry: CapturedGraph) -> UpdatePlan:
-        fused, geometry, tables, kwargs, qkv = [], [], [], [], []
-        # Aliases are per task; one buffer (by address and layout) is copied into once per step.
-        buffers: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Any] = {}
-        for t in entry.tasks:
-            kw = {k: v for k, v in t.kwargs().items() if k not in t.spec.host_args}
-            use_fused = bool(t.spec.fused_update and self._fused is not None)
-            fused.append(use_fused)
-            qkv.append((kw.pop("query"), kw.pop("key"), kw.pop("value")) if use_fused else None)
-            kwargs.append(kw)
-            (table_arg,) = t.spec.refreshed_buffers  # the block table, refreshed by copy
-            bt, kc, q = t.args[table_arg], t.args[t.spec.cache_arg], t.args["query"]  # every spec has them
-            geometry.append((int(kc.shape[1]), int(kc.shape[0]), int(bt.shape[1]), int(bt.shape[0]), int(q.shape[0])))
-            tables.append(buffers.setdefault((bt.data_ptr(), tuple(bt.shape), tuple(bt.stride())), bt))
-        return UpdatePlan(
-            layers=tuple(t.layer for t in entry.tasks),
-            groups=tuple(t.group for t in entry.tasks),
-            ubatches=tuple(t.ubatch for t in entry.tasks),
-            slots=tuple(t.slot for t in entry.tasks),
-            handles=tuple(t.handle for t in entry.tasks),
-            events=tuple(t.event for t in entry.tasks),
-            spec_set=tuple({t.spec.name: t.spec for t in entry.tasks}.values()),
-            spec_names=tuple(t.spec.name for t in entry.tasks),
-            kernels=tuple(t.spec.kernel_fn(self.device) for t in entry.tasks),
-            fused=tuple(fused),
-            kwargs=tuple(kwargs),
-            qkv=tuple(qkv),
-            block_tables=tuple(tables),
-            buffers=tuple({id(b): b for b in tables}.values()),
-            slot_set=tuple(dict.fromkeys(t.slot for t in entry.tasks)),
-            geometry=tuple(geometry),
-            uniform=len({t.spec.name for t in entry.tasks}) == 1 and len(set(geometry)) == 1,
-        )
+    def _graph(self, namespace: str, key: Hashable) -> tuple[CapturedGraph, UpdatePlan, GraphState]:
+        entry = self.manager.entry(namespace, key)
+        return entry, self.plan(entry), self.state(entry)
 
-    # --- update ----------------------------------------------------------------------
+    # --- the step --------------------------------------------------------------------
+    def step(self, namespace: str, key: Hashable, metadata: StepMetadata) -> Any:
+        """Run one step of the graph of ``(namespace, key)`` in this updater's order.
+
+        Bad metadata is refused before any device call.  Returns the graph's outputs
+        (non-owning aliases: valid until another graph of the pool replays).
+        """
+        entry, plan, state = self._graph(namespace, key)
+        if not plan.tasks:  # nothing to update (a PIECEWISE piece)
+            self._replay(entry, plan, state)
+            return entry.outputs
+        prepared = self._prepare_checked(entry, plan, state, metadata)
+        if self.order == "update-first":
+            self._write(entry, plan, state, prepared)
+            self._replay(entry, plan, state)
+        else:
+            self._replay(entry, plan, state)
+            self._write(entry, plan, state, prepared)
+        return entry.outputs
+
     def update(self, namespace: str, key: Hashable, metadata: StepMetadata) -> None:
-        """Write this step's metadata into the graph of ``(namespace, key)``.
+        """Write this step's metadata into the graph of ``(namespace, key)``: half a step.
 
         ``metadata`` maps attention layer names, or KV-cache group names shared by
         many layers, to :class:`AttentionMetadata` — or is a list of such mappings,
         one per micro-batch.  Each task is resolved by its own layer name first, then
         by its group; never by iteration order.  Bad metadata raises
-        :class:`~npugraph.errors.MetadataError` before any device call; the graph then
-        refuses to replay until a complete update succeeds.
+        :class:`~npugraph.errors.MetadataError` before any device call.
         """
-        entry = self.manager.entry(namespace, key)
-        plan = self.plan(entry)
-        state = self.state(entry)
-        # Until a complete update lands, replaying would run a mix of steps' lengths.
-        state.replayable = False
+        entry, plan, state = self._graph(namespace, key)
+        if plan.tasks:
+            self._write(entry, plan, state, self._prepare_checked(entry, plan, state, metadata))
+
+    def replay(self, namespace: str, key: Hashable) -> None:
+        """Enqueue the graph of ``(namespace, key)`` on the current stream: half a step.
+
+        After :meth:`update` it runs that update's lengths; in replay-first order it
+        waits on the device for the update that follows.
+        """
+        entry, plan, state = self._graph(namespace, key)
+        self._replay(entry, plan, state)
+
+    def _prepare_checked(
+        self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata
+    ) -> _Step:
         try:
-            step = self._prepare(entry, plan, state, metadata)
+            return self._prepare(entry, plan, state, metadata)
         except NpuGraphError as bad:
+            if state.phase is StepPhase.REPLAY_QUEUED and self.order == "replay-first":
+                # this step's replay is already queued: let it run empty rather than wait forever
+                self._release(plan, state)
             self._report(bad, entry)
             raise
+
+    def _write(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: _Step) -> None:
+        """Issue a prepared update and move the graph to its next phase."""
+        t0 = time.perf_counter()
+        if state.phase is StepPhase.REPLAY_QUEUED and self.order == "update-first":
+            self._release(plan, state)  # a replay of an earlier step: it must not take this update
+        if state.phase is StepPhase.BROKEN:
+            self._settle(plan, state)
+        waiting = state.phase is StepPhase.REPLAY_QUEUED
         try:
-            state.last_reissued = self._issue(entry, plan, state, step)
+            reissued = self._issue(plan, state, step)
         except _TaskFailed as failed:
-            cause = failed.error
-            i = failed.index
-            where = "copying block tables" if i < 0 else f"layer {plan.layers[i]!r} (task {i})"
-            if isinstance(cause, self.device.race_errors):
-                err: NpuGraphError = GraphRace(
-                    f"update of {namespace}/{key!r} at {where}: " + describe_device_error(self.manager, cause, entry)
-                )
+            err = self._update_error(entry, plan, failed)
+            if waiting:
+                self._release(plan, state, keep=step.host)
             else:
-                err = UpdateFailed(
-                    f"update of {namespace}/{key!r} failed at {where}: "
-                    f"{type(cause).__name__}: {str(cause).rstrip('.')}. The graph will not replay until a "
-                    "complete update succeeds."
-                )
+                state.phase = StepPhase.BROKEN
             self._report(err, entry)
-            raise err from cause
-        state.replayable = True
+            raise err from failed.error
+        state.last_reissued = reissued
         state.steps += 1
-        steps = self._ns(namespace)
-        steps.updated = True
-        steps.advance_if_complete()
+        if waiting:
+            self._waiting_ran(state)
+        else:
+            state.phase = StepPhase.UPDATED
+        state.last_update_s = time.perf_counter() - t0
         if self._on_update is not None:
             self._on_update(entry, state)
 
+    def _replay(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState) -> None:
+        """Enqueue a replay and move the graph to its next phase (see the class table)."""
+        t0 = time.perf_counter()
+        where = f"{entry.namespace}/{entry.key!r}"
+        if not plan.tasks:  # nothing to update: no events to wait for
+            self._launch(entry, state, waits=False)
+            state.last_replay_s = time.perf_counter() - t0
+            return
+        if state.phase is StepPhase.REPLAY_QUEUED:
+            self._release(plan, state)  # abandoned by the caller: let it run empty
+        update_first = self.order == "update-first"
+        if state.phase is StepPhase.UPDATED and update_first:
+            self._launch(entry, state, waits=False)
+            state.last_replay_s = time.perf_counter() - t0
+            return
+        if update_first:
+            why = (
+                "its last update or replay failed part-way, so its layers may hold several steps' lengths"
+                if state.phase is StepPhase.BROKEN
+                else "it has no update since its last replay"
+            )
+            err = NotReplayableError(
+                f"{where} is not replayable: {why}. In update-first order call update() with complete, "
+                "valid metadata before each replay() (or use step())."
+            )
+            self._report(err, entry)
+            raise err
+        if state.phase is not StepPhase.IDLE:
+            # UPDATED: that update belongs to an earlier step (in this order a step's update
+            # follows its replay); BROKEN: events left recorded by a failure.
+            self._settle(plan, state)
+        self._launch(entry, state, waits=True)
+        state.last_replay_s = time.perf_counter() - t0
+
+    def _launch(self, entry: CapturedGraph, state: GraphState, *, waits: bool) -> None:
+        """Enqueue the graph; ``waits``: it waits on the device for the update that follows."""
+        try:
+            entry.graph.replay()
+        except Exception as exc:
+            state.phase = StepPhase.BROKEN
+            if isinstance(exc, self.device.race_errors):
+                err: NpuGraphError = GraphRace(describe_device_error(self.manager, exc, entry))
+            else:
+                err = ReplayFailed(
+                    f"replay of {entry.namespace}/{entry.key!r} failed: {type(exc).__name__}: "
+                    f"{str(exc).rstrip('.')}. The next complete step replays it again."
+                )
+            self._report(err, entry)
+            raise err from exc
+        state.replays += 1
+        if not entry.tasks:
+            return
+        done = state.done[(state.replays - 1) % 2]
+        done.record()  # on the current stream, where the replay went
+        if waits:
+            state.phase = StepPhase.REPLAY_QUEUED
+            state.waiting_done = done
+        else:
+            state.phase = StepPhase.IDLE
+            state.pending[:] = [False] * len(state.pending)
+            self._after = done
+
+    # --- recovery --------------------------------------------------------------------
+    def _waiting_ran(self, state: GraphState) -> None:
+        """The waiting replay got every event: it consumes them and can finish."""
+        state.pending[:] = [False] * len(state.pending)
+        state.phase = StepPhase.IDLE
+        self._after = state.waiting_done
+        state.waiting_done = None
+
+    def _release(self, plan: UpdatePlan, state: GraphState, keep: list[dict[str, Any]] | None = None) -> None:
+        """Let the replay that waits for this graph's update run with no request (zeros).
+
+        Every task is re-issued with key lengths 0 (it then reads no block, whatever the
+        block-table buffer holds now), except those ``keep`` says this step already
+        wrote; then every event not yet recorded is.  A task the device refuses even
+        that is left unknown (the graph is BROKEN, but nothing waits forever).
+        """
+        ok = True
+        us = self.stream
+        with self.device.npu.stream(us):
+            self._order_update(us)
+            for t in plan.tasks:
+                i = t.index
+                if state.applied[i] is not t.null_host and (keep is None or state.applied[i] is not keep[i]):
+                    try:
+                        self._reissue(us, t, t.null_host)
+                        state.applied[i] = t.null_host
+                    except Exception:
+                        state.applied[i] = None
+                        ok = False
+                if not state.pending[i]:
+                    state.pending[i] = True
+                    with contextlib.suppress(Exception):
+                        t.event.record(us)
+        self._waiting_ran(state)
+        if not ok:
+            state.phase = StepPhase.BROKEN
+
+    def _settle(self, plan: UpdatePlan, state: GraphState) -> None:
+        """Consume the events a failure or an earlier step left recorded, and forget
+        what the tasks hold, so that the next update re-issues every task."""
+        us = self.stream
+        npu = self.device.npu
+        if any(state.pending):
+            with npu.stream(us):
+                for t in plan.tasks:
+                    if state.pending[t.index]:
+                        t.event.wait(us)
+                        state.pending[t.index] = False
+            # a replay enqueued next must not race these waits for a record
+            npu.current_stream().wait_stream(us)
+        if state.phase is StepPhase.BROKEN:
+            state.applied[:] = [None] * len(state.applied)
+        state.phase = StepPhase.IDLE
+
+    def replay_faulted(self, entry: CapturedGraph, waits_skipped: Sequence[Any]) -> None:
+        """A replay of ``entry`` was cancelled by a device fault: the events whose waits
+        it skipped stay recorded; the graph is BROKEN until its next complete step."""
+        state = self.state(entry)
+        skipped = {id(e) for e in waits_skipped}
+        state.pending[:] = [id(t.event) in skipped for t in entry.tasks]
+        state.phase = StepPhase.BROKEN
+
+    def waiting(self) -> list[CapturedGraph]:
+        """The graphs whose replay waits for an update (a synchronize would hang)."""
+        return [e for e, s in list(self._states.items()) if s.phase is StepPhase.REPLAY_QUEUED]
+
+    # --- update internals ------------------------------------------------------------
     def _prepare(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata) -> _Step:
         """Resolve, validate and convert metadata; no device call here."""
         metas = _resolve(entry, plan, metadata)
         if plan.uniform and metas.count(metas[0]) == len(metas):
             return self._prepare_one(entry, plan, state, metas[0])
-        copies: dict[int, tuple[Any, AttentionMetadata]] = {}
+        copies: dict[int, tuple[Any, AttentionMetadata, str]] = {}
         deferred: list[_DeferredCheck] = []
-        lens_by: dict[tuple[int, tuple[int, ...]], StepLens] = {}
+        lens_by: dict[tuple[int, Any], StepLens] = {}
         host_by: dict[tuple[int, str], dict[str, Any]] = {}
         new_lens: dict[str, StepLens] = {}
         host: list[dict[str, Any]] = []
         for i, meta in enumerate(metas):
             # each distinct metadata once per cache geometry (a layer's own cache bounds its block ids)
-            ck = (id(meta), plan.geometry[i])
+            t = plan.tasks[i]
+            ck = (id(meta), t.geometry)
             lens = lens_by.get(ck)
             if lens is None:
                 lens = lens_by[ck] = self._convert(entry, plan, state, i, meta, deferred)
-                new_lens[plan.slots[i]] = lens
-            buf = plan.block_tables[i]
+                new_lens[t.slot] = lens
+            buf = t.block_table
             seen = copies.get(id(buf))
             if seen is None:
-                copies[id(buf)] = (buf, meta)
+                copies[id(buf)] = (buf, meta, t.layer)
             elif seen[1] is not meta and not _same_table(seen[1], meta, readable=not self._resident(meta)):
                 raise MetadataError(
-                    f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}: its metadata has another "
-                    f"block table than layer {plan.layers[plan.block_tables.index(buf)]!r}, but both layers "
+                    f"{entry.namespace}/{entry.key!r} layer {t.layer!r}: its metadata has another "
+                    f"block table than layer {seen[2]!r}, but both layers "
                     "read one captured block-table buffer; give those layers their own buffers (capture "
                     "them with separate block tables or KV-cache groups) or the same block table"
                 )
-            name = plan.spec_names[i]
+            name = t.spec.name
             cached = state.host_of[i]
             if cached is not None and cached[0] is lens:
                 hv = cached[1]  # task i's own lengths, unchanged
             else:
                 found = host_by.get((id(lens), name))
-                hv = found if found is not None else _spec(plan, i).host_values(lens)
+                hv = found if found is not None else t.spec.host_values(lens)
                 host_by[(id(lens), name)] = hv
                 state.host_of[i] = (lens, hv)
             state.lens_of[i] = lens
             host.append(hv)
         state.last_lens.update(new_lens)
-        return _Step(host=host, copies=tuple(copies.values()), deferred=tuple(deferred))
+        return _Step(host=host, copies=tuple((b, m) for b, m, _ in copies.values()), deferred=tuple(deferred))
 
     def _convert(
         self,
@@ -346,8 +496,10 @@ class ReplayUpdater:
         deferred: list[_DeferredCheck],
     ) -> StepLens:
         """Validate and pad the metadata of task ``i`` (and of every task sharing it)."""
-        bs, nblocks, cols, batch, tokens = plan.geometry[i]
-        where = f"{entry.namespace}/{entry.key!r} layer {plan.layers[i]!r}"
+        t = plan.tasks[i]
+        geo = t.geometry
+        bs, nblocks, batch, tokens = geo.block_size, geo.num_blocks, geo.batch, geo.tokens
+        where = f"{entry.namespace}/{entry.key!r} layer {t.layer!r}"
         defer = self.validate and self._resident(meta)
         lens = convert(
             meta,
@@ -356,7 +508,8 @@ class ReplayUpdater:
             max_model_len=self.manager.max_model_len,
             block_size=bs,
             num_blocks=nblocks,
-            capacity_blocks=cols,
+            capacity_blocks=geo.table_cols,
+            table_device=self.device.memory,
             where=where,
             validate=self.validate,
             check_block_ids=not defer,
@@ -393,38 +546,30 @@ class ReplayUpdater:
         if cached is not None and cached[0] is lens:
             hv = cached[1]
         else:
-            hv = plan.spec_set[0].host_values(lens)
+            hv = plan.tasks[0].spec.host_values(lens)
             state.host_of[0] = (lens, hv)
         state.lens_of[0] = lens
-        for slot in plan.slot_set:
+        for slot in plan.slots:
             state.last_lens[slot] = lens
         return _Step(
-            host=[hv] * len(plan.handles), copies=tuple((b, meta) for b in plan.buffers), deferred=tuple(deferred)
+            host=[hv] * len(plan.tasks), copies=tuple((b, meta) for b in plan.buffers), deferred=tuple(deferred)
         )
 
-    def _issue(
-        self,
-        entry: CapturedGraph,
-        plan: UpdatePlan,
-        state: GraphState,
-        step: _Step,
-    ) -> int:
+    def _order_update(self, us: Any) -> None:
+        """Order the update stream after the latest replay that waits for no update: it
+        must consume the previous step's lengths and events before this step's land."""
+        if self._after is not None:
+            us.wait_event(self._after)
+
+    def _issue(self, plan: UpdatePlan, state: GraphState, step: _Step) -> int:
         """Issue the step's device work; return how many tasks were re-issued.
 
         A failure is raised as :class:`_TaskFailed` naming the task it happened at
         (``-1``: before any task, while copying block tables).
         """
-        npu = self.device.npu
-        streams = self.streams
-        us = streams[0]
-        steps = self._ns(entry.namespace)
-        previous = steps.previous
-        if previous is not None:
-            # Order after the previous replay: it must consume the previous step's
-            # lengths and events before this step's land (no host synchronize).
-            for s in streams:
-                s.wait_event(previous)
-        with npu.stream(us):
+        us = self.stream
+        with self.device.npu.stream(us):
+            self._order_update(us)
             try:
                 for check in step.deferred:
                     self._flag(check)
@@ -436,74 +581,117 @@ class ReplayUpdater:
                         buf[:rows, :cols].copy_(src[:rows, :cols], non_blocking=True)
             except Exception as exc:
                 raise _TaskFailed(-1, exc) from exc
-            n, k = len(plan.handles), self.update_workers
-            futures = [
-                self._pool.submit(self._issue_on, streams[w], plan, state, step.host, range(w, n, k))
-                for w in range(1, k)
-            ]
-            try:
-                reissued = self._issue_tasks(us, plan, state, step.host, range(0, n, k))
-            finally:
-                wait(futures)  # every worker is done before the update returns or raises
-            reissued += sum(f.result() for f in futures)
-        if state.replay_waiting:
-            # The replay already queued consumes these events.
-            state.replay_waiting = False
-            state.event_pending[:] = [False] * len(state.event_pending)
-        return reissued
+            return self._issue_tasks(us, plan, state, step.host)
 
-    def _issue_on(
-        self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]], indices: range
-    ) -> int:
-        """A worker thread's share of the tasks, on its own update stream."""
-        with self.device.npu.stream(us):
-            return self._issue_tasks(us, plan, state, host, indices)
-
-    def _issue_tasks(
-        self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]], indices: range
-    ) -> int:
-        """Re-issue every task (of ``indices``) whose host values changed; record every task's event once."""
-        npu = self.device.npu
-        begin, end, fused_fn = npu.graph_task_update_begin, npu.graph_task_update_end, self._fused
-        applied, pending, skip = state.applied, state.event_pending, self.skip_unchanged
-        handles, events, kernels, fused = plan.handles, plan.events, plan.kernels, plan.fused
-        kwargs, qkv = plan.kwargs, plan.qkv
+    def _issue_tasks(self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]]) -> int:
+        """Re-issue every task whose host values changed; record every task's event once."""
+        applied, pending, skip, fused_fn = state.applied, state.pending, self.skip_unchanged, self._fused
         reissued = 0
-        for i in indices:
+        for t in plan.tasks:
+            i = t.index
             try:
                 hv = host[i]
                 if skip and applied[i] is hv:
                     if not pending[i]:
-                        events[i].record(us)
-                        pending[i] = True
+                        pending[i] = True  # once record() is called the flag will be set
+                        t.event.record(us)
                     continue
-                kw = kwargs[i]
-                kw.update(hv)  # the plan's own dict: host entries are rewritten in place
                 reissued += 1
-                if fused[i] and not pending[i]:
-                    q, k, v = qkv[i]  # type: ignore[misc]
-                    fused_fn(us, handles[i], events[i], q, k, v, **kw)  # type: ignore[misc]
+                if t.fused and not pending[i]:
+                    kw = t.kwargs
+                    kw.update(hv)  # the plan's own dict: host entries are rewritten in place
+                    fused_fn(us, t.handle, t.event, *t.qkv, **kw)  # type: ignore[misc]
                     applied[i] = hv
                     pending[i] = True
                     continue
-                begin(us, handles[i])
-                try:
-                    if qkv[i] is not None:
-                        kernels[i](*qkv[i], **kw)  # type: ignore[misc]
-                    else:
-                        kernels[i](**kw)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        end(us)  # close the update; the kernel's error is the one to report
-                    raise
-                end(us)
+                self._reissue(us, t, hv)
                 applied[i] = hv
                 if not pending[i]:
-                    events[i].record(us)
                     pending[i] = True
+                    t.event.record(us)
             except Exception as exc:
                 raise _TaskFailed(i, exc) from exc
         return reissued
+
+    def _reissue(self, us: Any, t: TaskPlan, hv: dict[str, Any]) -> None:
+        """Rewrite task ``t``'s arguments with host values ``hv`` (no event record)."""
+        npu = self.device.npu
+        kw = t.kwargs
+        kw.update(hv)  # the plan's own dict: host entries are rewritten in place
+        npu.graph_task_update_begin(us, t.handle)
+        try:
+            if t.qkv is not None:
+                t.kernel(*t.qkv, **kw)
+            else:
+                t.kernel(**kw)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                npu.graph_task_update_end(us)  # close the update; the kernel's error is the one to report
+            raise
+        npu.graph_task_update_end(us)
+
+    def _update_error(self, entry: CapturedGraph, plan: UpdatePlan, failed: _TaskFailed) -> NpuGraphError:
+        cause, i = failed.error, failed.index
+        where = "copying block tables" if i < 0 else f"layer {plan.tasks[i].layer!r} (task {i})"
+        name = f"{entry.namespace}/{entry.key!r}"
+        if isinstance(cause, self.device.race_errors):
+            return GraphRace(f"update of {name} at {where}: " + describe_device_error(self.manager, cause, entry))
+        return UpdateFailed(
+            f"update of {name} failed at {where}: {type(cause).__name__}: {str(cause).rstrip('.')}. "
+            "The next complete update re-issues every layer."
+        )
+
+    # --- synchronize -----------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for the device; turn a hang, a race or a replay fault into a typed error.
+
+        A replay still waiting for its update is reported at once (the device would
+        block until its event-wait timeout), naming the graph; that graph stays as it is,
+        and its next step releases it.  A replay fault puts its graph in BROKEN.  Then a
+        bad block id found by a deferred device-side check is reported.
+        """
+        dev = self.device
+        waiting = self.waiting()
+        if waiting:
+            names = ", ".join(f"{e.namespace}/{e.key!r} (first layer {e.tasks[0].layer!r})" for e in waiting)
+            err: NpuGraphError = GraphDeadlock(
+                f"synchronize would block forever: the replay of {names} waits on the device for its update, "
+                f"which was never issued (on hardware: event-wait timeout 507011 after ~30 min). In {self.order} "
+                "order a replay that no update preceded waits for the update after it: call update() with its "
+                "step's metadata, or run the next step (it lets the waiting replay run empty); step() orders both."
+            )
+            self._report(err, None)
+            raise err
+        try:
+            dev.npu.synchronize()
+        except dev.fault_errors as exc:
+            graph = getattr(exc, "graph", None)
+            entry = next((e for e in self.manager.entries() if e.graph is graph), None)
+            if entry is not None:
+                self.replay_faulted(entry, getattr(exc, "waits_skipped", ()))
+            failed = _failed_task(self.manager, exc, entry) if entry is not None else None
+            where = (
+                f"replay of {entry.namespace}/{entry.key!r} failed"
+                + ("" if failed is None else f" in layer {failed.layer!r} (task {failed.index}, {failed.spec.name})")
+                if entry is not None
+                else "a replay of a graph npugraph did not capture failed"
+            )
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            err = ReplayFailed(
+                f"{where}: {type(cause).__name__}: {str(cause).rstrip('.')}. The rest of that replay was "
+                "cancelled; the graph's next complete step runs it again."
+            )
+            self._report(err, entry)
+            raise err from exc
+        except dev.deadlock_errors as exc:
+            err = GraphDeadlock(describe_device_error(self.manager, exc))
+            self._report(err, None)
+            raise err from exc
+        except dev.race_errors as exc:
+            err = GraphRace(describe_device_error(self.manager, exc))
+            self._report(err, None)
+            raise err from exc
+        self.check_deferred()
 
     def _flag(self, check: _DeferredCheck) -> None:
         """Queue the device-side block-id check of one table (no host read)."""
@@ -532,64 +720,6 @@ class ReplayUpdater:
         )
         self._report(err, None)
         raise err
-
-    # --- replay ----------------------------------------------------------------------
-    def replay(self, namespace: str, key: Hashable) -> None:
-        """Enqueue the graph of ``(namespace, key)`` on the current stream.
-
-        Called after :meth:`update` it runs this step's lengths; called before, it
-        waits on the device for the update that follows.  A graph without attention
-        tasks has nothing to wait for.
-        """
-        entry = self.manager.entry(namespace, key)
-        state = self.state(entry)
-        if not state.replayable:
-            err: NpuGraphError = NotReplayableError(
-                f"{namespace}/{key!r} is not replayable: its last update or replay failed, so "
-                "some layers may hold new lengths and some old. Call update() with complete, "
-                "valid metadata first."
-            )
-            self._report(err, entry)
-            raise err
-        if state.replay_waiting:
-            raise NpuGraphError(
-                f"{namespace}/{key!r} already has a replay waiting for its update; update it before replaying again"
-            )
-        pending = state.event_pending
-        # an update records every task's event, so the first task's tells for all
-        waits = bool(pending) and not pending[0]
-        steps = self._ns(namespace)
-        try:
-            entry.graph.replay()
-        except Exception as exc:
-            # The device cancels the rest of the graph: the events of the tasks after the
-            # one that failed stay recorded (their waits never ran), the others were consumed.
-            # The next complete update then recovers.
-            failed = _failed_task(self.manager, exc, entry)
-            state.replayable = False  # (no replay was waiting: that was refused above)
-            pending[:] = [failed is not None and i > failed.index for i in range(len(pending))]
-            state.applied[:] = [None] * len(pending)
-            if isinstance(exc, self.device.race_errors):
-                err = GraphRace(describe_device_error(self.manager, exc, entry))
-            else:
-                where = (
-                    "" if failed is None else f" in layer {failed.layer!r} (task {failed.index}, {failed.spec.name})"
-                )
-                err = ReplayFailed(
-                    f"replay of {namespace}/{key!r} failed{where}: "
-                    f"{type(exc).__name__}: {str(exc).rstrip('.')}. Update the graph with complete, valid "
-                    "metadata to replay it again."
-                )
-            self._report(err, entry)
-            raise err from exc
-        if waits:
-            state.replay_waiting = True
-        else:
-            pending[:] = [False] * len(pending)
-        steps.done.record()  # on the current stream, where the replay went
-        state.replays += 1
-        steps.replayed = True
-        steps.advance_if_complete()
 
     # --- errors ----------------------------------------------------------------------
     def _report(self, err: NpuGraphError, entry: CapturedGraph | None) -> None:
@@ -626,11 +756,6 @@ class _TaskFailed(Exception):
 
     index: int
     error: Exception
-
-
-def _spec(plan: UpdatePlan, i: int) -> OpSpec:
-    name = plan.spec_names[i]
-    return next(s for s in plan.spec_set if s.name == name)
 
 
 def _same_table(first: AttentionMetadata, other: AttentionMetadata, *, readable: bool) -> bool:
@@ -694,18 +819,20 @@ def describe_device_error(manager: CaptureManager, exc: BaseException, entry: Ca
 def _resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> list[AttentionMetadata]:
     """The metadata of every task: by layer name, then by KV-cache group, per micro-batch."""
     if isinstance(metadata, Mapping):
-        one = plan.uniform and len(metadata) == 1 and plan.layers[0] not in metadata
-        if one and metadata.get(plan.groups[0]) is not None:  # the common step: one group's metadata
-            return [metadata[plan.groups[0]]] * len(plan.layers)
+        first = plan.tasks[0]
+        one = plan.uniform and len(metadata) == 1 and first.layer not in metadata
+        if one and metadata.get(first.group) is not None:  # the common step: one group's metadata
+            return [metadata[first.group]] * len(plan.tasks)
         get = metadata.get
-        metas = [get(layer) for layer in plan.layers]
+        metas = [get(t.layer) for t in plan.tasks]
         if None in metas:  # fall back to the KV-cache group name
-            metas = [m if m is not None else get(g) for m, g in zip(metas, plan.groups)]
+            metas = [m if m is not None else get(t.group) for m, t in zip(metas, plan.tasks)]
     elif isinstance(metadata, Sequence) and not isinstance(metadata, (str, bytes)):
         per = list(metadata)
-        if max(plan.ubatches, default=0) >= len(per):
+        ubatches = max((t.ubatch for t in plan.tasks), default=0) + 1
+        if ubatches > len(per):
             raise MetadataError(
-                f"{entry.namespace}/{entry.key!r}: the graph has {max(plan.ubatches) + 1} micro-batches "
+                f"{entry.namespace}/{entry.key!r}: the graph has {ubatches} micro-batches "
                 f"but the step's metadata lists {len(per)}"
             )
         for u, m in enumerate(per):
@@ -715,9 +842,9 @@ def _resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> 
                     f"{type(m).__name__}; expected a mapping of layer or KV-cache group names to AttentionMetadata"
                 )
         metas = []
-        for u, layer, g in zip(plan.ubatches, plan.layers, plan.groups):
-            found = per[u].get(layer)
-            metas.append(found if found is not None else per[u].get(g))
+        for t in plan.tasks:
+            found = per[t.ubatch].get(t.layer)
+            metas.append(found if found is not None else per[t.ubatch].get(t.group))
     else:
         raise MetadataError(
             f"{entry.namespace}/{entry.key!r}: step metadata must map layer or KV-cache group names to "
@@ -725,11 +852,12 @@ def _resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> 
         )
     if None in metas:
         i = metas.index(None)
-        where = f" of micro-batch {plan.ubatches[i]}" if not isinstance(metadata, Mapping) else ""
-        keys = sorted(map(str, metadata if isinstance(metadata, Mapping) else metadata[plan.ubatches[i]]))
+        t = plan.tasks[i]
+        where = f" of micro-batch {t.ubatch}" if not isinstance(metadata, Mapping) else ""
+        keys = sorted(map(str, metadata if isinstance(metadata, Mapping) else metadata[t.ubatch]))
         raise MetadataError(
             f"{entry.namespace}/{entry.key!r}: the step's metadata{where} has no entry for layer "
-            f"{plan.layers[i]!r} nor for its KV-cache group {plan.groups[i]!r} (it has {keys[:6]}...); "
+            f"{t.layer!r} nor for its KV-cache group {t.group!r} (it has {keys[:6]}...); "
             "pass metadata for every captured layer"
         )
     return metas  # type: ignore[return-value]

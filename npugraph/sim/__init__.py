@@ -29,8 +29,10 @@ from npugraph.sim._runtime import reset as _reset
 from npugraph.sim._taskgroups import NPUTaskGroupHandle
 from npugraph.sim.errors import (
     CaptureError,
+    ConcurrentUpdateError,
     DeadlockError,
     RaceError,
+    ReplayFault,
     SimError,
     UpdateMismatchError,
     UseAfterFree,
@@ -58,6 +60,8 @@ __all__ = [
     "CaptureError",
     "UpdateMismatchError",
     "UseAfterFree",
+    "ReplayFault",
+    "ConcurrentUpdateError",
 ]
 
 

@@ -209,6 +209,7 @@ class CaptureSession:
             task.group = group
             if self.last_wait is not None and self.graph._nodes[-1] is self.last_wait:
                 self.last_wait.group = group
+                group.guard = (len(self.graph._nodes) - 1, self.last_wait.event)
         self.graph._nodes.append(task)
         for name in op.output_args:
             v = params.get(name)

@@ -39,6 +39,7 @@ def _npu_fused_infer_attention_score_out_graph(
                 res = fia_out(query, key, value, **kwargs)
             except BaseException:
                 update_stream._updating = None
+                st.update_session = None
                 raise
             graph_task_update_end(update_stream)
             event.record(update_stream)

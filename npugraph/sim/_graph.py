@@ -44,6 +44,8 @@ class NPUGraph:
 
     def __init__(self) -> None:
         self.graph_id = rt._new_id()
+        # set by the ``graph`` context manager before capture_begin, as torch_npu does
+        self.auto_dispatch_capture = False
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -62,14 +64,13 @@ class NPUGraph:
     def __repr__(self) -> str:
         return f"<sim.npu.NPUGraph #{self.graph_id}>"
 
-    def capture_begin(
-        self,
-        pool: tuple[int, int] | None = None,
-        capture_error_mode: str = "global",
-        *,
-        auto_dispatch_capture: bool = False,
-    ) -> None:
-        """Begin recording the current stream's work into this graph."""
+    def capture_begin(self, pool: tuple[int, int] | None = None, capture_error_mode: str = "global") -> None:
+        """Begin recording the current stream's work into this graph.
+
+        torch_npu's signature: subclasses override it as ``capture_begin(self, pool=None,
+        capture_error_mode="global")``; auto-dispatch capture is the graph's
+        ``auto_dispatch_capture`` attribute, which the ``graph`` context manager sets.
+        """
         st = rt.get_state()
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
             raise RuntimeError(
@@ -99,8 +100,8 @@ class NPUGraph:
         self._pool = pool
         self._capture_stream = stream
         self._capturing = True
-        self._auto = auto_dispatch_capture
-        session = CaptureSession(self, stream, auto_dispatch_capture)
+        self._auto = bool(self.auto_dispatch_capture)
+        session = CaptureSession(self, stream, self._auto)
         self._session = session
         st.capture = session
         session.guard.__enter__()
@@ -120,6 +121,7 @@ class NPUGraph:
         self._session = None
         self._capturing = False
         if session.open_group is not None:
+            self._reset_state()
             raise CaptureError(
                 f"capture ended with task group #{session.open_group.group_id} still open: "
                 "call graph_task_group_end first"
@@ -197,7 +199,10 @@ class graph:
 
     Entering synchronizes the device and makes the capture stream current
     (``stream``, default: one class-level side stream shared by all captures, as
-    in torch, so that graphs sharing a pool are captured on one stream).
+    in torch, so that graphs sharing a pool are captured on one stream).  As torch_npu's,
+    it sets ``npu_graph.auto_dispatch_capture``, calls
+    ``npu_graph.capture_begin(*pool, capture_error_mode=...)``, and on exit calls
+    ``capture_end()`` whether or not the body raised (reset the graph after a failure).
     """
 
     default_capture_stream: rt.Stream | None = None
@@ -216,11 +221,11 @@ class graph:
                 cls.default_capture_stream = rt.Stream()
             stream = cls.default_capture_stream
         self.npu_graph = npu_graph
-        self.pool = pool
+        self.pool: tuple[Any, ...] = () if pool is None else (pool,)
         self.capture_stream = stream
-        self.auto_dispatch_capture = auto_dispatch_capture
         self.capture_error_mode = capture_error_mode
         self._ctx = rt.use_stream(stream)
+        npu_graph.auto_dispatch_capture = auto_dispatch_capture
 
     def __enter__(self) -> None:
         st = rt.get_state()
@@ -229,20 +234,17 @@ class graph:
         gc.collect()
         self._ctx.__enter__()
         try:
-            self.npu_graph.capture_begin(
-                self.pool,
-                self.capture_error_mode,
-                auto_dispatch_capture=self.auto_dispatch_capture,
-            )
+            self.npu_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)  # type: ignore[misc]
         except BaseException:
             self._ctx.__exit__(None, None, None)
             raise
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
+            self.npu_graph.capture_end()
+        except Exception:
             if exc_type is None:
-                self.npu_graph.capture_end()
-            else:
-                self.npu_graph.reset()
+                raise
+            # the body's error is the one to see (ending the capture still happened)
         finally:
             self._ctx.__exit__(None, None, None)

@@ -9,6 +9,7 @@ import torch
 
 from npugraph.sim import _runtime as rt
 from npugraph.sim._memory import ArgRef, check_refs
+from npugraph.sim.errors import ReplayFault
 
 __all__ = ["OpNode", "KernelTask", "ExtWaitNode", "ExtRecordNode", "GraphRun", "storage_key"]
 
@@ -138,6 +139,12 @@ class GraphRun:
             # A device graph has no autograd: replay like the no-grad work it recorded.
             with torch.no_grad():
                 self._run(nodes, n, max_nodes)
+        except Exception as exc:
+            # The device cancels the rest of this replay and reports the fault at the next
+            # synchronize (the replay was asynchronous); the stream goes on.
+            rt.get_state().faults.append(self._fault(exc))
+            self._finish()
+            return True
         except BaseException:
             self._finish()
             raise
@@ -155,6 +162,23 @@ class GraphRun:
             node.run()
             self.pc += 1
             done += 1
+
+    def _fault(self, exc: Exception) -> ReplayFault:
+        node = self.nodes[self.pc]
+        group = getattr(node, "group", None)
+        skipped = tuple(w.event for w in self.nodes[self.pc + 1 :] if isinstance(w, ExtWaitNode))
+        if isinstance(node, ExtWaitNode):
+            skipped = (node.event, *skipped)
+        fault = ReplayFault(
+            f"replay of graph #{self.graph.graph_id} failed at node {self.pc} ({node.describe()}); the rest of "
+            f"the replay was cancelled: {type(exc).__name__}: {exc}",
+            graph=self.graph,
+            node=self.pc,
+            task_group=group,
+            waits_skipped=skipped,
+        )
+        fault.__cause__ = exc
+        return fault
 
     def _finish(self) -> None:
         if self in self.graph._inflight:

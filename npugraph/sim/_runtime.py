@@ -129,6 +129,13 @@ class SimState:
         self.device_index = 0
         self.device_clock = 0.0  # seconds of simulated device time (Event.elapsed_time)
         self._costs = config.cost_model
+        # Replay faults (kernel errors inside a replay) waiting for the next synchronize,
+        # which reports them as hardware does: a replay is asynchronous.
+        self.faults: list[Any] = []
+        # The one task-update session open now (stream, host thread), and the updates
+        # each stream has queued that have not landed: CANN allows one updater at a time.
+        self.update_session: tuple[Stream, int] | None = None
+        self.updates_in_flight: collections.Counter[Stream] = collections.Counter()
 
     @property
     def current_stream(self) -> Stream:
@@ -211,8 +218,13 @@ class SimState:
             self.active.remove(s)
 
     def drain(self, what: str, stream: Stream | None = None) -> None:
-        """Run all work (of ``stream`` and what it depends on); raise if any stays blocked."""
+        """Run all work (of ``stream`` and what it depends on); raise if any stays blocked.
+
+        A replay fault since the last synchronize is raised first (the device reports
+        the error of asynchronous work at the next synchronize).
+        """
         self.pump(drain=True)
+        self.raise_faults()
         stuck = [s for s in self.active if stream is None or s is stream]
         if not stuck:
             return
@@ -225,6 +237,18 @@ class SimState:
             "graph_task_update_end) before the graph can run past that wait."
         )
         raise DeadlockError("\n".join(lines), blocked)
+
+    def raise_faults(self) -> None:
+        """Raise the first replay fault not reported yet (the others are counted in it)."""
+        if not self.faults:
+            return
+        first, rest = self.faults[0], self.faults[1:]
+        self.faults = []
+        # what the cancelled rest of the replay left set: the records that landed since
+        first.waits_skipped = tuple(e for e in first.waits_skipped if e._flag)
+        if rest:
+            first.args = (f"{first.args[0]} (and {len(rest)} later replay fault(s))",)
+        raise first
 
 
 _STATE: SimState | None = None
@@ -367,6 +391,7 @@ class Event:
         st.pump(drain=True)
         if self._completed < self._issued:
             st.drain(f"{self!r}.synchronize()")
+        st.raise_faults()
 
     def elapsed_time(self, end_event: Event) -> float:
         return (end_event._time - self._time) * 1e3

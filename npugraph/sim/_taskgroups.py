@@ -7,6 +7,7 @@ arguments when the stream reaches it.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from npugraph.sim import _runtime as rt
 from npugraph.sim._memory import ArgRef, hold_params
 from npugraph.sim._nodes import KernelTask
-from npugraph.sim.errors import RaceError, UpdateMismatchError
+from npugraph.sim.errors import ConcurrentUpdateError, RaceError, UpdateMismatchError
 
 __all__ = [
     "TaskGroup",
@@ -34,6 +35,8 @@ class TaskGroup:
         self.graph = graph
         self.group_id = group_id
         self.task: KernelTask | None = None  # set by the capture
+        # (node index, ExternalEvent) of the wait right before the task, if there is one
+        self.guard: tuple[int, Any] | None = None
         self.pending_update = False
         self.executions = 0
         self.updates = 0
@@ -61,17 +64,18 @@ class _TaskUpdate:
     It replaces *all* of the task's arguments (device addresses included), as hardware does.
     """
 
-    def __init__(self, group: TaskGroup, params: dict[str, Any], refs: tuple[ArgRef, ...]) -> None:
-        self.group, self.params, self.refs = group, params, refs
+    def __init__(self, group: TaskGroup, params: dict[str, Any], refs: tuple[ArgRef, ...], stream: rt.Stream) -> None:
+        self.group, self.params, self.refs, self.stream = group, params, refs, stream
 
     def ready(self) -> bool:
         return True
 
     def step(self, max_nodes: int) -> bool:
+        rt.get_state().updates_in_flight[self.stream] -= 1  # landed (or dropped, if it raises)
         g = self.group
         task = g.task
         assert task is not None
-        if g.pending_update and any(r.pc <= task.index for r in g.graph._inflight):
+        if g.pending_update and any(_runs_previous(g, r.pc) for r in g.graph._inflight):
             raise RaceError(
                 f"update of {g!r} landed while the previous update of this group has not "
                 "been executed yet and a queued replay has still to run it: that replay "
@@ -89,6 +93,22 @@ class _TaskUpdate:
 
     def describe(self) -> dict[str, Any]:
         return {"text": f"update of {self.group!r}", "task_group": self.group}
+
+
+def _runs_previous(g: TaskGroup, pc: int) -> bool:
+    """Whether a queued replay at node ``pc`` will run group ``g`` with the arguments of an
+    earlier update than one landing now: it has not run ``g`` yet, and it is past the wait
+    that guards ``g`` or that wait's flag is already set (an earlier record pairs it with
+    an earlier update).  A replay still waiting for an unset flag pairs with a later
+    record, which follows this update: it runs this update's arguments, as it should."""
+    task = g.task
+    assert task is not None
+    if pc > task.index:
+        return False
+    if g.guard is None:
+        return True
+    wait_at, event = g.guard
+    return pc > wait_at or bool(event._flag)
 
 
 @rt.locked
@@ -152,6 +172,22 @@ def graph_task_update_begin(stream: rt.Stream, handle: NPUTaskGroupHandle) -> No
             f"graph_task_update_begin: {stream!r} is already updating "
             f"{stream._updating!r}; call graph_task_update_end first"
         )
+    me = threading.get_ident()
+    if st.update_session is not None:
+        other, thread = st.update_session
+        who = "another host thread" if thread != me else f"this thread on {other!r}"
+        raise ConcurrentUpdateError(
+            f"graph_task_update_begin on {stream!r}: {who} has an update session open "
+            f"({other._updating!r}). {_ONE_UPDATER} Finish that update (graph_task_update_end) first."
+        )
+    busy = [s for s, n in st.updates_in_flight.items() if n > 0 and s is not stream]
+    if busy:
+        raise ConcurrentUpdateError(
+            f"graph_task_update_begin on {stream!r}: task updates queued on {busy[0]!r} have not landed "
+            f"yet, so the two streams would update concurrently. {_ONE_UPDATER} Issue every update "
+            "on one update stream (or order the streams with an event)."
+        )
+    st.update_session = (stream, me)
     stream._updating = handle
     stream._update_ops = 0
 
@@ -167,6 +203,7 @@ def graph_task_update_end(stream: rt.Stream) -> None:
             "graph_task_update_end: no update in progress on this stream (begin and end must use the same stream)"
         )
     stream._updating = None
+    st.update_session = None
     if stream._update_ops != 1:
         raise UpdateMismatchError(
             f"graph_task_update_end: {stream._update_ops} ops were issued to update "
@@ -197,7 +234,17 @@ def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any], info: dict[
         _check_same(where, name, task.params.get(name), value)
     op.check_workspace(params, where, info)
     held, refs = hold_params(rt.get_state().memory, op, params)
-    rt.get_state().enqueue(stream, _TaskUpdate(group, held, refs))
+    st = rt.get_state()
+    st.updates_in_flight[stream] += 1
+    st.enqueue(stream, _TaskUpdate(group, held, refs, stream))
+
+
+_ONE_UPDATER = (
+    'CANN allows one updater at a time: "a task group is like a critical resource; concurrent '
+    "updates from multiple threads or multiple streams are not supported, otherwise the update "
+    'results are unexpected" (aclmdlRICaptureTaskUpdateBegin/End guide; sglang-omni PR #2160 saw '
+    "graph_task_update_begin fail this way)."
+)
 
 
 def _check_same(where: str, name: str, captured: Any, given: Any) -> None:

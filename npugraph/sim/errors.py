@@ -12,6 +12,8 @@ __all__ = [
     "CaptureError",
     "UpdateMismatchError",
     "UseAfterFree",
+    "ReplayFault",
+    "ConcurrentUpdateError",
 ]
 
 
@@ -79,3 +81,39 @@ class UseAfterFree(SimError):
     def __init__(self, message: str, *, argument: str = "") -> None:
         super().__init__(message)
         self.argument = argument
+
+
+class ReplayFault(SimError):
+    """A kernel or op of a replay failed on the device; the rest of that replay was cancelled.
+
+    A replay is asynchronous, so (as on hardware, where the error comes back from the
+    next ``aclrtSynchronize*``) the fault is raised by the next synchronize, not by the
+    call that happened to run the work.  ``graph`` is the simulated graph, ``node`` the
+    index of the node that failed, ``task_group`` its task group (or ``None``),
+    ``waits_skipped`` the ExternalEvents whose waits the cancelled rest of the replay did
+    not run, and ``__cause__`` the original error.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        graph: Any = None,
+        node: int = -1,
+        task_group: Any = None,
+        waits_skipped: tuple[Any, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.graph = graph
+        self.node = node
+        self.task_group = task_group
+        self.waits_skipped = waits_skipped
+
+
+class ConcurrentUpdateError(SimError):
+    """Two task-group update sessions overlapped (threads or streams).
+
+    CANN's task-update guide (aclmdlRICaptureTaskUpdateBegin/End): "a task group is like
+    a critical resource; concurrent updates from multiple threads or multiple streams
+    are not supported, otherwise the update results are unexpected."
+    """

@@ -1,0 +1,118 @@
+"""What an update of one captured graph touches: one frozen record per task, built once.
+
+The plan is built when the capture ends (:func:`build_plan`), so a step only walks it:
+no lookups, no sorting, no string matching on the step path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from npugraph.capture import CapturedGraph
+from npugraph.ops import OpSpec, pad_lens
+
+__all__ = ["Geometry", "TaskPlan", "UpdatePlan", "build_plan"]
+
+
+@attrs.frozen(kw_only=True)
+class Geometry:
+    """The shapes one task's lengths and block ids are validated against."""
+
+    block_size: int
+    num_blocks: int  # blocks of the task's KV cache: block ids must be below it
+    table_cols: int  # columns of its captured block-table buffer
+    batch: int  # request rows of the graph (its table's rows)
+    tokens: int  # query tokens of the graph
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class TaskPlan:
+    """How to re-issue one captured task.
+
+    ``kwargs`` is the task's captured arguments less the host ones (and less query, key
+    and value when the 4-in-1 ``fused`` update applies: they are ``qkv``); the updater
+    writes each step's host values into this dict before re-issuing, so nothing is
+    allocated per task.  ``block_table`` is the captured buffer a step's table is copied
+    into (one object per distinct buffer).  ``null_host`` are the host values of a step
+    with no real request (every key length 0: the kernel reads no block and writes
+    zeros), used to release a replay whose step failed.
+    """
+
+    index: int
+    layer: str
+    group: str
+    ubatch: int
+    slot: str
+    spec: OpSpec
+    handle: Any
+    event: Any
+    kernel: Callable[..., Any]
+    fused: bool
+    kwargs: dict[str, Any]
+    qkv: tuple[Any, Any, Any] | None
+    block_table: Any
+    geometry: Geometry
+    null_host: dict[str, Any]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class UpdatePlan:
+    """The tasks of one graph in layer order, and what a step does once for all of them.
+
+    ``uniform``: one kernel and one cache geometry for every task, so one metadata
+    object converts once for the whole graph.
+    """
+
+    tasks: tuple[TaskPlan, ...]
+    buffers: tuple[Any, ...]  # the distinct block-table buffers
+    slots: tuple[str, ...]  # the distinct length slots
+    uniform: bool
+
+
+def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
+    """The update plan of ``entry`` on ``device`` (``fused_fn``: the 4-in-1, or None)."""
+    tasks = []
+    # Aliases are per task; one buffer (by address and layout) is copied into once per step.
+    buffers: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Any] = {}
+    for t in entry.tasks:
+        kw = {k: v for k, v in t.kwargs().items() if k not in t.spec.host_args}
+        fused = bool(t.spec.fused_update and fused_fn is not None)
+        qkv = (kw.pop("query"), kw.pop("key"), kw.pop("value")) if fused else None
+        (table_arg,) = t.spec.refreshed_buffers  # the block table, refreshed by copy
+        bt, kc, q = t.args[table_arg], t.args[t.spec.cache_arg], t.args["query"]  # every spec has them
+        geometry = Geometry(
+            block_size=int(kc.shape[1]),
+            num_blocks=int(kc.shape[0]),
+            table_cols=int(bt.shape[1]),
+            batch=int(bt.shape[0]),
+            tokens=int(q.shape[0]),
+        )
+        tasks.append(
+            TaskPlan(
+                index=t.index,
+                layer=t.layer,
+                group=t.group,
+                ubatch=t.ubatch,
+                slot=t.slot,
+                spec=t.spec,
+                handle=t.handle,
+                event=t.event,
+                kernel=t.spec.kernel_fn(device),
+                fused=fused,
+                kwargs=kw,
+                qkv=qkv,
+                block_table=buffers.setdefault((bt.data_ptr(), tuple(bt.shape), tuple(bt.stride())), bt),
+                geometry=geometry,
+                null_host=t.spec.host_values(pad_lens([], None, geometry.batch, geometry.tokens)),
+            )
+        )
+    specs = {t.spec.name for t in tasks}
+    return UpdatePlan(
+        tasks=tuple(tasks),
+        buffers=tuple({id(t.block_table): t.block_table for t in tasks}.values()),
+        slots=tuple(dict.fromkeys(t.slot for t in tasks)),
+        uniform=len(specs) == 1 and len({t.geometry for t in tasks}) == 1,
+    )
