@@ -209,8 +209,10 @@ class Runtime:
         """Capture every key, largest first (smaller graphs reuse the shared pool).
 
         ``make(key)`` returns ``(fn, args, kwargs)`` for :meth:`capture`; ``size(key)``
-        orders non-integer keys (default: the key itself).
+        orders non-integer keys (default: the key itself).  Synchronizes first, as
+        :meth:`capture` does.
         """
+        self.synchronize()
         self.manager.capture_all(keys, make, namespace=namespace, size=size)
 
     # --- what is captured ------------------------------------------------------------
@@ -232,7 +234,11 @@ class Runtime:
         return self.updater.state(self.manager.entry(namespace, key))
 
     def reset(self, namespace: str | None = None, key: Hashable | None = None) -> None:
-        """Free captured graphs: one key, one namespace, or all (the keys capture again)."""
+        """Free captured graphs: one key, one namespace, or all (the keys capture again).
+
+        Synchronizes first: a graph must not be freed while the device may still run it.
+        """
+        self.synchronize()
         self.manager.reset(namespace, key)
 
     def unique_namespace(self, prefix: str) -> str:

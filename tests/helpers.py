@@ -59,6 +59,7 @@ class Harness:
         seed=0,
         windows=None,
         blocks=None,
+        capture=True,
         **rt_kwargs,
     ):
         self.rt = Runtime("sim", max_model_len=MAX_LEN, policy=policy, **rt_kwargs)
@@ -91,7 +92,8 @@ class Harness:
             g: torch.zeros(ubatches, top, MAX_LEN // BLOCK, dtype=torch.int32) for g in set(self.groups.values())
         }
         self.rng = random.Random(seed)
-        self.capture(sizes)
+        if capture:
+            self.capture(sizes)
 
     def capture(self, sizes):
         """Capture every size, largest first (the host lengths are the test's: on the CPU)."""
@@ -112,7 +114,7 @@ class Harness:
             q = self.query[:, :t]
             return self.forward, (q, metas), {"tokens": t, "static_inputs": {"query": q}}
 
-        self.rt.manager.capture_all(sizes, make)
+        self.rt.capture_all(sizes, make)
 
     def forward(self, query, metas):
         outs = []

@@ -515,7 +515,7 @@ def test_a_second_replay_before_the_update_releases_the_first(world):
 def test_a_graph_that_would_hang_recovers_with_a_complete_update(world):
     world.rt.replay(8)  # replay-first order, but the update never comes
     with pytest.raises(
-        GraphDeadlock, match=r"the replay of main/8 \(first layer 'main\.layers\.0\.attn'\) waits on the device"
+        GraphDeadlock, match=r"the replay of main/8 \(first layer 'main\.layers\.0\.attn'\) waited on the device"
     ):
         world.rt.synchronize()
     world.rt.update(8, {"default": world.steps[8].meta})  # the complete update the replay waits for

@@ -41,7 +41,7 @@ from unittest import mock
 
 import torch
 
-from npugraph.errors import ConfigError, NpuGraphError
+from npugraph.errors import ConfigError, MetadataError, NpuGraphError
 from npugraph.replay import AttentionMetadata, StepMetadata
 from npugraph.runtime import Runtime
 
@@ -107,14 +107,14 @@ def to_attention_metadata(obj: Any) -> AttentionMetadata:
     else:
         seq_lens = _first_attr(obj, ("seq_lens_cpu", "seq_lens"))
         if seq_lens is None:
-            raise NpuGraphError(
+            raise MetadataError(
                 f"{type(obj).__name__} has no seq_lens_list / seq_lens_cpu / seq_lens; an attention "
                 "backend must provide the per-request key lengths on the host"
             )
         seq_lens = seq_lens.to(torch.int32)
     table = _first_attr(obj, ("block_tables", "block_table", "block_table_tensor"))
     if table is None:
-        raise NpuGraphError(f"{type(obj).__name__} has no block_tables / block_table attribute")
+        raise MetadataError(f"{type(obj).__name__} has no block_tables / block_table attribute")
     qsl = _first_attr(obj, ("query_start_loc_cpu", "query_start_loc"))
     return AttentionMetadata(seq_lens=seq_lens, block_table=table, query_start_loc=qsl)
 
@@ -137,7 +137,7 @@ def _step_metadata(attn_metadata: Any) -> StepMetadata:
 
     def one(d: Any) -> dict[str, AttentionMetadata]:
         if not isinstance(d, Mapping):
-            raise NpuGraphError(
+            raise MetadataError(
                 "forward_context.attn_metadata must be a dict keyed by attention layer name (or a list "
                 f"of such dicts with micro-batching), got {type(d).__name__}"
             )

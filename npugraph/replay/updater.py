@@ -113,7 +113,8 @@ class ReplayUpdater:
     UPDATED            replay (update-first)    IDLE (the replay runs the update)
     UPDATED            replay (replay-first)    REPLAY_QUEUED (the stale update's
                                                 events are consumed first)
-    UPDATED            update                   UPDATED (newer lengths)
+    UPDATED            update                   UPDATED (the earlier update's
+                                                events are consumed first)
     REPLAY_QUEUED      update (replay-first)    IDLE (the waiting replay runs it)
     REPLAY_QUEUED      update (update-first)    UPDATED (the waiting replay of an
                                                 earlier step is released first)
@@ -171,6 +172,10 @@ class ReplayUpdater:
         # The done event of the latest replay that waits for no update: every update is
         # ordered after it, so it lands after the replays that read what it rewrites.
         self._after: Any = None
+        # The one graph whose replay waits for its update, if any.  A waiting replay blocks
+        # its stream, so the updater keeps it the last replay enqueued: any other graph's
+        # step releases it first (it was abandoned).  Then ``_after`` always precedes it.
+        self._waiting: CapturedGraph | None = None
         # dropped with the graph: a plan holds task-group handles, which must not
         # outlive the graph the manager released
         self._plans: weakref.WeakKeyDictionary[CapturedGraph, UpdatePlan] = weakref.WeakKeyDictionary()
@@ -288,9 +293,12 @@ class ReplayUpdater:
     def _write(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: _Step) -> None:
         """Issue a prepared update and move the graph to its next phase."""
         t0 = time.perf_counter()
+        self._release_other(entry)
         if state.phase is StepPhase.REPLAY_QUEUED and self.order == "update-first":
             self._release(plan, state)  # a replay of an earlier step: it must not take this update
-        if state.phase is StepPhase.BROKEN:
+        if state.phase in (StepPhase.BROKEN, StepPhase.UPDATED):
+            # events an earlier update recorded: a replay would pass their waits before this
+            # update's re-issues land (and run the earlier lengths), so consume them first
             self._settle(plan, state)
         waiting = state.phase is StepPhase.REPLAY_QUEUED
         try:
@@ -317,6 +325,7 @@ class ReplayUpdater:
         """Enqueue a replay and move the graph to its next phase (see the class table)."""
         t0 = time.perf_counter()
         where = f"{entry.namespace}/{entry.key!r}"
+        self._release_other(entry)
         if not plan.tasks:  # nothing to update: no events to wait for
             self._launch(entry, state, waits=False)
             state.last_replay_s = time.perf_counter() - t0
@@ -370,6 +379,7 @@ class ReplayUpdater:
         if waits:
             state.phase = StepPhase.REPLAY_QUEUED
             state.waiting_done = done
+            self._waiting = entry
         else:
             state.phase = StepPhase.IDLE
             state.pending[:] = [False] * len(state.pending)
@@ -382,6 +392,13 @@ class ReplayUpdater:
         state.phase = StepPhase.IDLE
         self._after = state.waiting_done
         state.waiting_done = None
+        self._waiting = None
+
+    def _release_other(self, entry: CapturedGraph) -> None:
+        """Another graph's replay still waits: its step was abandoned; let it run empty."""
+        other = self._waiting
+        if other is not None and other is not entry:
+            self._release(self.plan(other), self.state(other))
 
     def _release(self, plan: UpdatePlan, state: GraphState, keep: list[dict[str, Any]] | None = None) -> None:
         """Let the replay that waits for this graph's update run with no request (zeros).
@@ -438,8 +455,8 @@ class ReplayUpdater:
         state.phase = StepPhase.BROKEN
 
     def waiting(self) -> list[CapturedGraph]:
-        """The graphs whose replay waits for an update (a synchronize would hang)."""
-        return [e for e, s in list(self._states.items()) if s.phase is StepPhase.REPLAY_QUEUED]
+        """The graph whose replay waits for an update, if any (a synchronize would hang)."""
+        return [] if self._waiting is None else [self._waiting]
 
     # --- update internals ------------------------------------------------------------
     def _prepare(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata) -> _Step:
@@ -645,23 +662,18 @@ class ReplayUpdater:
     def synchronize(self) -> None:
         """Wait for the device; turn a hang, a race or a replay fault into a typed error.
 
-        A replay still waiting for its update is reported at once (the device would
-        block until its event-wait timeout), naming the graph; that graph stays as it is,
-        and its next step releases it.  A replay fault puts its graph in BROKEN.  Then a
-        bad block id found by a deferred device-side check is reported.
+        A replay still waiting for its update would block the device until its
+        event-wait timeout: it is released first (it runs with no request; its attention
+        writes zeros), the device is synchronized, and then
+        :class:`~npugraph.errors.GraphDeadlock` names it.  A replay fault raises
+        :class:`~npugraph.errors.ReplayFailed` and leaves its graph BROKEN until its next
+        complete step.  Then a bad block id found by a deferred device-side check is
+        reported.  Whatever it raises, the device is drained: nothing is left waiting.
         """
         dev = self.device
-        waiting = self.waiting()
-        if waiting:
-            names = ", ".join(f"{e.namespace}/{e.key!r} (first layer {e.tasks[0].layer!r})" for e in waiting)
-            err: NpuGraphError = GraphDeadlock(
-                f"synchronize would block forever: the replay of {names} waits on the device for its update, "
-                f"which was never issued (on hardware: event-wait timeout 507011 after ~30 min). In {self.order} "
-                "order a replay that no update preceded waits for the update after it: call update() with its "
-                "step's metadata, or run the next step (it lets the waiting replay run empty); step() orders both."
-            )
-            self._report(err, None)
-            raise err
+        released = self.waiting()
+        for e in released:
+            self._release(self.plan(e), self.state(e))
         try:
             dev.npu.synchronize()
         except dev.fault_errors as exc:
@@ -677,9 +689,11 @@ class ReplayUpdater:
                 else "a replay of a graph npugraph did not capture failed"
             )
             cause = exc.__cause__ if exc.__cause__ is not None else exc
+            flagged = self._take_flagged()
+            also = f" A device-side block-id check also failed: {flagged}." if flagged else ""
             err = ReplayFailed(
                 f"{where}: {type(cause).__name__}: {str(cause).rstrip('.')}. The rest of that replay was "
-                "cancelled; the graph's next complete step runs it again."
+                f"cancelled; the graph's next complete step runs it again.{also}"
             )
             self._report(err, entry)
             raise err from exc
@@ -691,6 +705,19 @@ class ReplayUpdater:
             err = GraphRace(describe_device_error(self.manager, exc))
             self._report(err, None)
             raise err from exc
+        if released:
+            names = ", ".join(f"{e.namespace}/{e.key!r} (first layer {e.tasks[0].layer!r})" for e in released)
+            flagged = self._take_flagged()
+            err = GraphDeadlock(
+                f"the replay of {names} waited on the device for its update, which was never issued: "
+                "synchronize would have blocked forever (on hardware: event-wait timeout 507011 after "
+                f"~30 min). It was released and ran with no request (its outputs are zeros). In {self.order} "
+                "order a replay that no update preceded waits for the update after it: call update() after "
+                "replay(), or use step(), which orders both."
+                + (f" A device-side block-id check also failed: {flagged}." if flagged else "")
+            )
+            self._report(err, None)
+            raise err
         self.check_deferred()
 
     def _flag(self, check: _DeferredCheck) -> None:
@@ -705,21 +732,30 @@ class ReplayUpdater:
         its output is wrong; the graph stays replayable and later steps are unaffected.
         Each check is reported once; the last 64 checks are remembered (the oldest is named).
         """
-        if not self._flags:
+        flagged = self._take_flagged()
+        if not flagged:
             return
-        checks = list(self._flags)
-        self._flags.clear()
-        hits = torch.stack([flag for _, flag in checks]).nonzero().flatten().tolist()  # one host read
-        if not hits:
-            return
-        more = f" (and {len(hits) - 1} later check(s))" if len(hits) > 1 else ""
         err = MetadataError(
-            f"{checks[hits[0]][0]}: a block id in use in its device-resident block table is not a block of "
-            f"the KV cache{more}. That step has already run and read a wrong block, so its output is wrong; "
+            f"{flagged}. That step has already run and read a wrong block, so its output is wrong; "
             "fix the block table the engine passes (the graph stays replayable)."
         )
         self._report(err, None)
         raise err
+
+    def _take_flagged(self) -> str:
+        """Read (once) the deferred block-id checks: what the first that failed says, or ''."""
+        if not self._flags:
+            return ""
+        checks = list(self._flags)
+        self._flags.clear()
+        hits = torch.stack([flag for _, flag in checks]).nonzero().flatten().tolist()  # one host read
+        if not hits:
+            return ""
+        more = f" (and {len(hits) - 1} later check(s))" if len(hits) > 1 else ""
+        return (
+            f"{checks[hits[0]][0]}: a block id in use in its device-resident block table is not a block of "
+            f"the KV cache{more}"
+        )
 
     # --- errors ----------------------------------------------------------------------
     def _report(self, err: NpuGraphError, entry: CapturedGraph | None) -> None:
