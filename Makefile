@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.npugraph-installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: demo test bench lint install install-vllm clean mutation
+.PHONY: demo test test-long bench lint install install-vllm clean mutation
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ lint: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	$(MAKE) lint
 	NPUGRAPH_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q
+
+# The step protocol's property test with many more sequences (about 7 minutes).
+test-long: $(STAMP) $(VLLM_STAMP)
+	NPUGRAPH_LONG=1 $(BIN)/python -m pytest -q tests/test_step_protocol.py
 
 # Mutation testing of the core update path (npugraph/replay, ops, capture) with the fast
 # tests ([tool.mutmut] in pyproject.toml); not part of `make test` (it takes long).

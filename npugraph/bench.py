@@ -105,7 +105,7 @@ def _legacy_loop(device: Any, entry: Any, us: Any) -> Callable[[Any], None]:
 
 def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[[torch.Tensor], None]]:
     """The three update implementations, each taking this step's seq_lens."""
-    entry = rt.manager.entry("main", size)
+    entry = rt.entry(size)
     dev = rt.device
     npu = dev.npu
     us = rt.updater.stream
@@ -181,7 +181,7 @@ def bench_update(
             if name == "npugraph":
                 rt.updater.replay("main", size)
             else:
-                rt.manager.entry("main", size).graph.replay()
+                rt.entry(size).graph.replay()
             rt.device.npu.synchronize()
     row: dict[str, Any] = {
         "layers": layers,
@@ -259,7 +259,7 @@ def bench_capture(sizes_counts: Sequence[int] = (8, 32, 67), layers: Sequence[in
                 return stack, (q[:k], meta), {}
 
             t0 = time.perf_counter()
-            rt.manager.capture_all(keys, make)
+            rt.capture_all(keys, make)
             dt = time.perf_counter() - t0
             rows.append(
                 {
@@ -267,7 +267,7 @@ def bench_capture(sizes_counts: Sequence[int] = (8, 32, 67), layers: Sequence[in
                     "layers": n,
                     "seconds": dt,
                     "pool_bytes": sim.pool_bytes(rt.manager.pool),
-                    "workspace_bytes": sum(e.workspace_bytes for e in rt.manager.entries()),
+                    "workspace_bytes": sum(e.workspace_bytes for e in rt.entries()),
                 }
             )
     sim.configure()
@@ -319,7 +319,7 @@ def bench_validation(
             AttentionMetadata(seq_lens=torch.ones(r, dtype=torch.int32, device="cpu"), block_table=table),
             key=r,
         )
-        entry = rt.manager.entry("main", r)
+        entry = rt.entry(r)
         rng = random.Random(seed)
         conv, upd = [], []
         for i in range(repeats + 2):
@@ -383,7 +383,7 @@ class _ShadowManager:
 
 
 def _shadow(rt: Runtime, size: int, dev: RecordingDevice) -> Any:
-    entry = rt.manager.entry("main", size)
+    entry = rt.entry(size)
     tasks = tuple(attrs.evolve(t, handle=dev.handle(t.index), event=dev.event(t.index)) for t in entry.tasks)
     return attrs.evolve(entry, tasks=tasks, graph=ShadowGraph(dev))
 
@@ -472,7 +472,7 @@ class _StepInput:
 
 def _step_input(rt: Runtime, size: int, lens: list[int], table: torch.Tensor) -> _StepInput:
     meta = AttentionMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32, device="cpu"), block_table=table)
-    entry = rt.manager.entry("main", size)
+    entry = rt.entry(size)
     per_layer = types.SimpleNamespace(
         seq_lens=meta.seq_lens,
         seq_lens_list=list(lens),

@@ -189,7 +189,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if err > _REF_TOL[args.dtype] * max(1.0, float(ind.abs().max()) if lens else 1.0):
                 ref_failures += 1
         wl.feedback(batch.rids, got.argmax(-1).tolist())
-    kernels = {e.key: e.choice.kernel for e in rt.manager.entries()}
+    kernels = {e.key: e.choice.kernel for e in rt.entries()}
 
     def med(xs: list[float]) -> str:
         return f"{statistics.median(xs) * 1e6:.0f}" if xs else "-"
@@ -199,7 +199,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"captured in {capture_s:.2f}s"
     )
     print(f"{'size':>5} {'kernel':>6} {'replays':>8} {'update us':>10} {'replay us':>10} {'total us':>10}  why")
-    for e in sorted(rt.manager.entries(), key=lambda e: e.tokens):
+    for e in sorted(rt.entries(), key=lambda e: e.tokens):
         t = times[e.tokens]
         replays = rt.graph_state(e.key).replays
         print(
@@ -224,7 +224,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "steps": args.steps,
         "mismatches": mismatches,
         "kernel_by_size": {str(k): v for k, v in sorted(kernels.items())},
-        "kernel_reason_by_size": {str(e.key): e.choice.reason for e in rt.manager.entries()},
+        "kernel_reason_by_size": {str(e.key): e.choice.reason for e in rt.entries()},
         "update_us_median": statistics.median(all_u) * 1e6 if all_u else None,
         "replay_us_median": statistics.median(all_r) * 1e6 if all_r else None,
         "capture_seconds": capture_s,

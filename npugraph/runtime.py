@@ -322,6 +322,16 @@ class Runtime:
                 raise MetadataError(
                     f"{where}: input {name!r} has {int(src.shape[0])} rows, the captured buffer {int(dst.shape[0])}"
                 )
+            if src.dtype != dst.dtype:
+                # a silent cast would hide a model or engine bug (float32 activations into fp16)
+                raise MetadataError(
+                    f"{where}: input {name!r} is {src.dtype}, the captured buffer {dst.dtype}; convert it "
+                    "yourself if that is what you mean"
+                )
+            if src.device.type not in ("cpu", self.device.memory.type):
+                raise MetadataError(
+                    f"{where}: input {name!r} is on {src.device}; pass it on the host or on {self.device.memory}"
+                )
             pairs.append((name, src, dst))
         for name, src, dst in pairs:
             n = int(src.shape[0])
@@ -332,8 +342,9 @@ class Runtime:
     def synchronize(self) -> None:
         """Wait for the device; name the namespace, key and layer if it would hang.
 
-        A replay still waiting for its update raises :class:`~npugraph.errors.GraphDeadlock`
-        at once (the device would wait out its event timeout); a fault inside a replay
+        A replay still waiting for its update is released (it runs with no request) and
+        reported as :class:`~npugraph.errors.GraphDeadlock` (the device would otherwise wait
+        out its event timeout); a fault inside a replay
         raises :class:`~npugraph.errors.ReplayFailed` naming graph and layer.  Then a bad
         block id found by the device-side check of a device-resident block table is
         reported (:class:`~npugraph.errors.MetadataError` naming step, key and layer).

@@ -156,7 +156,7 @@ def _check_kernel(device: Device, kernel: str, size: int) -> Callable[[], str]:
 
 def _check_alias_liveness(device: Device) -> str:
     b = _make(device, "fia", (4,))
-    entry = b.rt.manager.entry("main", 4)
+    entry = b.rt.entry(4)
     q2 = entry.tasks[1].tensor("query")  # layer 2's query: an intermediate nobody holds
     assert q2 is not None
     _run_steps(b, 4, 2, "update-first")
@@ -166,10 +166,10 @@ def _check_alias_liveness(device: Device) -> str:
 def _check_shared_pool(device: Device) -> str:
     b = _make(device, "fia", (8, 2))
     _run_steps(b, 8, 1, "update-first")
-    kept = b.rt.manager.entry("main", 8).outputs.clone()
+    kept = b.rt.entry(8).outputs.clone()
     _run_steps(b, 2, 1, "update-first")
     _run_steps(b, 8, 1, "update-first")
-    changed = not torch.equal(kept, b.rt.manager.entry("main", 8).outputs)
+    changed = not torch.equal(kept, b.rt.entry(8).outputs)
     return f"sizes 8 and 2 in one pool replay correctly in turn (size-8 output {'changed' if changed else 'kept'})"
 
 
@@ -183,7 +183,7 @@ def _check_fused(device: Device) -> str:
 
 def _check_pa_workspace(device: Device) -> str:
     b = _make(device, "pa", (4,))
-    entry = b.rt.manager.entry("main", 4)
+    entry = b.rt.entry(4)
     task = entry.tasks[0]
     kw = {k: v for k, v in task.kwargs().items() if k != "workspace"}
     worst = 0
@@ -201,7 +201,7 @@ def _check_placement(device: Device) -> str:
     seen = 0
     for kernel in ("pa", "fia"):
         b = _make(device, kernel, (2,))
-        for t in b.rt.manager.entry("main", 2).tasks:
+        for t in b.rt.entry(2).tasks:
             q = t.tensor("query")
             assert q is not None
             for name, v in t.args.items():

@@ -224,7 +224,7 @@ class StepProtocol(RuleBasedStateMachine):
             self.sys.step(size, {"default": attrs.evolve(good, block_table=table)}, query_for(self.sys.h, size, seed))
         finally:
             self.sys.rt.updater.validate = True
-        with pytest.raises(ReplayFailed, match="block id 10000"):
+        with pytest.raises(ReplayFailed, match=r"replay of main/.*block id 10000"):
             self.sys.rt.synchronize()  # reported even where another graph's replay waited too
 
     @rule(size=sizes)
@@ -286,9 +286,7 @@ _SETTINGS = {
 
 
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize(
-    "path", [pytest.param(p, marks=pytest.mark.vllm) if p == "vllm" else p for p in PATHS]
-)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.vllm) if p == "vllm" else p for p in PATHS])
 def test_a_bad_step_never_stops_serving(order, path):
     if path == "vllm" and not os.environ.get("NPUGRAPH_REQUIRE_VLLM"):
         pytest.importorskip("vllm")
@@ -298,6 +296,7 @@ def test_a_bad_step_never_stops_serving(order, path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("NPUGRAPH_LONG"), reason="the long run: make test-long (about 7 minutes)")
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("path", ["step", "manual"])
 def test_a_bad_step_never_stops_serving_long(order, path):

@@ -8,7 +8,7 @@ Schema (``schema_version`` 1)::
        {"key": repr, "tokens": int, "batch": int, "capture_seconds": float,
         "pool": [int, int], "kernel": "pa"|"fia", "kernel_reason": str,
         "workspace": {"bytes": int, "shared_by": [task indices]}, "output_bytes": int,
-        "replays": int, "steps": int, "replayable": bool,
+        "replays": int, "steps": int, "replayable": bool, "phase": str (the step phase),
         "tasks": [{"index", "layer", "group", "op", "task_group", "event",
                    "args": {name: {"kind": "tensor", "shape", "dtype", "device",
                                    "address", "bytes"} | {"kind": "host", "value"}
@@ -135,6 +135,7 @@ def build_manifest(
                     "replays": state.replays if state is not None else 0,
                     "steps": steps,
                     "replayable": state.replayable if state is not None else True,
+                    "phase": state.phase.value if state is not None else "idle",
                     "tasks": tasks,
                     "trace": [r.to_json() for r in recs],
                 }

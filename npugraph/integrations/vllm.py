@@ -312,7 +312,7 @@ class NpuGraphWrapper:
         compilation_counter.num_cudagraph_captured += 1
         if not opts.weak_ref_output:
             self._strong[key] = out  # the caller asked the wrapper to own the outputs
-        return self.runtime.manager.entry(self.namespace, key).outputs
+        return self.runtime.entry(key, namespace=self.namespace).outputs
 
     def _check_addresses(self, key: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         expected = self._addresses.get(key, [])

@@ -52,7 +52,7 @@ class DecodeEngine:
             args = (views["input_ids"], views["positions"], views["slot_mapping"], meta)
             return self.model, args, {"static_inputs": views}
 
-        self.runtime.manager.capture_all(self.sizes, make, namespace=self.namespace)
+        self.runtime.capture_all(self.sizes, make, namespace=self.namespace)
 
     def step(self, batch: StepBatch) -> torch.Tensor:
         """Replay one step; return the logits of its real requests (synchronized)."""

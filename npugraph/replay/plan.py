@@ -68,8 +68,13 @@ class UpdatePlan:
 
     tasks: tuple[TaskPlan, ...]
     buffers: tuple[Any, ...]  # the distinct block-table buffers
+    spans: tuple[tuple[int, int], ...]  # their device byte ranges [start, end)
     slots: tuple[str, ...]  # the distinct length slots
     uniform: bool
+
+    def shares_buffer_with(self, other: UpdatePlan) -> bool:
+        """Whether a block-table copy into one graph's buffers changes the other's."""
+        return any(a < d and c < b for a, b in self.spans for c, d in other.spans)
 
 
 def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
@@ -110,9 +115,17 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
             )
         )
     specs = {t.spec.name for t in tasks}
+    distinct = tuple({id(t.block_table): t.block_table for t in tasks}.values())
     return UpdatePlan(
         tasks=tuple(tasks),
-        buffers=tuple({id(t.block_table): t.block_table for t in tasks}.values()),
+        buffers=distinct,
+        spans=tuple(_span(b) for b in distinct),
         slots=tuple(dict.fromkeys(t.slot for t in tasks)),
         uniform=len(specs) == 1 and len({t.geometry for t in tasks}) == 1,
     )
+
+
+def _span(t: Any) -> tuple[int, int]:
+    """The bytes a (strided) tensor covers: [first, one past its last element)."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
+    return int(t.data_ptr()), int(t.data_ptr() + (last + 1) * t.element_size())

@@ -115,6 +115,8 @@ class ReplayUpdater:
                                                 events are consumed first)
     UPDATED            update                   UPDATED (the earlier update's
                                                 events are consumed first)
+    UPDATED            another graph's update   BROKEN (it rewrote a block-table
+                       into a shared buffer     buffer this update's lengths read)
     REPLAY_QUEUED      update (replay-first)    IDLE (the waiting replay runs it)
     REPLAY_QUEUED      update (update-first)    UPDATED (the waiting replay of an
                                                 earlier step is released first)
@@ -301,6 +303,8 @@ class ReplayUpdater:
             # update's re-issues land (and run the earlier lengths), so consume them first
             self._settle(plan, state)
         waiting = state.phase is StepPhase.REPLAY_QUEUED
+        if step.copies:
+            self._invalidate_sharers(entry, plan)
         try:
             reissued = self._issue(plan, state, step)
         except _TaskFailed as failed:
@@ -393,6 +397,13 @@ class ReplayUpdater:
         self._after = state.waiting_done
         state.waiting_done = None
         self._waiting = None
+
+    def _invalidate_sharers(self, entry: CapturedGraph, plan: UpdatePlan) -> None:
+        """Another graph's update that no replay ran yet read a block-table buffer this
+        update rewrites: replayed now it would run its lengths over this step's table."""
+        for other, st in list(self._states.items()):
+            if other is not entry and st.phase is StepPhase.UPDATED and self.plan(other).shares_buffer_with(plan):
+                st.phase = StepPhase.BROKEN
 
     def _release_other(self, entry: CapturedGraph) -> None:
         """Another graph's replay still waits: its step was abandoned; let it run empty."""
@@ -677,10 +688,12 @@ class ReplayUpdater:
         try:
             dev.npu.synchronize()
         except dev.fault_errors as exc:
-            graph = getattr(exc, "graph", None)
-            entry = next((e for e in self.manager.entries() if e.graph is graph), None)
-            if entry is not None:
-                self.replay_faulted(entry, getattr(exc, "waits_skipped", ()))
+            by_graph = {id(e.graph): e for e in self.manager.entries()}
+            for fault in (exc, *getattr(exc, "others", ())):
+                faulted = by_graph.get(id(getattr(fault, "graph", None)))
+                if faulted is not None:
+                    self.replay_faulted(faulted, getattr(fault, "waits_skipped", ()))
+            entry = by_graph.get(id(getattr(exc, "graph", None)))
             failed = _failed_task(self.manager, exc, entry) if entry is not None else None
             where = (
                 f"replay of {entry.namespace}/{entry.key!r} failed"
@@ -691,7 +704,7 @@ class ReplayUpdater:
             cause = exc.__cause__ if exc.__cause__ is not None else exc
             flagged = self._take_flagged()
             also = f" A device-side block-id check also failed: {flagged}." if flagged else ""
-            err = ReplayFailed(
+            err: NpuGraphError = ReplayFailed(
                 f"{where}: {type(cause).__name__}: {str(cause).rstrip('.')}. The rest of that replay was "
                 f"cancelled; the graph's next complete step runs it again.{also}"
             )

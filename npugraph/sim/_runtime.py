@@ -244,8 +244,10 @@ class SimState:
             return
         first, rest = self.faults[0], self.faults[1:]
         self.faults = []
-        # what the cancelled rest of the replay left set: the records that landed since
-        first.waits_skipped = tuple(e for e in first.waits_skipped if e._flag)
+        for f in (first, *rest):
+            # what the cancelled rest of each replay left set: the records that landed since
+            f.waits_skipped = tuple(e for e in f.waits_skipped if e._flag)
+        first.others = tuple(rest)
         if rest:
             first.args = (f"{first.args[0]} (and {len(rest)} later replay fault(s))",)
         raise first

@@ -91,7 +91,8 @@ class ReplayFault(SimError):
     call that happened to run the work.  ``graph`` is the simulated graph, ``node`` the
     index of the node that failed, ``task_group`` its task group (or ``None``),
     ``waits_skipped`` the ExternalEvents whose waits the cancelled rest of the replay did
-    not run, and ``__cause__`` the original error.
+    not run (and whose flags are set), ``others`` the later faults the same synchronize
+    found, and ``__cause__`` the original error.
     """
 
     def __init__(
@@ -108,6 +109,7 @@ class ReplayFault(SimError):
         self.node = node
         self.task_group = task_group
         self.waits_skipped = waits_skipped
+        self.others: tuple[ReplayFault, ...] = ()
 
 
 class ConcurrentUpdateError(SimError):
