@@ -487,3 +487,122 @@ def test_update_to_shorter_lengths_can_outgrow_a_workspace_sized_for_long_ones()
     us = npu.Stream()
     with pytest.raises(torch_npu.WorkspaceTooSmall, match="torch_npu does not size-check"):
         _update_pa(us, h, ev, q, kc, vc, bt, torch.tensor([16], dtype=torch.int32), out, ws)
+
+
+# --- §4 one updater at a time ---------------------------------------------------------------
+
+
+def test_two_update_sessions_on_two_streams_overlapping_are_refused_citing_cann():
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    g1, ev1, h1 = _capture_pa(q, kc, vc, bt, lens, out, None)
+    g2, ev2, h2 = _capture_pa(q, kc, vc, bt, lens, torch.empty_like(out), None)
+    a, b = npu.Stream(), npu.Stream()
+    npu.graph_task_update_begin(a, h1)
+    with pytest.raises(torch_npu.ConcurrentUpdateError, match=r"concurrent updates from multiple threads or multiple"):
+        npu.graph_task_update_begin(b, h2)
+    with npu.stream(a):
+        _pa(q, kc, vc, bt, lens, out)
+    npu.graph_task_update_end(a)
+    _update_pa(b, h2, ev2, q, kc, vc, bt, lens, out, None)  # consecutive sessions are fine
+
+
+def test_an_update_session_open_in_another_thread_is_refused():
+    import threading
+
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    g1, ev1, h1 = _capture_pa(q, kc, vc, bt, lens, out, None)
+    g2, ev2, h2 = _capture_pa(q, kc, vc, bt, lens, torch.empty_like(out), None)
+    opened, release = threading.Event(), threading.Event()
+
+    def other():
+        s = npu.Stream()
+        npu.graph_task_update_begin(s, h1)
+        opened.set()
+        release.wait(10)
+        with npu.stream(s):
+            _pa(q, kc, vc, bt, lens, out)
+        npu.graph_task_update_end(s)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert opened.wait(10)
+    try:
+        with pytest.raises(torch_npu.ConcurrentUpdateError, match="another host thread has an update session open"):
+            npu.graph_task_update_begin(npu.Stream(), h2)
+    finally:
+        release.set()
+        t.join()
+    _update_pa(npu.Stream(), h2, ev2, q, kc, vc, bt, lens, out, None)  # after it ended: fine
+
+
+def test_updates_still_queued_on_another_stream_are_an_overlap():
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    g1, ev1, h1 = _capture_pa(q, kc, vc, bt, lens, out, None)
+    g2, ev2, h2 = _capture_pa(q, kc, vc, bt, lens, torch.empty_like(out), None)
+    a, b = npu.Stream(), npu.Stream()
+    blocker = npu.Stream()
+    with npu.stream(blocker):
+        never = npu.ExternalEvent()
+        never.wait(blocker)  # blocker waits until we record it
+    hold = npu.Event()
+    hold.record(blocker)
+    a.wait_event(hold)  # `a` cannot run its update until `blocker` moves
+    _update_pa(a, h1, ev1, q, kc, vc, bt, lens, out, None, record=False)
+    with pytest.raises(torch_npu.ConcurrentUpdateError, match="have not landed yet"):
+        _update_pa(b, h2, ev2, q, kc, vc, bt, lens, out, None, record=False)
+    never.record(npu.Stream())  # a's update lands ...
+    npu.synchronize()
+    _update_pa(b, h2, ev2, q, kc, vc, bt, lens, out, None)  # ... and b may update
+
+
+# --- §2 torch_npu's capture signature -------------------------------------------------------
+
+
+class _UpdatableLike(npu.NPUGraph):
+    """A subclass overriding capture_begin with torch_npu's signature, as vllm-ascend's UpdatableGraph does."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        self.seen = (pool, capture_error_mode, self.auto_dispatch_capture)
+        super().capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+
+
+def test_a_subclass_with_torch_npus_capture_begin_signature_captures():
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    pool = npu.graph_pool_handle()
+    g = _UpdatableLike()
+    with npu.graph(g, pool=pool, capture_error_mode="thread_local"):
+        _pa(q, kc, vc, bt, lens, out)
+    assert g.seen == (pool, "thread_local", False)
+    g2 = _UpdatableLike()
+    with npu.graph(g2):  # no pool: capture_begin(capture_error_mode=...) only
+        _pa(q, kc, vc, bt, lens, out)
+    assert g2.seen == (None, "global", False)
+    g.replay()
+    npu.synchronize()
+    assert torch.equal(out, _eager_pa(q, kc, vc, bt, lens))
+
+
+def test_auto_dispatch_capture_is_an_attribute_of_the_graph():
+    g = npu.NPUGraph()
+    assert g.auto_dispatch_capture is False
+    npu.graph(g, auto_dispatch_capture=True)
+    assert g.auto_dispatch_capture is True
+
+
+def test_the_graph_context_ends_the_capture_even_when_the_body_raises():
+    g = npu.NPUGraph()
+    with pytest.raises(ZeroDivisionError), npu.graph(g):
+        raise ZeroDivisionError
+    assert not npu.is_current_stream_capturing()
+    g.reset()
+    q, kc, vc, bt, out = _pa_setup()
+    with npu.graph(g):
+        _pa(q, kc, vc, bt, torch.tensor([1, 2], dtype=torch.int32), out)
