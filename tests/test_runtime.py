@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
+from typing import NamedTuple
 from unittest import mock
 
 import pytest
@@ -322,3 +324,99 @@ def test_pa_workspace_covers_every_length_not_one_fake_length():
         assert entry.workspace_bytes >= max(need), "every length up to max_model_len fits"
         one_fake = pa_workspace_bytes(key, 4, 1, 64, 4096)
         assert one_fake < max(need), "sizing with one long fake length would be too small"
+
+
+class _Out(NamedTuple):
+    logits: torch.Tensor
+    extra: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _DataOut:
+    logits: torch.Tensor
+    note: str
+
+
+@pytest.mark.parametrize("shape", ["namedtuple", "dataclass"])
+def test_outputs_of_any_pytree_shape_are_kept_as_aliases(shape):
+    cfg = DecoderConfig(layers=2, num_blocks=64, max_model_len=128)
+    rt = Runtime("sim", max_model_len=cfg.max_model_len, order="update-first")
+    model = Decoder(cfg, rt)
+    eng = DecodeEngine(rt, model, [4])
+    inner = model.forward
+
+    def forward(*args):
+        logits = inner(*args)
+        if shape == "namedtuple":
+            return _Out(logits=logits, extra={"twice": [logits * 2]})
+        return _DataOut(logits=logits, note="kept")
+
+    model.forward = forward
+    eng.capture()
+    out = rt.entry(4).outputs
+    assert type(out) is (_Out if shape == "namedtuple" else _DataOut)
+    b = _batch(cfg, 4)
+    got = rt.step(4, {"default": b.meta}, inputs=_inputs(b))
+    rt.synchronize()
+    model.forward = inner
+    ref = eng.eager(b)
+    assert torch.equal(got.logits[: b.num_reqs], ref)
+    if shape == "namedtuple":
+        assert torch.equal(got.extra["twice"][0][: b.num_reqs], ref * 2)
+    else:
+        assert got.note == "kept"
+
+
+def test_a_capture_failing_half_way_registers_nothing_and_the_key_captures_again_at_once():
+    cfg = DecoderConfig(layers=3, num_blocks=64, max_model_len=128)
+    rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    model = Decoder(cfg, rt)
+    eng = DecodeEngine(rt, model, [4])
+    inner = model.layers[2].o
+    model.layers[2].o = _FailsWhileCapturing(inner)  # after two attention layers were recorded
+    with pytest.raises(CaptureFailed, match=r"capture of main/4 failed after layer 'main.layers.2.attn'"):
+        eng.capture()
+    assert not rt.has(4) and rt.entries() == []
+    model.layers[2].o = inner
+    eng.capture()
+    b = _batch(cfg, 4)
+    assert torch.equal(eng.step(b), eng.eager(b))
+
+
+def test_a_ctrl_c_during_capture_stays_a_keyboard_interrupt_and_registers_nothing():
+    cfg = DecoderConfig(layers=2, num_blocks=64, max_model_len=128)
+    rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    model = Decoder(cfg, rt)
+    eng = DecodeEngine(rt, model, [2])
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    real = model.forward
+    model.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        eng.capture()
+    assert not rt.has(2) and not sim.npu.is_current_stream_capturing()
+    model.forward = real
+    eng.capture()
+    assert rt.has(2)
+
+
+def test_an_input_of_another_dtype_is_refused_not_cast():
+    cfg, rt, _, eng = build(sizes=[4], layers=2)
+    b = _batch(cfg, 4)
+    ids = b.input_ids.to(torch.int32)
+    with pytest.raises(
+        MetadataError, match=r"main/4: input 'input_ids' is torch.int32, the captured buffer torch.int64"
+    ):
+        rt.step(4, {"default": b.meta}, inputs={**_inputs(b), "input_ids": ids})
+    assert torch.equal(eng.step(b), eng.eager(b)), "the same runtime serves the next step"
+
+
+def test_lengths_on_an_unusable_device_are_refused_by_name():
+    cfg, rt, _, eng = build(sizes=[4], layers=2)
+    b = _batch(cfg, 4)
+    bad = AttentionMetadata(seq_lens=b.meta.seq_lens.to("meta"), block_table=b.meta.block_table)
+    with pytest.raises(MetadataError, match=r"seq_lens must be on the host \(CPU\), got a tensor on meta"):
+        rt.step(4, {"default": bad}, inputs=_inputs(b))
+    assert torch.equal(eng.step(b), eng.eager(b))
