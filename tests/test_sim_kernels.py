@@ -326,3 +326,198 @@ def test_fia_reads_the_compressed_mask_it_is_given(sparse_mode):
     for bad in (torch.ones_like(causal), torch.zeros_like(causal), causal.T.contiguous()):
         with pytest.raises(ValueError, match="atten_mask.*compressed causal mask.*before any capture"):
             run(bad)
+
+
+# --- FIA v2 with attention sinks ----------------------------------------------------------
+
+
+def _oracle_sink(q, k, v, scale, sink):
+    """q [N, Sq, D], k/v [KVN, Sk, D], sink [N]: softmax over the keys plus one sink logit per
+    head (which adds to the denominator only), in float64, written out by hand."""
+    n, kvn = q.shape[0], k.shape[0]
+    k = k.double().repeat_interleave(n // kvn, 0)
+    v = v.double().repeat_interleave(n // kvn, 0)
+    s = q.double() @ k.transpose(-1, -2) * scale  # [N, Sq, Sk]
+    sk = sink.double().view(n, 1, 1).expand(n, s.shape[1], 1)
+    full = torch.cat([s, sk], -1)
+    w = torch.softmax(full, -1)[..., :-1]
+    return w @ v
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=DTYPES,
+    kvn=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 4]),
+    qper=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_fia_v2_learnable_sink_matches_oracle(dtype, kvn, group, qper, data):
+    n, d, bs, cols, nb = kvn * group, 32, 4, 4, 10
+    b = len(qper)
+    kvl = [data.draw(st.integers(q, cols * bs)) for q in qper]
+    t = sum(qper)
+    ends = [sum(qper[: i + 1]) for i in range(b)]
+    q = torch.randn(t, n, d, dtype=dtype)
+    kc = torch.randn(nb, bs, kvn * d, dtype=dtype)
+    vc = torch.randn(nb, bs, kvn * d, dtype=dtype)
+    bt = torch.stack([torch.randperm(nb)[:cols] for _ in range(b)]).to(torch.int32)
+    sink = torch.randn(n, dtype=torch.float32) * 2
+    out, _ = torch_npu.npu_fused_infer_attention_score_v2(
+        q,
+        kc,
+        vc,
+        actual_seq_qlen=ends,
+        actual_seq_kvlen=kvl,
+        block_table=bt,
+        num_query_heads=n,
+        num_key_value_heads=kvn,
+        softmax_scale=0.25,
+        input_layout="TND",
+        block_size=bs,
+        learnable_sink=sink,  # a tensor: never tested for truth
+    )
+    npu.synchronize()
+    start = 0
+    for i in range(b):
+        qi = q[start : ends[i]].transpose(0, 1)
+        k = _gather(kc.view(nb, bs, kvn, d), bt[i], kvl[i], bs)
+        v = _gather(vc.view(nb, bs, kvn, d), bt[i], kvl[i], bs)
+        ref = _oracle_sink(qi, k, v, 0.25, sink).transpose(0, 1)
+        assert (out[start : ends[i]].double() - ref).abs().max().item() <= TOL[dtype]
+        start = ends[i]
+
+
+def test_fia_v2_refuses_an_unmodelled_tensor_argument_by_name():
+    q = torch.randn(1, 2, 8)
+    with pytest.raises(NotImplementedError, match="does not model 'dequant_scale_query'"):
+        torch_npu.npu_fused_infer_attention_score_v2(
+            q,
+            q,
+            q,
+            num_query_heads=2,
+            input_layout="TND",
+            actual_seq_qlen=[1],
+            actual_seq_kvlen=[1],
+            dequant_scale_query=torch.ones(2),
+        )
+    with pytest.raises(ValueError, match=r"learnable_sink' must be a float tensor \[num_heads=2\]"):
+        torch_npu.npu_fused_infer_attention_score_v2(
+            q,
+            q,
+            q,
+            num_query_heads=2,
+            input_layout="TND",
+            actual_seq_qlen=[1],
+            actual_seq_kvlen=[1],
+            learnable_sink=torch.ones(3),
+        )
+
+
+# --- npu_fusion_attention (prefill) -----------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=DTYPES,
+    kvn=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    reqs=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 4)), min_size=1, max_size=3),
+    causal=st.booleans(),
+)
+def test_npu_fusion_attention_tnd_matches_oracle(dtype, kvn, group, reqs, causal):
+    """Prefill with a cached prefix: request i has q_i new tokens and q_i + c_i keys."""
+    n, d = kvn * group, 16
+    q_per = [q for q, _ in reqs]
+    kv_per = [q + c for q, c in reqs]
+    q = torch.randn(sum(q_per), n, d, dtype=dtype)
+    k = torch.randn(sum(kv_per), kvn, d, dtype=dtype)
+    v = torch.randn(sum(kv_per), kvn, d, dtype=dtype)
+    qe = [sum(q_per[: i + 1]) for i in range(len(reqs))]
+    ke = [sum(kv_per[: i + 1]) for i in range(len(reqs))]
+    kw = dict(scale=0.3, actual_seq_qlen=qe, actual_seq_kvlen=ke)
+    if causal:
+        kw.update(sparse_mode=3, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))
+    out, smax, ssum, _, _, _, _ = torch_npu.npu_fusion_attention(q, k, v, n, "TND", **kw)
+    npu.synchronize()
+    assert out.shape == q.shape and smax.shape == (q.shape[0], n, 8)
+    qs, ks = 0, 0
+    for i in range(len(reqs)):
+        ref = _oracle(
+            q[qs : qe[i]].transpose(0, 1), k[ks : ke[i]].transpose(0, 1), v[ks : ke[i]].transpose(0, 1), 0.3, causal
+        ).transpose(0, 1)
+        assert (out[qs : qe[i]].double() - ref).abs().max().item() <= TOL[dtype]
+        s = (
+            q[qs : qe[i]].double().transpose(0, 1)
+            @ k[ks : ke[i]].double().transpose(0, 1).repeat_interleave(group, 0).transpose(-1, -2)
+            * 0.3
+        )
+        s = s.masked_fill(~_visible(q_per[i], kv_per[i], causal), float("-inf"))
+        lse = torch.logsumexp(s, -1).transpose(0, 1)
+        got = (smax[qs : qe[i], :, 0] + torch.log(ssum[qs : qe[i], :, 0])).double()
+        assert torch.allclose(got, lse, atol=1e-3), "max + log(sum) is the row's log-sum-exp"
+        qs, ks = qe[i], ke[i]
+
+
+def test_npu_fusion_attention_refuses_what_it_does_not_model():
+    q = torch.randn(2, 2, 8)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        torch_npu.npu_fusion_attention(q, q, q, 2, "TND", keep_prob=0.9, actual_seq_qlen=[2], actual_seq_kvlen=[2])
+    with pytest.raises(
+        ValueError, match=r"actual_seq_qlen' must be non-decreasing cumulative ends whose last entry is 2"
+    ):
+        torch_npu.npu_fusion_attention(q, q, q, 2, "TND", actual_seq_qlen=[1], actual_seq_kvlen=[2])
+
+
+# --- KV-cache writes ----------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=DTYPES,
+    t=st.integers(1, 8),
+    dk=st.sampled_from([8, 16]),
+    dv=st.sampled_from([8, 12]),
+    which=st.sampled_from(["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache"]),
+    data=st.data(),
+)
+def test_kv_cache_writes_skip_pad_slots_and_match_a_loop(dtype, t, dk, dv, which, data):
+    nb, bs, n = 4, 4, 2
+    free = data.draw(st.permutations(range(nb * bs)))
+    slots = [free[i] if data.draw(st.booleans()) else torch_npu.PAD_SLOT_ID for i in range(t)]
+    key = torch.randn(t, n, dk, dtype=dtype)
+    value = torch.randn(t, n, dv, dtype=dtype)
+    kc = torch.randn(nb, bs, n, dk, dtype=dtype)
+    vc = torch.randn(nb, bs, n, dv, dtype=dtype)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    for i, s in enumerate(slots):  # the reference: one token at a time, padding skipped
+        if s >= 0:
+            ref_k[s // bs, s % bs] = key[i]
+            ref_v[s // bs, s % bs] = value[i]
+    sm = torch.tensor(slots, dtype=torch.int32)
+    if which == "npu_scatter_pa_kv_cache":
+        torch_npu.npu_scatter_pa_kv_cache(key, value, kc, vc, sm)
+    else:
+        torch_npu._npu_reshape_and_cache(key=key, value=value, key_cache=kc, value_cache=vc, slot_indices=sm)
+    npu.synchronize()
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+def test_a_kv_write_past_the_cache_is_the_kernels_error_and_inside_a_graph_a_replay_fault():
+    key = torch.randn(2, 1, 8)
+    kc = torch.zeros(2, 4, 1, 8)
+    vc = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(ValueError, match=r"slot_mapping' \[1\] = 8 is outside the cache's 8 slots"):
+        torch_npu.npu_scatter_pa_kv_cache(key, key, kc, vc, torch.tensor([0, 8], dtype=torch.int32))
+    slots = torch.tensor([3, -1], dtype=torch.int64)
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        torch_npu.npu_scatter_pa_kv_cache(key, key, kc, vc, slots)
+    assert not kc.any(), "a capture writes nothing"
+    g.replay()
+    npu.synchronize()
+    assert torch.equal(kc[0, 3], key[0]) and kc.count_nonzero() == 8, "slot 3 written, the padding slot skipped"
+    slots[1] = 99
+    g.replay()
+    with pytest.raises(torch_npu.ReplayFault, match="outside the cache"):
+        npu.synchronize()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from npugraph.sim import npu
+from npugraph.sim._cache import PAD_SLOT_ID, _npu_reshape_and_cache, npu_scatter_pa_kv_cache
 from npugraph.sim._fia import _npu_fused_infer_attention_score_get_max_workspace, npu_fused_infer_attention_score
 from npugraph.sim._fia_v2 import (
     _npu_fused_infer_attention_score_v2_get_max_workspace,
@@ -24,6 +25,7 @@ from npugraph.sim._fia_v2 import (
 )
 from npugraph.sim._fused import _npu_fused_infer_attention_score_out_graph
 from npugraph.sim._pa import _npu_paged_attention, _npu_paged_attention_get_workspace
+from npugraph.sim._prefill import npu_fusion_attention
 from npugraph.sim._runtime import HostCostModel, SimConfig, get_state
 from npugraph.sim._runtime import reset as _reset
 from npugraph.sim._taskgroups import NPUTaskGroupHandle
@@ -48,6 +50,10 @@ __all__ = [
     "_npu_fused_infer_attention_score_get_max_workspace",
     "npu_fused_infer_attention_score_v2",
     "_npu_fused_infer_attention_score_v2_get_max_workspace",
+    "npu_fusion_attention",
+    "npu_scatter_pa_kv_cache",
+    "_npu_reshape_and_cache",
+    "PAD_SLOT_ID",
     "HostCostModel",
     "SimConfig",
     "configure",

@@ -17,6 +17,7 @@ __all__ = [
     "fia_compute",
     "fia_workspace",
     "alloc_outputs",
+    "check_compressed_mask",
 ]
 
 INT_MAX = 2147483647
@@ -218,6 +219,12 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
     for i, x in enumerate(kv_per):
         if x < 0 or x > max_kv:
             raise fail(op, "actual_seq_lengths_kv", f"[{i}] = {x} is outside [0, {max_kv}]")
+    sink = p.get("learnable_sink")
+    if sink is not None and not (
+        isinstance(sink, torch.Tensor) and sink.dim() == 1 and sink.shape[0] == n and sink.is_floating_point()
+    ):
+        shape = list(sink.shape) if isinstance(sink, torch.Tensor) else type(sink).__name__
+        raise fail(op, "learnable_sink", f"must be a float tensor [num_heads={n}], got {shape}")
     return {
         "layout": layout,
         "batch": batch,
@@ -255,7 +262,7 @@ def _fia_out_shapes(p: dict[str, Any], info: dict[str, Any]) -> tuple[list[int],
     return out, lse
 
 
-def _check_compressed_mask(mask: torch.Tensor) -> None:
+def check_compressed_mask(mask: torch.Tensor) -> None:
     """Sparse modes 3 and 4 read the compressed mask as it is: garbage there is garbage out.
 
     Sampled (its diagonal, first row and first column), not compared in full: cheap enough
@@ -325,13 +332,24 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     mask = None
     sparse = int(p["sparse_mode"])
     if sparse in (3, 4):
-        _check_compressed_mask(p["atten_mask"])
+        check_compressed_mask(p["atten_mask"])
     if sparse == 0 and p.get("atten_mask") is not None:
         mask = p["atten_mask"]
     # sparse_mode 4 (band): anchored bottom-right like 3, key j of query i visible iff
     # -pre_tokens <= j - (i + Lk - Lq) <= next_tokens (a sliding window: pre = W - 1, next = 0)
     band = (int(p["pre_tokens"]), int(p["next_tokens"])) if sparse == 4 else None
-    o, lse = K.attention(qb, kb, vb, q_per, kv_per, float(p["scale"]), causal=sparse == 3, mask=mask, band=band)
+    o, lse = K.attention(
+        qb,
+        kb,
+        vb,
+        q_per,
+        kv_per,
+        float(p["scale"]),
+        causal=sparse == 3,
+        mask=mask,
+        band=band,
+        sink=p.get("learnable_sink"),
+    )
     # o: [B, N, Sq, Dv]; rows past a request's query length are zero
     valid_q = (torch.arange(sq, device=dev).view(1, 1, sq, 1) < q_per.view(b, 1, 1, 1)) if b else None
     if valid_q is not None:

@@ -1,4 +1,5 @@
-"""FIA v2: ``npu_fused_infer_attention_score_v2`` — v1's math under v2's argument names."""
+"""FIA v2: ``npu_fused_infer_attention_score_v2`` — v1's math under v2's argument names,
+plus attention sinks (``learnable_sink``: one softmax logit per head, gpt-oss)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def _v2_params(
     sparse_mode: int = 0,
     block_size: int = 0,
     return_softmax_lse: bool = False,
+    learnable_sink: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     out: Any = None,
     **quant: Any,
@@ -78,7 +80,8 @@ def _v2_params(
     p = dict(locals())
     extra = p.pop("quant")
     for k, v in extra.items():
-        if v is not None and v != 0:
+        # quantisation switches default to None or 0; a tensor is never tested for truth
+        if v is not None and (isinstance(v, torch.Tensor) or v != 0):
             raise NotImplementedError(f"npu_fused_infer_attention_score_v2: the simulator does not model {k!r}")
     return p
 

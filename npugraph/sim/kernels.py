@@ -88,6 +88,7 @@ def attention(
     causal: bool = False,
     mask: torch.Tensor | None = None,
     band: tuple[int, int] | None = None,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked multi-head attention with GQA.
 
@@ -95,8 +96,9 @@ def attention(
     ``q_lens``/``kv_lens`` ``[B]`` valid lengths.  ``causal`` anchors the diagonal
     bottom-right (query i of Lq sees key j iff ``j <= i + Lk - Lq``); ``band`` ``(pre, next)``
     keeps keys with ``-pre <= j - (i + Lk - Lq) <= next``; ``mask``
-    (True = masked) broadcasts to ``[B, 1, Sq, Sk]``.  Rows with no visible key
-    give zeros.  Returns ``(out [B, N, Sq, Dv] in q.dtype, lse [B, N, Sq] float32)``.
+    (True = masked) broadcasts to ``[B, 1, Sq, Sk]``.  ``sink`` ``[N]``: a learnable
+    attention-sink logit per head, one more term of the softmax's denominator that adds
+    nothing to the output (gpt-oss).  Rows with no visible key give zeros.  Returns ``(out [B, N, Sq, Dv] in q.dtype, lse [B, N, Sq] float32)``.
     """
     b, n, sq, d = q.shape
     kvn, sk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -123,9 +125,15 @@ def attention(
         allowed = allowed & ~m.reshape(m.shape[0], 1, 1, m.shape[-2], m.shape[-1])
     s = s.masked_fill(~allowed, float("-inf"))
     mx = s.amax(dim=-1, keepdim=True)
+    sinks = None
+    if sink is not None:
+        sinks = sink.float().reshape(1, kvn, g, 1, 1)
+        mx = torch.maximum(mx, sinks)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     p = torch.exp(s - mx)
     denom = p.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sinks - mx)
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
     lse = torch.where(denom > 0, mx + torch.log(denom), torch.full_like(denom, float("-inf")))
     pv = p.to(q.dtype).float().reshape(b, kvn, g * sq, sk)

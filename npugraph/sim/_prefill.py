@@ -1,0 +1,203 @@
+"""Prefill attention: ``npu_fusion_attention`` (FlashAttention; layouts BSH, BSND, BNSD, TND)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from npugraph.sim import kernels as K
+from npugraph.sim._fia import INT_MAX, check_compressed_mask
+from npugraph.sim._launch import SimOp, brief_host, fail, host_copy, launch, need_tensor
+
+__all__ = ["npu_fusion_attention"]
+
+_OP = "npu_fusion_attention"
+
+
+def _ends(name: str, v: Any, total: int) -> list[int]:
+    ends = list(v) if v is not None else None
+    if not ends or any(b < a for a, b in itertools.pairwise(ends)) or ends[-1] != total or ends[0] < 0:
+        raise fail(
+            _OP, name, f"must be non-decreasing cumulative ends whose last entry is {total}, got {brief_host(v)}"
+        )
+    return ends
+
+
+def _check(p: dict[str, Any]) -> dict[str, Any]:
+    for name in ("pse", "padding_mask", "prefix"):
+        if p.get(name) is not None:
+            raise NotImplementedError(f"{_OP}: the simulator does not model {name!r}")
+    if float(p["keep_prob"]) != 1.0:
+        raise NotImplementedError(f"{_OP}: the simulator does not model dropout (keep_prob must be 1.0)")
+    layout, n = p["input_layout"], int(p["head_num"])
+    q, k, v = p["query"], p["key"], p["value"]
+    sparse = int(p["sparse_mode"])
+    if sparse not in (0, 3):
+        raise fail(_OP, "sparse_mode", f"{sparse} is not modelled (0 and 3, causal from the bottom right, are)")
+    if sparse == 3 and p.get("atten_mask") is None:
+        raise fail(_OP, "atten_mask", "is required with sparse_mode=3 (the 2048x2048 compressed mask)")
+    if layout == "TND":
+        need_tensor(_OP, "query", q, 3)
+        need_tensor(_OP, "key", k, 3)
+        need_tensor(_OP, "value", v, 3)
+        qe = _ends("actual_seq_qlen", p.get("actual_seq_qlen"), q.shape[0])
+        ke = _ends("actual_seq_kvlen", p.get("actual_seq_kvlen"), k.shape[0])
+        if len(qe) != len(ke):
+            raise fail(_OP, "actual_seq_kvlen", f"has {len(ke)} entries, actual_seq_qlen {len(qe)}")
+        q_per = [b - a for a, b in zip([0, *qe], qe)]
+        kv_per = [b - a for a, b in zip([0, *ke], ke)]
+        qn, d, kvn, dv = q.shape[1], q.shape[2], k.shape[1], v.shape[2]
+        batch, sq, sk = len(qe), max(q_per), max(kv_per)
+    elif layout in ("BSH", "BSND", "BNSD"):
+        dims = 3 if layout == "BSH" else 4
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            need_tensor(_OP, name, t, dims)
+        if layout == "BSH":
+            batch, sq, h = q.shape
+            qn, d = n, h // n
+            kvn = k.shape[2] // d
+            sk, dv = k.shape[1], v.shape[2] // kvn
+        elif layout == "BSND":
+            batch, sq, qn, d = q.shape
+            sk, kvn, dv = k.shape[1], k.shape[2], v.shape[3]
+        else:
+            batch, qn, sq, d = q.shape
+            kvn, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+        q_per, kv_per = [sq] * batch, [sk] * batch
+        qe = ke = []
+    else:
+        raise fail(_OP, "input_layout", f"must be one of ('BSH', 'BSND', 'BNSD', 'TND'), got {layout!r}")
+    if qn != n:
+        raise fail(_OP, "head_num", f"is {n} but query has {qn} heads")
+    if kvn <= 0 or n % kvn:
+        raise fail(_OP, "key", f"has {kvn} heads; head_num={n} must be a multiple")
+    return {
+        "layout": layout,
+        "batch": batch,
+        "heads": n,
+        "kv_heads": kvn,
+        "d": d,
+        "dv": dv,
+        "sq": sq,
+        "sk": sk,
+        "q_per": q_per,
+        "kv_per": kv_per,
+        "q_ends": qe,
+        "kv_ends": ke,
+        "max_q": sq,
+        "max_kv": sk,
+    }
+
+
+def _batched(
+    t: torch.Tensor, info: dict[str, Any], ends: list[int], per: list[int], s: int, heads: int
+) -> torch.Tensor:
+    """``t`` as ``[B, heads, S, D]`` (TND rows gathered per request, zero past its length)."""
+    layout, b = info["layout"], info["batch"]
+    if layout == "TND":
+        starts = torch.tensor([0, *ends[:-1]], dtype=torch.int64)
+        pos = torch.arange(s).unsqueeze(0)
+        idx = torch.where(pos < torch.tensor(per).unsqueeze(1), starts.unsqueeze(1) + pos, 0)
+        return t[idx].permute(0, 2, 1, 3)
+    if layout == "BSH":
+        return t.reshape(b, t.shape[1], heads, -1).permute(0, 2, 1, 3)
+    if layout == "BSND":
+        return t.permute(0, 2, 1, 3)
+    return t
+
+
+def _compute(p: dict[str, Any], info: dict[str, Any]) -> None:
+    sparse = int(p["sparse_mode"])
+    if sparse == 3:
+        check_compressed_mask(p["atten_mask"])
+    q = _batched(p["query"], info, info["q_ends"], info["q_per"], info["sq"], info["heads"])
+    k = _batched(p["key"], info, info["kv_ends"], info["kv_per"], info["sk"], info["kv_heads"])
+    v = _batched(p["value"], info, info["kv_ends"], info["kv_per"], info["sk"], info["kv_heads"])
+    mask = p.get("atten_mask") if sparse == 0 else None
+    pre, nxt = int(p["pre_tockens"]), int(p["next_tockens"])
+    band = (pre, nxt) if sparse == 0 and (pre, nxt) != (INT_MAX, INT_MAX) else None
+    q_per, kv_per = torch.tensor(info["q_per"]), torch.tensor(info["kv_per"])
+    o, lse = K.attention(q, k, v, q_per, kv_per, float(p["scale"]), causal=sparse == 3, mask=mask, band=band)
+    out, smax, ssum = p["out"]
+    if info["layout"] == "TND":
+        rows = [(b, i) for b, n in enumerate(info["q_per"]) for i in range(n)]
+        bi = torch.tensor([r[0] for r in rows], dtype=torch.int64)
+        si = torch.tensor([r[1] for r in rows], dtype=torch.int64)
+        out.copy_(o[bi, :, si])
+        lse_rows = lse[bi, :, si]  # [T, N]
+    elif info["layout"] == "BSH":
+        out.copy_(o.permute(0, 2, 1, 3).reshape(out.shape))
+        lse_rows = lse.permute(0, 2, 1)
+    elif info["layout"] == "BSND":
+        out.copy_(o.permute(0, 2, 1, 3))
+        lse_rows = lse.permute(0, 2, 1)
+    else:
+        out.copy_(o)
+        lse_rows = lse
+    # softmax_max / softmax_sum: the row's normaliser as (max, sum) with max + log(sum) = lse;
+    # the simulator keeps the whole log-sum-exp in max and sum = 1 (eight copies, as the kernel)
+    smax.copy_(lse_rows.unsqueeze(-1).expand(smax.shape))
+    ssum.fill_(1.0)
+
+
+_FA = SimOp(
+    _OP,
+    "default",
+    host_args=("actual_seq_qlen", "actual_seq_kvlen"),
+    output_args=("out",),
+    check=_check,
+    compute=_compute,
+    workspace=lambda p, info: 0,
+    auto=False,
+)
+
+
+def npu_fusion_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = INT_MAX,
+    next_tockens: int = INT_MAX,
+    inner_precise: int = 0,
+    prefix: Any = None,
+    actual_seq_qlen: Any = None,
+    actual_seq_kvlen: Any = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """FlashAttention forward (prefill): ``(attention_out, softmax_max, softmax_sum,
+    softmax_in, seed, offset, numels)``; TND takes cumulative ``actual_seq_qlen`` and
+    ``actual_seq_kvlen`` (host lists); ``sparse_mode=3`` is causal from the bottom right."""
+    p = {k: v for k, v in locals().items()}
+    for name in _FA.host_args:
+        p[name] = host_copy(name, p.get(name))
+    info = _FA.check(p)
+    rows = query.shape[0] if input_layout == "TND" else info["batch"]
+    if input_layout == "TND":
+        out_shape: list[int] = [query.shape[0], info["heads"], info["dv"]]
+        stat = [rows, info["heads"], 8]
+    elif input_layout == "BSH":
+        out_shape = [info["batch"], info["sq"], info["heads"] * info["dv"]]
+        stat = [info["batch"], info["heads"], info["sq"], 8]
+    elif input_layout == "BSND":
+        out_shape = [info["batch"], info["sq"], info["heads"], info["dv"]]
+        stat = [info["batch"], info["heads"], info["sq"], 8]
+    else:
+        out_shape = [info["batch"], info["heads"], info["sq"], info["dv"]]
+        stat = [info["batch"], info["heads"], info["sq"], 8]
+    out = torch.empty(out_shape, dtype=query.dtype, device=query.device)
+    smax = torch.empty(stat, dtype=torch.float32, device=query.device)
+    ssum = torch.empty(stat, dtype=torch.float32, device=query.device)
+    p["out"] = [out, smax, ssum]
+    launch(_FA, p)
+    return out, smax, ssum, torch.empty(0, dtype=query.dtype, device=query.device), 0, 0, 0
