@@ -11,6 +11,14 @@ from npugraph._version import __version__
 from npugraph.attention import DecodeAttention, MLAAttention
 from npugraph.errors import NpuGraphError
 from npugraph.replay.lens import AttentionMetadata
-from npugraph.runtime import Runtime
+from npugraph.runtime import PAD_SLOT_ID, Runtime
 
-__all__ = ["AttentionMetadata", "DecodeAttention", "MLAAttention", "NpuGraphError", "Runtime", "__version__"]
+__all__ = [
+    "PAD_SLOT_ID",
+    "AttentionMetadata",
+    "DecodeAttention",
+    "MLAAttention",
+    "NpuGraphError",
+    "Runtime",
+    "__version__",
+]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -19,7 +20,13 @@ from npugraph.ops import SPECS, AttentionCall, pad_lens
 from npugraph.policy import KernelPolicy
 from npugraph.replay import ORDERS, AttentionMetadata, GraphState, ReplayUpdater, StepMetadata, convert
 
-__all__ = ["Runtime"]
+__all__ = ["PAD_SLOT_ID", "Runtime"]
+
+# vLLM's padding slot: the KV-cache write kernels skip it, so a padding token writes nowhere.
+PAD_SLOT_ID = -1
+# What Runtime.step pads a shorter input with (others: 0): a padding token's slot must not
+# be a slot of the cache, or it overwrites a real token's key and value.
+DEFAULT_PAD_VALUES: Mapping[str, float] = MappingProxyType({"slot_mapping": PAD_SLOT_ID})
 
 
 class Runtime:
@@ -275,10 +282,13 @@ class Runtime:
         """Copy ``inputs`` into the captured buffers, then update and replay; return the outputs.
 
         Each input's first dimension may be shorter than the captured buffer; the rest
-        is filled with ``pad_values[name]`` (default 0 — **padding tokens run the whole
-        model, KV-cache write included**: give ``slot_mapping`` a pad value that writes
-        nowhere (``-1``, vLLM's ``PAD_SLOT_ID``, which the cache-write kernels skip) or
-        a slot no request owns).  A key that was never captured raises
+        is filled with ``pad_values[name]``, else :data:`DEFAULT_PAD_VALUES` (``-1`` for
+        ``slot_mapping``), else 0.  **Padding tokens run the whole
+        model, KV-cache write included**: their slot must write nowhere — ``-1``
+        (vLLM's ``PAD_SLOT_ID``, which the cache-write kernels skip) — or it overwrites
+        whatever request owns that slot, silently (a replay-vs-eager check cannot see it:
+        both write the same garbage).  Name your slot input ``slot_mapping``, or pass
+        ``pad_values`` for it.  A key that was never captured raises
         :class:`~npugraph.errors.UnknownKeyError` listing the captured keys, or runs
         ``eager_fallback(key, metadata, inputs)`` when one was configured.  Bad metadata
         is refused before any device call; after any error the next good step succeeds.
@@ -300,7 +310,7 @@ class Runtime:
 
         Every input is checked before any is copied, so a bad one changes nothing.
         """
-        pads = pad_values or {}
+        pads = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
         where = f"{entry.namespace}/{entry.key!r}"
         pairs = []
         for name, src in inputs.items():

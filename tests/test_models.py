@@ -150,3 +150,44 @@ def test_demo_runs_each_model_with_no_mismatch(model, tmp_path, capsys):
     assert "60 steps, 0 mismatches" in out and "0 beyond tolerance" in out
     doc = json.loads(path.read_text())
     assert doc["model"] == model and doc["mismatches"] == 0 and doc["steps"] == 60 and "kernel_by_size" in doc
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_padding_tokens_write_no_kv_slot_not_even_in_block_0(kind):
+    """After padded, replayed steps the KV caches equal those of the same steps run eagerly
+    on the real tokens alone (no padding at all), and every slot no real token owns keeps
+    its value.  Requests own block 0 here; inputs are passed unpadded, so the runtime's own
+    padding of ``slot_mapping`` is what is checked."""
+    cfg = DecoderConfig(layers=2, num_blocks=24, max_model_len=128, dtype=torch.float32)
+    make = MLADecoder if kind == "mla" else Decoder
+    rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    model = make(cfg, rt)
+    eng = DecodeEngine(rt, model, [4, 8])
+    eng.capture()
+    ref_rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    ref = make(cfg, ref_rt)  # the same seed: the same weights
+    names = ("latent_cache", "rope_cache") if kind == "mla" else ("k_cache", "v_cache")
+    caches = [getattr(layer, n) for layer in model.layers for n in names]
+    ref_caches = [getattr(layer, n) for layer in ref.layers for n in names]
+    assert len(caches) == 2 * cfg.layers
+    for c in caches + ref_caches:
+        c.fill_(7.0)  # a value no write produces
+    written: set[int] = set()
+    padded = 0
+    for b in Workload(cfg, [4, 8], seed=3, max_batch=6).steps(40):
+        r = b.num_reqs
+        real = b.slot_mapping[:r]
+        written.update(real.tolist())
+        padded += b.size > r
+        inputs = {"input_ids": b.input_ids[:r], "positions": b.positions[:r], "slot_mapping": real}
+        rt.step(b.size, eng.metadata(b.meta), inputs=inputs)  # padded by the runtime
+        rt.synchronize()
+        ref(b.input_ids[:r], b.positions[:r], real, b.meta)  # eager, real tokens only
+        ref_rt.synchronize()
+    assert padded > 20 and any(s < cfg.block_size for s in written), "padded steps; block 0 belonged to a request"
+    for c, want in zip(caches, ref_caches):
+        assert torch.allclose(c, want, atol=1e-4), "a padding token overwrote a real token's key or value"
+        flat = c.view(-1, *c.shape[2:])
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+        untouched[sorted(written)] = False
+        assert (flat[untouched] == 7.0).all(), "a padding token wrote a slot no real token owns"

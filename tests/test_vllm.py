@@ -168,12 +168,12 @@ def test_continuous_batching_through_the_wrapper_equals_eager():
 def test_pass_through_on_none_and_on_a_mismatched_mode():
     runner = Runner()
     batch = next(iter(_batches(runner, 1)))
-    t = 4
+    t = batch.size
     ref = runner.eager(batch, t)
     for mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
-        runner.ids[:t].copy_(batch.input_ids[:t])
-        runner.pos[:t].copy_(batch.positions[:t])
-        runner.slots[:t].copy_(batch.slot_mapping[:t])
+        runner.ids[:t].copy_(batch.input_ids)
+        runner.pos[:t].copy_(batch.positions)
+        runner.slots[:t].copy_(batch.slot_mapping)
         meta = AttentionMetadata(seq_lens=batch.padded_meta.seq_lens[:t], block_table=batch.padded_meta.block_table[:t])
         out = runner._forward(mode, BatchDescriptor(num_tokens=t, num_reqs=t, uniform=True), meta)
         runner.rt.synchronize()

@@ -2,8 +2,9 @@
 sliding-window layers, and DeepSeek-style absorbed MLA.
 
 Embeddings, RMSNorm, RoPE, attention through npugraph's clients (PA or FIA, chosen by the
-runtime), KV-cache writes in the forward, SwiGLU MLP, LM head.  Block 0 of the cache is
-reserved as the null block: padding tokens write there.
+runtime), KV-cache writes in the forward (the device's ``npu_scatter_pa_kv_cache``, which
+skips the padding slot ``PAD_SLOT_ID = -1``, so padding tokens write nowhere and every
+block of the cache may belong to a request), SwiGLU MLP, LM head.
 
 Every decoder also has :meth:`Decoder.reference_logits`: the same weights with attention
 from :func:`npugraph.reference.paged_attention_reference` on copies of the caches — no
@@ -90,16 +91,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def _write(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, values)
-
-
 def _reference_write(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """A copy of ``cache`` with ``values`` written at ``slots``, position by position."""
+    """A copy of ``cache`` with ``values`` written at ``slots``, position by position
+    (a negative slot is padding: written nowhere)."""
     out = cache.clone()
     bs = cache.shape[1]
     for i, s in enumerate(slots.tolist()):
-        out[s // bs, s % bs] = values[i]
+        if s >= 0:
+            out[s // bs, s % bs] = values[i]
     return out
 
 
@@ -110,6 +109,7 @@ class _Layer(nn.Module):
         super().__init__()
         h, dt, dev = cfg.hidden, cfg.dtype, runtime.device.memory
         self.cfg = cfg
+        self.ops = runtime.device.ops  # the KV-cache write kernel
         self.norm1 = _RMSNorm(h, dt, dev)
         self.norm2 = _RMSNorm(h, dt, dev)
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate, bias=False, dtype=dt, device=dev)
@@ -179,8 +179,7 @@ class _GQALayer(_Layer):
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self._qkv(h, cos, sin)
-        _write(self.k_cache, slots, k)
-        _write(self.v_cache, slots, v)
+        self.ops.npu_scatter_pa_kv_cache(k.contiguous(), v.contiguous(), self.k_cache, self.v_cache, slots)
         a = self.attn(q, self.k_cache, self.v_cache, meta)
         return self.o(a.reshape(h.shape[0], -1))
 
@@ -226,8 +225,8 @@ class _MLALayer(_Layer):
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         q_lat, q_pe, c, k_pe = self._project(h, cos, sin)
-        _write(self.latent_cache, slots, c)
-        _write(self.rope_cache, slots, k_pe)
+        # the latent vector as "key" and the rope key as "value": one write of both caches
+        self.ops.npu_scatter_pa_kv_cache(c.contiguous(), k_pe.contiguous(), self.latent_cache, self.rope_cache, slots)
         a = self.attn(q_lat, q_pe, self.latent_cache, self.rope_cache, meta)
         return self.o(a.reshape(h.shape[0], -1))
 

@@ -1,8 +1,9 @@
 """Continuous-batching decode workload: requests arrive, decode and finish.
 
 Blocks come from a free list and go back to it when a request finishes, so block
-tables are non-contiguous and blocks are reused.  Block 0 is the null block (padding
-writes there) and is never handed out.
+tables are non-contiguous and blocks are reused.  Every block, block 0 included, may
+belong to a request: padding tokens get the padding slot ``PAD_SLOT_ID = -1``, which
+the KV-cache write skips.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from npugraph.models.llama import DecoderConfig
 from npugraph.replay.lens import AttentionMetadata
+from npugraph.runtime import PAD_SLOT_ID
 
 __all__ = ["Request", "StepBatch", "Workload"]
 
@@ -38,7 +40,7 @@ class StepBatch:
     num_reqs: int
     input_ids: torch.Tensor  # [size] int64
     positions: torch.Tensor  # [size] int64
-    slot_mapping: torch.Tensor  # [size] int64 (padding → null slot 0)
+    slot_mapping: torch.Tensor  # [size] int64 (padding → PAD_SLOT_ID, written nowhere)
     meta: AttentionMetadata  # seq_lens [R], block_table [R, cols] (host)
     padded_meta: AttentionMetadata  # the same, padded to [size] (for eager reference)
     rids: tuple[int, ...]
@@ -63,7 +65,7 @@ class Workload:
         self.rng = random.Random(seed)
         self.max_batch = max_batch or self.sizes[-1]
         self.adversarial = adversarial
-        self.free = list(range(1, cfg.num_blocks))
+        self.free = list(range(cfg.num_blocks))
         self.rng.shuffle(self.free)
         self.running: list[Request] = []
         self._next = 0
@@ -131,7 +133,7 @@ class Workload:
         # Built on the host (seq_lens must stay there; the block table may live on either side).
         ids = torch.zeros(size, dtype=torch.int64, device="cpu")
         pos = torch.zeros(size, dtype=torch.int64, device="cpu")
-        slots = torch.zeros(size, dtype=torch.int64, device="cpu")
+        slots = torch.full((size,), PAD_SLOT_ID, dtype=torch.int64, device="cpu")
         bt = torch.zeros(r, cols, dtype=torch.int32, device="cpu")
         lens = torch.zeros(r, dtype=torch.int32, device="cpu")
         for i, q in enumerate(reqs):

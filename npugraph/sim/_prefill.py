@@ -95,11 +95,11 @@ def _batched(
     t: torch.Tensor, info: dict[str, Any], ends: list[int], per: list[int], s: int, heads: int
 ) -> torch.Tensor:
     """``t`` as ``[B, heads, S, D]`` (TND rows gathered per request, zero past its length)."""
-    layout, b = info["layout"], info["batch"]
+    layout, b, dev = info["layout"], info["batch"], t.device
     if layout == "TND":
-        starts = torch.tensor([0, *ends[:-1]], dtype=torch.int64)
-        pos = torch.arange(s).unsqueeze(0)
-        idx = torch.where(pos < torch.tensor(per).unsqueeze(1), starts.unsqueeze(1) + pos, 0)
+        starts = torch.tensor([0, *ends[:-1]], dtype=torch.int64, device=dev)
+        pos = torch.arange(s, device=dev).unsqueeze(0)
+        idx = torch.where(pos < torch.tensor(per, device=dev).unsqueeze(1), starts.unsqueeze(1) + pos, 0)
         return t[idx].permute(0, 2, 1, 3)
     if layout == "BSH":
         return t.reshape(b, t.shape[1], heads, -1).permute(0, 2, 1, 3)
@@ -118,13 +118,14 @@ def _compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     mask = p.get("atten_mask") if sparse == 0 else None
     pre, nxt = int(p["pre_tockens"]), int(p["next_tockens"])
     band = (pre, nxt) if sparse == 0 and (pre, nxt) != (INT_MAX, INT_MAX) else None
-    q_per, kv_per = torch.tensor(info["q_per"]), torch.tensor(info["kv_per"])
+    dev = q.device
+    q_per, kv_per = torch.tensor(info["q_per"], device=dev), torch.tensor(info["kv_per"], device=dev)
     o, lse = K.attention(q, k, v, q_per, kv_per, float(p["scale"]), causal=sparse == 3, mask=mask, band=band)
     out, smax, ssum = p["out"]
     if info["layout"] == "TND":
         rows = [(b, i) for b, n in enumerate(info["q_per"]) for i in range(n)]
-        bi = torch.tensor([r[0] for r in rows], dtype=torch.int64)
-        si = torch.tensor([r[1] for r in rows], dtype=torch.int64)
+        bi = torch.tensor([r[0] for r in rows], dtype=torch.int64, device=dev)
+        si = torch.tensor([r[1] for r in rows], dtype=torch.int64, device=dev)
         out.copy_(o[bi, :, si])
         lse_rows = lse[bi, :, si]  # [T, N]
     elif info["layout"] == "BSH":
