@@ -153,9 +153,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine.capture()
     capture_s = time.perf_counter() - t0
-    # Host time of each call; on the simulator the device work runs inside whichever
-    # call unblocks it (the update, in replay-first order), so read "total us" first.
-    times: dict[int, dict[str, list[float]]] = {s: {"update": [], "replay": [], "total": []} for s in engine.sizes}
+    # Host time of each half of the step without the device's work, the device's work
+    # (on the simulator it runs on the CPU, inside whichever host call unblocks it), and
+    # the whole step with its synchronize.
+    times: dict[int, dict[str, list[float]]] = {
+        s: {"update": [], "replay": [], "device": [], "total": []} for s in engine.sizes
+    }
     mismatches = 0
     first_bad = None
     ref_checks, ref_failures, ref_worst = 0, 0, 0.0
@@ -166,10 +169,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         inputs = {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": batch.slot_mapping}
         t = times[batch.size]
         metadata = engine.metadata(batch.meta)
-        t1 = time.perf_counter()
+        t1, d1 = time.perf_counter(), rt.device.device_seconds()
         out = rt.step(batch.size, metadata, inputs=inputs)
         rt.synchronize()
         t["total"].append(time.perf_counter() - t1)
+        t["device"].append(rt.device.device_seconds() - d1)
         state = rt.graph_state(batch.size)
         t["update"].append(state.last_update_s)
         t["replay"].append(state.last_replay_s)
@@ -198,13 +202,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"npugraph demo ({args.model}) on {rt.device.name}: {cfg.layers} layers, sizes {engine.sizes}, "
         f"captured in {capture_s:.2f}s"
     )
-    print(f"{'size':>5} {'kernel':>6} {'replays':>8} {'update us':>10} {'replay us':>10} {'total us':>10}  why")
+    device_col = "sim dev us" if rt.device.is_sim else "device us"
+    print(
+        f"{'size':>5} {'kernel':>6} {'replays':>8} {'update us':>10} {'replay us':>10} {device_col:>10} "
+        f"{'total us':>10}  why"
+    )
     for e in sorted(rt.entries(), key=lambda e: e.tokens):
         t = times[e.tokens]
         replays = rt.graph_state(e.key).replays
+        dev_cell = med(t["device"]) if rt.device.is_sim else "-"
         print(
             f"{e.tokens:>5} {e.choice.kernel:>6} {replays:>8} {med(t['update']):>10} {med(t['replay']):>10} "
-            f"{med(t['total']):>10}  {e.choice.reason}"
+            f"{dev_cell:>10} {med(t['total']):>10}  {e.choice.reason}"
         )
     verdict = f"{args.steps} steps, {mismatches} mismatches"
     if first_bad is not None:
@@ -216,6 +225,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     all_u = [x for t in times.values() for x in t["update"]]
     all_r = [x for t in times.values() for x in t["replay"]]
+    all_d = [x for t in times.values() for x in t["device"]]
     summary = {
         "model": args.model,
         "device": rt.device.name,
@@ -227,6 +237,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "kernel_reason_by_size": {str(e.key): e.choice.reason for e in rt.entries()},
         "update_us_median": statistics.median(all_u) * 1e6 if all_u else None,
         "replay_us_median": statistics.median(all_r) * 1e6 if all_r else None,
+        # the simulator's device work per step (it runs on the CPU); None on hardware
+        "sim_device_us_median": statistics.median(all_d) * 1e6 if all_d and rt.device.is_sim else None,
+        "timing_note": "update/replay: host time without the simulated device's work",
         "capture_seconds": capture_s,
         "order": args.order,
         "dtype": args.dtype,
@@ -341,9 +354,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_policy(args: argparse.Namespace) -> int:
     """Measure a kernel policy and write it, or show one."""
     if args.policy_command == "measure":
+        if args.device == "sim":
+            print(
+                "npugraph: measuring on the simulator: these are CPU timings of the simulated kernels, not an "
+                "NPU's, and they choose by CPU noise; the file says device 'sim' and an NPU runtime refuses it. "
+                "Measure on an Ascend host with --device npu.",
+                file=sys.stderr,
+            )
+        repeats = 3 if args.quick else args.repeats
+        print(
+            f"timing PA and FIA at {len(args.sizes)} sizes, {repeats} replays each (capture included: on the "
+            "simulator about a minute per size at 32 heads x 128 x 4096; --quick for fewer replays)",
+            file=sys.stderr,
+            flush=True,
+        )
+        started = time.perf_counter()
 
         def show(size: int, m: Any) -> None:
-            print(f"size {size:>4}: PA {m.pa_median:>9.1f} us  FIA {m.fia_median:>9.1f} us", flush=True)
+            print(
+                f"size {size:>4}: PA {m.pa_median:>9.1f} us  FIA {m.fia_median:>9.1f} us  "
+                f"({time.perf_counter() - started:.0f} s so far)",
+                flush=True,
+            )
 
         policy = measure_policy(
             args.sizes,
@@ -354,7 +386,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_model_len=args.max_model_len,
             dtype=_DTYPES[args.dtype],
-            repeats=args.repeats,
+            repeats=repeats,
+            warmup=1 if args.quick else 2,
             margin=args.margin,
             progress=show,
         )
@@ -439,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     ps = pol.add_subparsers(dest="policy_command", required=True)
     m = ps.add_parser("measure", help="time PA and FIA per size and write a policy file")
     attention_shape_args(m)
-    m.add_argument("--repeats", type=_positive, default=7)
+    m.add_argument("--repeats", type=_positive, default=7, help="replays timed per kernel and size (default 7)")
+    m.add_argument("--quick", action="store_true", help="3 replays and 1 warm-up per kernel and size")
     m.add_argument("--margin", type=_fraction, default=0.05, help="relative near-tie band that keeps the default")
     m.add_argument("--out", required=True, type=_out_path, help="policy JSON to write")
     s = ps.add_parser("show", help="print a policy file's choice per size")
@@ -455,6 +489,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``NPUGRAPH_DEBUG=1`` to see the traceback of an unexpected one.
     """
     args = build_parser().parse_args(argv)
+    if getattr(args, "device", "sim") == "sim" and not os.environ.get("OMP_NUM_THREADS"):
+        # The simulator's kernels are small: one intra-op thread; a pool of spinning OpenMP
+        # workers only contends with the host work on a busy machine (OMP_NUM_THREADS overrides).
+        torch.set_num_threads(1)
     try:
         return int(args.func(args))
     except (NpuGraphError, OSError) as exc:

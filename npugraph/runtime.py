@@ -19,6 +19,7 @@ from npugraph.errors import ConfigError, MetadataError, NpuGraphError
 from npugraph.ops import SPECS, AttentionCall, pad_lens
 from npugraph.policy import KernelPolicy
 from npugraph.replay import ORDERS, AttentionMetadata, GraphState, ReplayUpdater, StepMetadata, convert
+from npugraph.replay.lens import real_requests
 
 __all__ = ["PAD_SLOT_ID", "Runtime"]
 
@@ -153,7 +154,10 @@ class Runtime:
             longest = max((b - a for a, b in itertools.pairwise(starts)), default=1)
             if longest > call.tokens_per_request:
                 call = attrs.evolve(call, tokens_per_request=longest)
-            if starts and starts[-1] < tokens and meta.num_reqs >= rows:
+            # spare tokens need a padding row: a trailing request of length 0 is one already
+            lens_ok = isinstance(meta.seq_lens, torch.Tensor) and meta.seq_lens.device.type == "cpu"
+            real = real_requests(meta.seq_lens.tolist()) if lens_ok and meta.seq_lens.dim() == 1 else 0
+            if real < len(starts) and starts[real] < tokens and real >= rows:
                 batch = rows + 1
         if batch > rows:
             call = attrs.evolve(call, block_table=_pad_rows(call.block_table, batch))

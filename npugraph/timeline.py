@@ -123,7 +123,10 @@ class RecordingDevice:
         self.memory = None
         self.deadlock_errors: tuple[type[BaseException], ...] = ()
         self.race_errors: tuple[type[BaseException], ...] = ()
-        self.memory_errors: tuple[type[BaseException], ...] = ()
+        self.fault_errors: tuple[type[BaseException], ...] = ()
+
+    def device_seconds(self) -> float:
+        return 0.0  # the recording device does no work
 
     def weak_ref_tensor(self, t: Any) -> Any:
         return t

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import settings
@@ -10,6 +12,9 @@ from npugraph import sim
 # examples, so a failure reproduces and CI cannot flake.
 settings.register_profile("npugraph", derandomize=True, deadline=None)
 settings.load_profile("npugraph")
+
+if not os.environ.get("OMP_NUM_THREADS"):
+    torch.set_num_threads(1)  # the simulator's kernels are small (the CLI does the same)
 
 
 @pytest.fixture(autouse=True)

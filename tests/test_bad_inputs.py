@@ -248,6 +248,14 @@ METADATA_CASES = [
         ),
     ),
     (
+        "a decode request of length 0 before a real one",
+        MetadataError,
+        r"request 0 has 1 query token\(s\) but seq_lens\[0\] = 0; the key length counts this step's tokens too",
+        lambda w: w.rt.update(
+            8, {"default": AttentionMetadata(seq_lens=_i32(0, 5), block_table=torch.ones(2, 8, dtype=torch.int32))}
+        ),
+    ),
+    (
         "negative length",
         MetadataError,
         r"seq_lens has a negative entry \(-3\)",
@@ -400,8 +408,26 @@ RUNTIME_CASES = [
     (
         "unknown device",
         DeviceUnavailable,
-        r"unknown device 'gpu': expected 'sim' or 'npu'",
+        r"unknown device 'gpu': expected 'sim' \(the built-in simulator\), 'npu' \(the current Ascend NPU\) or 'npu:N'",
         lambda w: Runtime("gpu", max_model_len=8),
+    ),
+    (
+        "a second simulated device",
+        DeviceUnavailable,
+        r"device 'sim:1': the simulator has one device, 'sim' \(or 'sim:0'\)",
+        lambda w: Runtime("sim:1", max_model_len=8),
+    ),
+    (
+        "a device index that is no number",
+        DeviceUnavailable,
+        r"device 'npu:x': the index after ':' must be a number, e.g. 'npu:0'",
+        lambda w: Runtime("npu:x", max_model_len=8),
+    ),
+    (
+        "npu:0 without torch_npu",
+        DeviceUnavailable,
+        r"device='npu' needs torch_npu and the CANN toolkit",
+        lambda w: Runtime("npu:0", max_model_len=8),
     ),
     (
         "npu without torch_npu",

@@ -253,7 +253,7 @@ def test_plugin_entry_point_is_discovered_and_installs_on_request(monkeypatch, c
     monkeypatch.setenv(integ.ENV_ENABLE, "1")
     monkeypatch.delenv(integ.ENV_DEVICE, raising=False)
     integ._log_once.cache_clear()
-    with caplog.at_level(logging.INFO, logger="npugraph.vllm"):
+    with caplog.at_level(logging.INFO, logger="vllm.npugraph"):
         integ.register()
         integ.register()
     untouched = [r for r in caplog.records if "vLLM left untouched" in r.getMessage()]
@@ -596,14 +596,22 @@ def test_uninstall_restores_every_vllm_ascend_name(monkeypatch):
 
 
 def test_plugin_without_vllm_logs_one_line_and_device_is_validated(monkeypatch, caplog):
+    from vllm.platforms import current_platform
+
     monkeypatch.setenv(integ.ENV_ENABLE, "1")
-    monkeypatch.setenv(integ.ENV_DEVICE, "gpu")
-    with pytest.raises(NpuGraphError, match="NPUGRAPH_DEVICE='gpu' is not a device npugraph knows"):
-        integ.register()
-    monkeypatch.setenv(integ.ENV_DEVICE, "sim")
+    monkeypatch.setenv(integ.ENV_DEVICE, "cuda")
+    before = current_platform.get_static_graph_wrapper_cls()
+    with caplog.at_level(logging.INFO, logger="vllm.npugraph"):
+        integ.register()  # vLLM's plugin loader would print a traceback for an exception
+    (line,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "NPUGRAPH_DEVICE='cuda' is not a device npugraph knows; use 'npu', 'npu:N' or 'sim'" in line.getMessage()
+    assert current_platform.get_static_graph_wrapper_cls() == before, "left untouched"
+    caplog.clear()
+    monkeypatch.setenv(integ.ENV_DEVICE, "SIM")  # any case, as NPUGRAPH_ENABLE
+    assert integ._env_device() == "sim"
     monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # import vllm.platforms now fails
     integ._log_once.cache_clear()
-    with caplog.at_level(logging.INFO, logger="npugraph.vllm"):
+    with caplog.at_level(logging.INFO, logger="vllm.npugraph"):
         integ.register()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "vLLM cannot be imported" in lines[0]

@@ -43,6 +43,11 @@ class Device:
     def is_sim(self) -> bool:
         return self.name == "sim"
 
+    def device_seconds(self) -> float:
+        """Host seconds spent executing simulated device work so far (0 on hardware, whose
+        device runs beside the host): subtract to time the host's own work."""
+        return float(self.ops.device_seconds()) if self.is_sim else 0.0
+
     @property
     def fused_fia_update(self) -> Any:
         """The GIL-free 4-in-1 FIA update (``_C._npu_fused_infer_attention_score_out_graph``), or None."""
@@ -59,9 +64,19 @@ class Device:
 
 
 def load_device(kind: str | Device = "sim") -> Device:
-    """Return the device adapter for ``kind``: ``"sim"`` or ``"npu"``."""
+    """Return the device adapter for ``kind``: ``"sim"``, ``"npu"`` (the current NPU) or
+    ``"npu:N"`` (NPU ``N``: made current with ``torch.npu.set_device``)."""
     if isinstance(kind, Device):
         return kind
+    name, _, index = str(kind).strip().lower().partition(":")
+    if index and not index.isdigit():
+        raise DeviceUnavailable(f"device {kind!r}: the index after ':' must be a number, e.g. 'npu:0'")
+    if name == "sim" and index in ("", "0"):
+        kind = "sim"
+    elif name == "sim":
+        raise DeviceUnavailable(f"device {kind!r}: the simulator has one device, 'sim' (or 'sim:0')")
+    elif name == "npu":
+        kind = "npu"
     if kind == "sim":
         return Device(
             name="sim",
@@ -82,5 +97,10 @@ def load_device(kind: str | Device = "sim") -> Device:
                 "torch_npu matching your torch and source CANN's set_env.sh, or use "
                 "device='sim' (the built-in simulator) on machines without an NPU."
             ) from exc
+        if index:
+            torch.npu.set_device(int(index))  # type: ignore[attr-defined]
         return Device(name="npu", ops=torch_npu, npu=torch.npu, memory=torch.device("npu", torch.npu.current_device()))  # type: ignore[attr-defined]
-    raise DeviceUnavailable(f"unknown device {kind!r}: expected 'sim' or 'npu'")
+    raise DeviceUnavailable(
+        f"unknown device {kind!r}: expected 'sim' (the built-in simulator), 'npu' (the current Ascend NPU) "
+        "or 'npu:N' (NPU number N)"
+    )

@@ -55,7 +55,8 @@ __all__ = [
     "uninstall",
 ]
 
-logger = logging.getLogger("npugraph.vllm")
+# A child of vLLM's own logger: its handler and format show npugraph's lines in vLLM's log.
+logger = logging.getLogger("vllm.npugraph")
 
 ENV_ENABLE = "NPUGRAPH_ENABLE"
 ENV_DEVICE = "NPUGRAPH_DEVICE"
@@ -155,12 +156,16 @@ def _step_metadata(attn_metadata: Any) -> StepMetadata:
 
 
 def _env_device() -> str | None:
-    """``NPUGRAPH_DEVICE``, checked: ``npu``, ``sim`` or unset."""
-    value = os.environ.get(ENV_DEVICE)
-    if value is None or value == "":
+    """``NPUGRAPH_DEVICE``, checked (any case): ``npu``, ``npu:N``, ``sim`` or unset."""
+    value = os.environ.get(ENV_DEVICE, "").strip().lower()
+    if not value:
         return None
-    if value not in ("npu", "sim"):
-        raise ConfigError(f"{ENV_DEVICE}={value!r} is not a device npugraph knows; use 'npu' or 'sim' (or unset it)")
+    name, _, index = value.partition(":")
+    if name not in ("npu", "sim") or (index and not index.isdigit()):
+        raise ConfigError(
+            f"{ENV_DEVICE}={os.environ.get(ENV_DEVICE)!r} is not a device npugraph knows; use 'npu', 'npu:N' "
+            "or 'sim' (or unset it)"
+        )
     return value
 
 
@@ -427,10 +432,18 @@ def uninstall(platform: Any = None) -> None:
 
 
 def register() -> None:
-    """vLLM general-plugin entry point: install npugraph when ``NPUGRAPH_ENABLE=1``."""
-    if os.environ.get(ENV_ENABLE, "").lower() not in ("1", "true", "yes", "on"):
+    """vLLM general-plugin entry point: install npugraph when ``NPUGRAPH_ENABLE=1``.
+
+    It never raises (vLLM's plugin loader would print a traceback and go on): a bad
+    setting is one error line in vLLM's log, and vLLM is left untouched.
+    """
+    if os.environ.get(ENV_ENABLE, "").strip().lower() not in ("1", "true", "yes", "on"):
         return
-    device = _env_device()
+    try:
+        device = _env_device()
+    except ConfigError as exc:
+        logger.error("npugraph: %s; vLLM left untouched", exc)
+        return
     try:
         from vllm.platforms import current_platform
     except ImportError as exc:

@@ -8,7 +8,7 @@ import torch
 from npugraph.errors import MetadataError
 from npugraph.ops.base import StepLens, pad_lens
 
-__all__ = ["AttentionMetadata", "pad_lens", "convert", "bad_block_ids"]
+__all__ = ["AttentionMetadata", "pad_lens", "convert", "bad_block_ids", "real_requests"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -79,7 +79,9 @@ def convert(
             "convert the engine's metadata first (npugraph.integrations.vllm does it for vLLM)"
         )
     kv = _host_ints(meta.seq_lens, "seq_lens", where)
-    r = len(kv)
+    given = len(kv)
+    r = real_requests(kv)
+    kv = kv[:r]
     if r > batch:
         raise MetadataError(
             f"{where}: {r} requests do not fit the captured batch of {batch}; pick a key whose size covers the batch"
@@ -97,9 +99,14 @@ def convert(
         )
     if meta.query_start_loc is not None:
         qsl = _host_ints(meta.query_start_loc, "query_start_loc", where)
-        if len(qsl) != r + 1 or qsl[0] != 0:
-            raise MetadataError(f"{where}: query_start_loc must have R+1={r + 1} entries starting at 0, got {qsl[:8]}")
-        q_ends = qsl[1:]
+        if len(qsl) != given + 1 or qsl[0] != 0:
+            raise MetadataError(
+                f"{where}: query_start_loc must have R+1={given + 1} entries starting at 0, got {qsl[:8]}"
+            )
+        for i in range(r, given):  # trailing padding requests: only their order is checked
+            if qsl[i + 1] < qsl[i]:
+                raise MetadataError(f"{where}: query_start_loc must be non-decreasing, got {qsl[:8]}")
+        q_ends = qsl[1 : r + 1]
         for i in range(r):
             q_len = qsl[i + 1] - qsl[i]
             if q_len < 0:
@@ -111,6 +118,13 @@ def convert(
                 )
     else:  # uniform: tokens_per_request each (1: decode; more: speculative verification)
         q_ends = list(range(tokens_per_request, tokens_per_request * r + 1, tokens_per_request))
+        short = next((i for i in range(r) if 0 <= kv[i] < tokens_per_request), None)
+        if short is not None:
+            raise MetadataError(
+                f"{where}: request {short} has {tokens_per_request} query token(s) but seq_lens[{short}] = "
+                f"{kv[short]}; the key length counts this step's tokens too (only trailing requests of "
+                "length 0 are padding)"
+            )
     if q_ends and q_ends[-1] > tokens:
         raise MetadataError(f"{where}: {q_ends[-1]} query tokens do not fit the captured {tokens}")
     real_tokens = q_ends[-1] if q_ends else 0
@@ -139,6 +153,19 @@ def convert(
         if check_block_ids if check_block_ids is not None else table.device.type == "cpu":
             _check_block_ids(table, kv, block_size, num_blocks, where)
     return pad_lens(kv, q_ends, batch, tokens)
+
+
+def real_requests(kv_lens: list[int]) -> int:
+    """How many leading requests are real: trailing requests of key length 0 are padding.
+
+    vLLM pads a FULL batch with requests of ``seq_len`` 0 and no query tokens; vllm-ascend
+    with requests of ``seq_len`` 0 and one query token.  Both are padding rows here (their
+    query tokens are spare tokens, which padding rows take).
+    """
+    r = len(kv_lens)
+    while r and kv_lens[r - 1] == 0:
+        r -= 1
+    return r
 
 
 def _check_block_ids(table: torch.Tensor, kv: list[int], block_size: int, num_blocks: int, where: str) -> None:

@@ -64,7 +64,8 @@ class GraphState:
     reuses both objects, so its tasks skip the re-issue); ``done``: two events its
     replays record in turn (the next update is ordered after them); ``last_lens``: each
     length slot's latest lengths (for dumps); ``last_update_s`` / ``last_replay_s``: host
-    seconds of the last step's two halves.
+    seconds of the last step's two halves, without the simulator's device work (which
+    runs inside host calls).
     """
 
     phase: StepPhase = StepPhase.IDLE
@@ -294,7 +295,7 @@ class ReplayUpdater:
 
     def _write(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: _Step) -> None:
         """Issue a prepared update and move the graph to its next phase."""
-        t0 = time.perf_counter()
+        t0, d0 = time.perf_counter(), self.device.device_seconds()
         self._release_other(entry)
         if state.phase is StepPhase.REPLAY_QUEUED and self.order == "update-first":
             self._release(plan, state)  # a replay of an earlier step: it must not take this update
@@ -321,25 +322,31 @@ class ReplayUpdater:
             self._waiting_ran(state)
         else:
             state.phase = StepPhase.UPDATED
-        state.last_update_s = time.perf_counter() - t0
+        busy = self.device.device_seconds() - d0
+        state.last_update_s = time.perf_counter() - t0 - busy
         if self._on_update is not None:
             self._on_update(entry, state)
 
     def _replay(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState) -> None:
         """Enqueue a replay and move the graph to its next phase (see the class table)."""
-        t0 = time.perf_counter()
+        t0, d0 = time.perf_counter(), self.device.device_seconds()
+        try:
+            self._enqueue(entry, plan, state)
+        finally:
+            busy = self.device.device_seconds() - d0
+            state.last_replay_s = time.perf_counter() - t0 - busy
+
+    def _enqueue(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState) -> None:
         where = f"{entry.namespace}/{entry.key!r}"
         self._release_other(entry)
         if not plan.tasks:  # nothing to update: no events to wait for
             self._launch(entry, state, waits=False)
-            state.last_replay_s = time.perf_counter() - t0
             return
         if state.phase is StepPhase.REPLAY_QUEUED:
             self._release(plan, state)  # abandoned by the caller: let it run empty
         update_first = self.order == "update-first"
         if state.phase is StepPhase.UPDATED and update_first:
             self._launch(entry, state, waits=False)
-            state.last_replay_s = time.perf_counter() - t0
             return
         if update_first:
             why = (
@@ -358,7 +365,6 @@ class ReplayUpdater:
             # follows its replay); BROKEN: events left recorded by a failure.
             self._settle(plan, state)
         self._launch(entry, state, waits=True)
-        state.last_replay_s = time.perf_counter() - t0
 
     def _launch(self, entry: CapturedGraph, state: GraphState, *, waits: bool) -> None:
         """Enqueue the graph; ``waits``: it waits on the device for the update that follows."""

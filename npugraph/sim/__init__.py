@@ -59,6 +59,7 @@ __all__ = [
     "configure",
     "counters",
     "pool_bytes",
+    "device_seconds",
     "SimError",
     "DeadlockError",
     "RaceError",
@@ -124,3 +125,12 @@ def pool_bytes(pool: tuple[int, int]) -> int:
     """Bytes that graphs captured into ``pool`` currently hold."""
     p = get_state().memory.pools.get(pool)
     return p.nbytes if p is not None else 0
+
+
+def device_seconds() -> float:
+    """Host seconds the simulator has spent executing device work since :func:`configure`.
+
+    The simulated device runs on the CPU inside whichever host call unblocks its work (a
+    replay, an update, a synchronize); subtract this to get the host's own time.
+    """
+    return get_state().busy_s

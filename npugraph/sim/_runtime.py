@@ -132,6 +132,9 @@ class SimState:
         # Replay faults (kernel errors inside a replay) waiting for the next synchronize,
         # which reports them as hardware does: a replay is asynchronous.
         self.faults: list[Any] = []
+        # host seconds spent executing device work (replays, kernels, updates landing): on
+        # the simulator the device runs on the CPU, inside whichever host call unblocks it
+        self.busy_s = 0.0
         # The one task-update session open now (stream, host thread), and the updates
         # each stream has queued that have not landed: CANN allows one updater at a time.
         self.update_session: tuple[Stream, int] | None = None
@@ -202,12 +205,15 @@ class SimState:
                 return
             s = self.rng.choice(ready) if self.adversarial else ready[0]
             work = s._queue[0]
+            t0 = time.perf_counter()
             try:
                 finished = work.step(max_nodes)
             except BaseException:
                 # A failed work item is dropped so that the device stays usable.
                 self._pop(s)
                 raise
+            finally:
+                self.busy_s += time.perf_counter() - t0
             if finished:
                 self._pop(s)
             budget -= 1
