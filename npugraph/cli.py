@@ -28,7 +28,7 @@ from npugraph.files import FileError, check_writable, write_text
 from npugraph.measure import measure_policy
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
-from npugraph.policy import KernelPolicy, StaticPolicy, load_policy
+from npugraph.policy import KernelPolicy, MeasuredPolicy, StaticPolicy, load_policy
 from npugraph.runtime import Runtime
 from npugraph.selftest import CheckResult, run_selftest, versions
 from npugraph.timeline import chrome_trace
@@ -139,6 +139,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         window=args.window if args.model == "gemma-like" else None,
     )
+    need = Workload.blocks_per_request(cfg)
+    if cfg.num_blocks < need:
+        raise NpuGraphError(
+            f"--num-blocks {cfg.num_blocks} holds no request: one request of this demo takes up to {need} blocks of "
+            f"{cfg.block_size} tokens (--max-model-len {cfg.max_model_len}); give at least {need}, and about "
+            f"{need * max(args.sizes)} to fill the largest size"
+        )
     rt = Runtime(
         args.device,
         max_model_len=cfg.max_model_len,
@@ -148,6 +155,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     policy = _policy(args.policy)
     if policy is not None:
+        if isinstance(policy, MeasuredPolicy) and args.model != "mla":  # MLA has one kernel
+            policy.check_shapes(
+                heads=cfg.heads,
+                kv_heads=cfg.kv_heads,
+                head_size=cfg.head_size,
+                dtype=str(cfg.dtype),
+                block_size=cfg.block_size,
+            )
         rt.set_policy(policy)
     engine = DecodeEngine(rt, _MODELS[args.model](cfg, rt), args.sizes)
     t0 = time.perf_counter()

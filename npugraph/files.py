@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any
 
 from npugraph.errors import NpuGraphError
@@ -18,11 +19,19 @@ class FileError(NpuGraphError, OSError):
 
 
 def check_writable(path: str) -> str:
-    """Refuse, before any work, an output path that is a symlink, a folder, or in a missing folder."""
+    """Refuse, before any work, an output path that is a symlink, a folder, something other
+    than a regular file, in a missing folder, or not writable."""
     if os.path.islink(path):
         raise FileError(f"{path}: is a symbolic link; npugraph does not write through links")
     if os.path.isdir(path):
         raise FileError(f"{path}: is a directory; give a file path")
+    if os.path.exists(path):
+        if not os.path.isfile(path):
+            raise FileError(f"{path}: is not a regular file (a device or a pipe?); give a file path")
+        if not os.access(path, os.W_OK):
+            raise FileError(f"{path}: exists and is not writable")
+        if os.path.realpath(path).startswith(("/proc/", "/sys/")):
+            raise FileError(f"{path}: is a kernel file (/proc, /sys), not one to write; give a file path")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise FileError(f"{path}: folder {parent} does not exist")
@@ -37,8 +46,11 @@ def write_text(path: str, text: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
         raise FileError(f"{path}: cannot write: {exc.strerror or exc}") from exc
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    except OSError as exc:
+        raise FileError(f"{path}: cannot write: {exc.strerror or exc}") from exc
 
 
 def read_json(path: str, what: str, *, limit: int = MAX_JSON_BYTES) -> Any:
@@ -47,6 +59,11 @@ def read_json(path: str, what: str, *, limit: int = MAX_JSON_BYTES) -> Any:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
         raise FileError(f"cannot read {what} {path!r}: {exc.strerror or exc}") from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise FileError(f"cannot read {what} {path!r}: it is {kind}; give the {what}'s file path")
     with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:

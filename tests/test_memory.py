@@ -23,7 +23,7 @@ from npugraph.sim import npu
 SCALE = 0.125
 
 
-def _pa_inputs(t=2, n=4, kvn=2, d=64, nb=8, bs=4, cols=4, seed=0):
+def _pa_inputs(t=2, n=4, kvn=2, d=64, nb=8, bs=16, cols=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(t, n, d, generator=g).half()
     kc = torch.randn(nb, bs, kvn, d, generator=g).half()

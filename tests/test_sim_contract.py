@@ -13,7 +13,7 @@ from npugraph.sim import npu
 SCALE = 0.125
 
 
-def _pa_setup(t=2, n=4, kvn=2, d=16, nb=8, bs=4, cols=4, dtype=torch.float16):
+def _pa_setup(t=2, n=4, kvn=2, d=16, nb=8, bs=16, cols=4, dtype=torch.float16):
     q = torch.randn(t, n, d, dtype=dtype)
     kc = torch.randn(nb, bs, kvn, d, dtype=dtype)
     vc = torch.randn(nb, bs, kvn, d, dtype=dtype)

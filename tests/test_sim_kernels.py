@@ -61,7 +61,7 @@ def _gather(cache, table_row, length, bs):
     kvn=st.sampled_from([1, 2, 4]),
     group=st.sampled_from([1, 2, 4]),
     d=st.sampled_from([8, 32, 64, 128]),  # 64 and 128: the head sizes npugraph sends to PA
-    bs=st.sampled_from([1, 4, 16]),
+    bs=st.sampled_from([16, 32]),  # ATB PagedAttention: a multiple of 16
     data=st.data(),
 )
 def test_pa_matches_oracle(dtype, t, kvn, group, d, bs, data):
@@ -190,14 +190,17 @@ def test_actual_seq_lengths_ignored_when_query_length_is_one():
 
 def test_pa_bad_inputs_name_the_argument():
     q = torch.randn(2, 4, 8, dtype=torch.float16)
-    kc = torch.randn(4, 4, 2, 8, dtype=torch.float16)
+    kc = torch.randn(4, 16, 2, 8, dtype=torch.float16)
     out = torch.empty_like(q)
     bt = torch.zeros(2, 2, dtype=torch.int32)
     ok = torch.tensor([3, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="'block_table' must be int32"):
         torch_npu._npu_paged_attention(q, kc, kc, 2, 4, 1.0, bt.long(), ok, out)
-    with pytest.raises(ValueError, match=r"'context_lens\[1\]' = 9 is outside \[0, 8\]"):
-        torch_npu._npu_paged_attention(q, kc, kc, 2, 4, 1.0, bt, torch.tensor([3, 9], dtype=torch.int32), out)
+    with pytest.raises(ValueError, match=r"'context_lens\[1\]' = 33 is outside \[0, 32\]"):
+        torch_npu._npu_paged_attention(q, kc, kc, 2, 4, 1.0, bt, torch.tensor([3, 33], dtype=torch.int32), out)
+    small = torch.randn(4, 4, 2, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="block size 4 is not a multiple of 16 \\(ATB PagedAttention requires it\\)"):
+        torch_npu._npu_paged_attention(q, small, small, 2, 4, 1.0, bt, ok, out)
     with pytest.raises(ValueError, match="'num_kv_heads' is 1 but key_cache has 2"):
         torch_npu._npu_paged_attention(q, kc, kc, 1, 4, 1.0, bt, ok, out)
     bad = torch.tensor([[0, 1], [7, 0]], dtype=torch.int32)

@@ -241,6 +241,12 @@ def load_manifest(path: str) -> dict[str, Any]:
         doc = read_json(path, "manifest")
     except FileError as exc:
         raise ManifestError(str(exc)) from exc
+    version = doc.get("schema_version") if isinstance(doc, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise ManifestError(
+            f"{path}: written by a newer npugraph (schema_version {version}; this one reads {SCHEMA_VERSION}); "
+            "upgrade npugraph to read it"
+        )
     problems = schema_problems(doc)
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""

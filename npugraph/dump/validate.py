@@ -72,7 +72,7 @@ def validate_manifest(doc: dict[str, Any]) -> list[Violation]:
                     Violation(
                         rule="same-layers",
                         where=where,
-                        message=f"layers {layers[:4]}... differ from the namespace's first key {layer_order[:4]}...",
+                        message=_layer_difference(layers, layer_order),
                     )
                 )
             ws_bytes = int(k.get("workspace", {}).get("bytes", 0))
@@ -179,3 +179,14 @@ def diff_manifests(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
                             what.append(f"{n} {da.get(n)} -> {db.get(n)}")
                 lines.append(f"{ns}/{key} task {tx['index']}: " + "; ".join(what))
     return lines
+
+
+def _layer_difference(layers: list[tuple[int, str]], first: list[tuple[int, str]]) -> str:
+    """Where two layer orders part: the first position that differs, or the count."""
+    i = next((j for j, (a, b) in enumerate(zip(layers, first)) if a != b), min(len(layers), len(first)))
+    if i < min(len(layers), len(first)):
+        return (
+            f"task {i} is layer {layers[i][1]!r} (micro-batch {layers[i][0]}) but in the namespace's first key "
+            f"{first[i][1]!r} (micro-batch {first[i][0]}): the keys record their layers in other orders"
+        )
+    return f"{len(layers)} layers, the namespace's first key has {len(first)}"

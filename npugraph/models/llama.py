@@ -305,6 +305,8 @@ class Decoder(nn.Module):
         """Logits of the real tokens (``sum(query_lens)``), attention from the float64
         reference on copies of the caches (the caches are not changed)."""
         n = sum(query_lens)
+        if n == 0:  # no real token: no logits
+            return torch.zeros(0, self.cfg.vocab_size, dtype=torch.float32, device=input_ids.device)
         ref = _RefStep(
             slots=slot_mapping[:n], seq_lens=list(seq_lens), query_lens=list(query_lens), block_table=block_table
         )

@@ -71,6 +71,12 @@ class Workload:
         self._next = 0
         self._target = self.rng.choice(self._targets())
 
+    @staticmethod
+    def blocks_per_request(cfg: DecoderConfig) -> int:
+        """The most blocks one request of this workload takes (prompt and output together)."""
+        longest = min(cfg.max_model_len - 1, cfg.max_model_len // 3 + max(2, cfg.max_model_len // 8))
+        return -(-longest // cfg.block_size)
+
     def _admit(self) -> None:
         cfg = self.cfg
         # the load drifts between near-idle and full so that every size is visited

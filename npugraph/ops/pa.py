@@ -78,6 +78,10 @@ def _unsupported(call: AttentionCall) -> str | None:
         return f"PA has no tiling for head size {head} (supported: {list(PA_HEAD_SIZES)})"
     if call.query.dtype not in PA_DTYPES:
         return f"PA does not support dtype {call.query.dtype} (float16/bfloat16 only)"
+    bs = call.block_size
+    if bs % 16 or bs * head > 128 * 128:
+        # ATB PagedAttention (CANN 9.0, ascendtb_01_0198): block_size % 16 == 0, block_size * head_size <= 128 * 128
+        return f"PA needs a block size that is a multiple of 16 and at most {128 * 128 // head} here (got {bs})"
     return None
 
 

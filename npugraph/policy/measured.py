@@ -87,6 +87,24 @@ class MeasuredPolicy:
                 f"{device!r}; measure it again here (npugraph policy measure)"
             )
 
+    def check_shapes(self, *, heads: int, kv_heads: int, head_size: int, dtype: str, block_size: int) -> None:
+        """Refuse, before any capture, a file measured for other attention shapes."""
+        mine = PolicySignature(
+            heads=heads,
+            kv_heads=kv_heads,
+            head_size=head_size,
+            dtype=dtype.replace("torch.", ""),
+            block_size=block_size,
+            device=self.signature.device,
+        )
+        diffs = self.signature.differences(mine)
+        if diffs:
+            raise PolicyError(
+                "kernel policy file does not match this model: "
+                + "; ".join(diffs)
+                + ". Measure a policy for these shapes (npugraph policy measure)."
+            )
+
     def choose(self, namespace: str, key: Hashable, tokens: int, calls: Sequence[AttentionCall]) -> KernelChoice:
         mla = mla_choice(calls)
         if mla is not None:

@@ -33,6 +33,12 @@ def _pa_check(p: dict[str, Any]) -> dict[str, Any]:
         raise fail(op, "num_heads", f"({num_heads}) must be a multiple of num_kv_heads")
     if dk != d:
         raise fail(op, "key_cache", f"head size {dk} differs from the query's {d}")
+    # ATB PagedAttention's constraints (CANN 9.0 ascendtb_01_0198): "block_size % 16 == 0",
+    # head_size in (0, 256], and with equal key and value head sizes block_size * head_size <= 128 * 128
+    if bs % 16:
+        raise fail(op, "key_cache", f"block size {bs} is not a multiple of 16 (ATB PagedAttention requires it)")
+    if not 0 < d <= 256 or bs * d > 128 * 128:
+        raise fail(op, "key_cache", f"block size {bs} x head size {d} exceeds ATB PagedAttention's 128 x 128")
     if vc.shape[:3] != kc.shape[:3]:
         raise fail(op, "value_cache", f"shape {list(vc.shape)} does not match key_cache")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
