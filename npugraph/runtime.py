@@ -15,7 +15,7 @@ from npugraph.device import Device, load_device
 from npugraph.dump.manifest import build_manifest, save_manifest
 from npugraph.dump.postmortem import PostMortem
 from npugraph.dump.trace import UpdateTrace
-from npugraph.errors import ConfigError, MetadataError, NpuGraphError
+from npugraph.errors import ConfigError, MetadataError, NpuGraphError, UnknownKeyError
 from npugraph.ops import SPECS, AttentionCall, pad_lens
 from npugraph.policy import KernelPolicy
 from npugraph.replay import ORDERS, AttentionMetadata, GraphState, ReplayUpdater, StepMetadata, convert
@@ -226,6 +226,11 @@ class Runtime:
         self.synchronize()
         self.manager.capture_all(keys, make, namespace=namespace, size=size)
 
+    def capture_report(self, namespace: str | None = None) -> str:
+        """One line on what is captured (also logged at INFO after :meth:`capture_all`):
+        graphs, attention tasks, kernels, capture time, graph-pool memory."""
+        return self.manager.capture_report(namespace)
+
     # --- what is captured ------------------------------------------------------------
     def entries(self, namespace: str | None = None) -> list[CapturedGraph]:
         """The captured graphs (of one namespace, or all)."""
@@ -239,6 +244,21 @@ class Runtime:
     def has(self, key: Hashable, *, namespace: str = "main") -> bool:
         """Whether ``key`` has a captured graph in ``namespace``."""
         return self.manager.has(namespace, key)
+
+    def key_for(self, num_tokens: int, num_reqs: int | None = None, *, namespace: str = "main") -> Hashable:
+        """The captured key to run a batch of ``num_tokens`` tokens (and ``num_reqs``
+        requests) with: the smallest graph that holds it.  :meth:`step` then pads the
+        inputs and the metadata to that graph.  Raises
+        :class:`~npugraph.errors.UnknownKeyError` when no captured graph is large enough."""
+        reqs = num_tokens if num_reqs is None else num_reqs
+        fits = [e for e in self.manager.entries(namespace) if e.tokens >= num_tokens and (e.batch or e.tokens) >= reqs]
+        if not fits:
+            have = sorted(e.tokens for e in self.manager.entries(namespace))
+            raise UnknownKeyError(
+                f"no graph in namespace {namespace!r} holds {num_tokens} tokens and {reqs} requests (captured token "
+                f"counts: {have}); run this batch eagerly (Runtime(eager_fallback=...)) or capture a larger size"
+            )
+        return min(fits, key=lambda e: (e.tokens, e.batch)).key
 
     def graph_state(self, key: Hashable, *, namespace: str = "main") -> GraphState:
         """The step state of the graph of ``key``: its phase, replays, steps, last lengths."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import warnings
 import weakref
 from typing import NamedTuple
 from unittest import mock
@@ -420,3 +421,75 @@ def test_lengths_on_an_unusable_device_are_refused_by_name():
     with pytest.raises(MetadataError, match=r"seq_lens must be on the host \(CPU\), got a tensor on meta"):
         rt.step(4, {"default": bad}, inputs=_inputs(b))
     assert torch.equal(eng.step(b), eng.eager(b))
+
+
+def test_capturing_smaller_first_warns_once_and_the_report_says_what_was_captured(caplog):
+    cfg = DecoderConfig(layers=2, num_blocks=64, max_model_len=128)
+    rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    model = Decoder(cfg, rt)
+    eng = DecodeEngine(rt, model, [2, 4, 8])
+    with caplog.at_level("INFO", logger="npugraph"):
+        eng.capture()  # largest first: no warning
+    (line,) = [r.getMessage() for r in caplog.records if "graphs captured" in r.getMessage()]
+    assert "3 graphs captured in namespace 'main' (6 attention tasks; 1 fia, 2 pa) in" in line
+    assert "graph pool" in line and "MiB" in line
+    rt.reset()
+    views = {k: v[:2] for k, v in eng.buffers.items()}
+
+    def capture(size):
+        ins = {k: v[:size] for k, v in eng.buffers.items()}
+        meta = AttentionMetadata(seq_lens=torch.ones(size, dtype=torch.int32), block_table=eng.block_table[:size])
+        rt.capture(model, *ins.values(), meta, key=size, static_inputs=ins)
+
+    capture(2)
+    with pytest.warns(
+        UserWarning, match=r"captured main/4 \(4 tokens\) after smaller graphs \(\[2\]\): capture the largest first"
+    ):
+        capture(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        capture(8)  # said once per namespace
+    assert views and rt.capture_report("main").startswith("3 graphs captured in namespace 'main'")
+
+
+def test_key_for_picks_the_smallest_graph_that_holds_the_batch_and_step_pads_to_it():
+    cfg, rt, _, eng = build(sizes=[2, 4, 8], layers=2)
+    assert [rt.key_for(n) for n in (1, 2, 3, 5, 8)] == [2, 2, 4, 8, 8]
+    with pytest.raises(
+        UnknownKeyError,
+        match=r"no graph in namespace 'main' holds 9 tokens and 9 requests \(captured token counts: \[2, 4, 8\]\)",
+    ):
+        rt.key_for(9)
+    b = _batch(cfg, 8, steps=5)
+    key = rt.key_for(b.num_reqs)
+    r = b.num_reqs
+    got = rt.step(key, {"default": b.meta}, inputs={k: v[:r] for k, v in _inputs(b).items()})[:r]
+    rt.synchronize()
+    assert torch.equal(got, eng.eager(b))
+
+
+@pytest.mark.parametrize(
+    ("device_error", "advice"),
+    [
+        (
+            "ACL error 207008: stream resource exhausted",
+            r"capture fewer sizes \(vLLM: compilation_config.cudagraph_capture_sizes\)",
+        ),
+        ("Failed to find function aclmdlRICaptureBegin", r"needs CANN >= 8.2.RC1 and Ascend HDK >= 25.0.RC1"),
+    ],
+)
+def test_a_device_capture_error_comes_with_advice(device_error, advice):
+    cfg = DecoderConfig(layers=2, num_blocks=64, max_model_len=128)
+    rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    model = Decoder(cfg, rt)
+    eng = DecodeEngine(rt, model, [2])
+
+    def fails(*args):
+        raise RuntimeError(device_error)
+
+    real = model.forward
+    model.forward = fails
+    with pytest.raises(CaptureFailed, match=advice):
+        eng.capture()
+    model.forward = real
+    eng.capture()  # and the key captures at once afterwards

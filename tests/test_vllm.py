@@ -623,3 +623,20 @@ def test_mla_metadata_is_read_from_its_decode_part():
     meta = integ.to_attention_metadata(types.SimpleNamespace(decode=decode, num_actual_tokens=4))
     assert meta.seq_lens.tolist() == [5, 9] and meta.block_table is table
     assert meta.query_start_loc.tolist() == [0, 2, 4], "cumulative query ends of a speculative step"
+
+
+def test_dump_inspect_selects_a_vllm_graph_by_its_token_count(tmp_path, capsys):
+    from npugraph.cli import main
+
+    runner = Runner()
+    runner.capture()
+    path = str(tmp_path / "m.json")
+    runner.rt.save_manifest(path)
+    assert main(["dump", "inspect", path, "--key", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "main/BatchDescriptor(num_tokens=4" in out and "main.layers.0.attn" in out
+    assert main(["dump", "inspect", path]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [line for line in lines if "BatchDescriptor" in line or line.strip().startswith("key")]
+    assert len(table) == len(SIZES) + 1
+    assert len({line.rindex("  ") for line in table}) == 1, "the columns line up under long keys"

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import enum
 import os
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +25,8 @@ from npugraph.ops import SPECS, AttentionCall, OpSpec, StepLens
 from npugraph.policy import KernelChoice, KernelPolicy, StaticPolicy
 
 __all__ = ["Phase", "CaptureManager"]
+
+logger = logging.getLogger("npugraph")
 
 
 class Phase(enum.Enum):
@@ -108,6 +112,7 @@ class CaptureManager:
         self._ctx: _Capture | None = None
         self._by_event: dict[int, tuple[CapturedGraph, TaskRecord]] = {}
         self.configured: dict[str, list[Hashable]] = {}
+        self._warned_order: set[str] = set()  # namespaces warned about a smaller-first capture
         # where a capture error is not the callable's fault: torch's and the device's own code
         self._library_code = tuple(
             os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, device.ops) if m.__file__
@@ -316,9 +321,19 @@ class CaptureManager:
             raise CaptureFailed(
                 f"capture of {namespace}/{key!r} failed{where} at {_raised_at(cause, self._library_code)}: "
                 f"{type(cause).__name__}: {str(cause).rstrip('.')}. Nothing was registered for this key."
+                + _advice(str(cause))
             ) from cause
         finally:
             self._ctx = None
+        smaller = [e.key for e in self.entries(namespace) if e.tokens < entry.tokens]
+        if smaller and namespace not in self._warned_order:
+            self._warned_order.add(namespace)
+            warnings.warn(
+                f"captured {namespace}/{key!r} ({entry.tokens} tokens) after smaller graphs ({smaller[:4]}): "
+                "capture the largest first, so that smaller graphs reuse its pool blocks instead of growing "
+                "the pool (Runtime.capture_all orders the keys for you)",
+                stacklevel=3,
+            )
         self._entries[(namespace, key)] = entry
         for t in entry.tasks:
             self._by_event[id(t.event)] = (entry, t)
@@ -343,9 +358,27 @@ class CaptureManager:
         it: Iterable[Hashable] = order
         if self.progress:
             it = tqdm(order, desc=f"capturing {namespace}", unit="graph", leave=False)
+        t0 = time.perf_counter()
         for k in it:
             fn, args, kwargs = make(k)
             self.capture(fn, *args, key=k, namespace=namespace, **kwargs)
+        logger.info("npugraph: %s", self.capture_report(namespace, time.perf_counter() - t0))
+
+    def capture_report(self, namespace: str | None = None, seconds: float | None = None) -> str:
+        """One line on what is captured: graphs, attention tasks, kernels, time, pool memory."""
+        entries = self.entries(namespace)
+        kernels: dict[str, int] = {}
+        for e in entries:
+            kernels[e.choice.kernel] = kernels.get(e.choice.kernel, 0) + 1
+        took = seconds if seconds is not None else sum(e.capture_seconds for e in entries)
+        pool = self.device.ops.pool_bytes(self._pool) if self.device.is_sim and self._pool is not None else None
+        where = f"namespace {namespace!r}" if namespace is not None else "all namespaces"
+        return (
+            f"{len(entries)} graphs captured in {where} ({sum(len(e.tasks) for e in entries)} attention tasks; "
+            + ", ".join(f"{n} {k}" for k, n in sorted(kernels.items()))
+            + f") in {took:.1f} s"
+            + (f", graph pool {pool / 2**20:.1f} MiB" if pool is not None else "")
+        )
 
     # --- lookup ----------------------------------------------------------------------
     def entry(self, namespace: str, key: Hashable) -> CapturedGraph:
@@ -399,6 +432,35 @@ class CaptureManager:
                 del self._by_event[id(t.event)]
             entry.graph.reset()
             del self._entries[(ns, k)]
+
+
+# What a device's capture error means, by the code or message torch_npu and CANN report
+# (vllm-ascend's issues #1168, #2182 and the torch_npu builds without aclmdlRI*): the
+# advice appended to CaptureFailed.
+_DEVICE_ADVICE = (
+    (
+        ("207008",),
+        "The device ran out of stream resources (error 207008; about 1,920 graphs per device, vllm-ascend "
+        "#1168): capture fewer sizes (vLLM: compilation_config.cudagraph_capture_sizes) or fewer namespaces.",
+    ),
+    (
+        ("aclmdlRICaptureBegin", "aclmdlRICapture"),
+        "This CANN/driver has no graph capture (aclmdlRICapture*): graph capture with task updates needs "
+        "CANN >= 8.2.RC1 and Ascend HDK >= 25.0.RC1; upgrade them, or run without graphs.",
+    ),
+    (
+        ("507011",),
+        "An event wait timed out on the device (507011): a replay waited for an update that never came "
+        "before this capture; synchronize (Runtime.synchronize names the graph) before capturing.",
+    ),
+)
+
+
+def _advice(message: str) -> str:
+    for needles, advice in _DEVICE_ADVICE:
+        if any(n in message for n in needles):
+            return " " + advice
+    return ""
 
 
 def _host_tuple(v: Any) -> tuple[int, ...]:

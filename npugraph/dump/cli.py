@@ -17,7 +17,8 @@ def add_parser(sub: Any) -> None:
     ds = p.add_subparsers(dest="dump_command", required=True)
     i = ds.add_parser("inspect", help="summary per namespace, or one graph's tasks with --key")
     i.add_argument("file")
-    i.add_argument("--key", help="show this key's tasks and their arguments")
+    i.add_argument("--key", help="show this key's tasks and arguments (the key as written, or its token count)")
+    i.add_argument("--namespace", default=None, help="where --key is looked up (default: every namespace)")
     d = ds.add_parser("diff", help="what differs between two manifests (exit 1 if they differ)")
     d.add_argument("a")
     d.add_argument("b")
@@ -31,14 +32,21 @@ def add_parser(sub: Any) -> None:
 
 
 def _find_key(doc: dict[str, Any], key: str, namespace: str | None = None) -> tuple[str, dict[str, Any]]:
-    for ns, nsdoc in doc["namespaces"].items():
-        if namespace not in (None, ns):
-            continue
-        for k in nsdoc["keys"]:
-            if k["key"] == key:
-                return ns, k
-    have = [f"{ns}/{k['key']}" for ns, nd in doc["namespaces"].items() for k in nd["keys"]]
-    raise ManifestError(f"no key {key!r} in the manifest (have {have[:12]})")
+    """The graph ``key`` names: its repr as written in the manifest, or its token count
+    (``--key 4`` selects ``BatchDescriptor(num_tokens=4, ...)`` when it is the only one)."""
+    keys = [(ns, k) for ns, nd in doc["namespaces"].items() if namespace in (None, ns) for k in nd["keys"]]
+    exact = [(ns, k) for ns, k in keys if k["key"] == key]
+    by_tokens = [(ns, k) for ns, k in keys if key.strip().isdigit() and k.get("tokens") == int(key)]
+    for found in (exact, by_tokens):
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            names = [f"{ns}/{k['key']}" for ns, k in found]
+            raise ManifestError(
+                f"key {key!r} matches {len(found)} graphs ({names[:6]}); pick one with --namespace or its whole key"
+            )
+    have = [f"{ns}/{k['key']}" for ns, k in keys]
+    raise ManifestError(f"no key {key!r} in the manifest (a key as written, or a token count; have {have[:12]})")
 
 
 def _fmt_arg(a: dict[str, Any]) -> str:
@@ -53,7 +61,7 @@ def _fmt_arg(a: dict[str, Any]) -> str:
     return repr(v)
 
 
-def inspect(doc: dict[str, Any], key: str | None = None) -> str:
+def inspect(doc: dict[str, Any], key: str | None = None, namespace: str | None = None) -> str:
     lines = []
     if "error" in doc:
         e = doc["error"]
@@ -64,7 +72,7 @@ def inspect(doc: dict[str, Any], key: str | None = None) -> str:
         f"workspaces {t['workspace_bytes']} B, pool {t['pool_bytes']} B"
     )
     if key is not None:
-        ns, k = _find_key(doc, key)
+        ns, k = _find_key(doc, key, namespace)
         lines.append(
             f"{ns}/{k['key']}: kernel {k['kernel']} ({k['kernel_reason']}), workspace {k['workspace']['bytes']} B"
         )
@@ -90,13 +98,16 @@ def inspect(doc: dict[str, Any], key: str | None = None) -> str:
         return "\n".join(lines)
     for ns, nsdoc in doc["namespaces"].items():
         lines.append(f"namespace {ns}:")
+        w = max([3, *(len(str(k["key"])) for k in nsdoc["keys"])])  # long keys (BatchDescriptor) stay aligned
         lines.append(
-            f"  {'key':>10} {'kernel':>6} {'tasks':>6} {'workspace B':>12} {'replays':>8} {'last step':>9}  replayable"
+            f"  {'key':>{w}} {'tokens':>6} {'kernel':>6} {'tasks':>6} {'workspace B':>12} {'replays':>8} "
+            f"{'last step':>9}  phase"
         )
         for k in nsdoc["keys"]:
+            phase = k.get("phase", "idle" if k["replayable"] else "broken")
             lines.append(
-                f"  {k['key']:>10} {k['kernel']:>6} {len(k['tasks']):>6} {k['workspace']['bytes']:>12} "
-                f"{k['replays']:>8} {k['steps']:>9}  {k['replayable']}"
+                f"  {k['key']:>{w}} {k['tokens']:>6} {k['kernel']:>6} {len(k['tasks']):>6} "
+                f"{k['workspace']['bytes']:>12} {k['replays']:>8} {k['steps']:>9}  {phase}"
             )
     return "\n".join(lines)
 
@@ -133,7 +144,7 @@ def to_dot(doc: dict[str, Any], key: str, namespace: str | None = None) -> str:
 def run(args: argparse.Namespace) -> int:
     cmd = args.dump_command
     if cmd == "inspect":
-        print(inspect(load_manifest(args.file), args.key))
+        print(inspect(load_manifest(args.file), args.key, args.namespace))
         return 0
     if cmd == "diff":
         lines = diff_manifests(load_manifest(args.a), load_manifest(args.b))
