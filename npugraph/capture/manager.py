@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import enum
+import logging
 import os
 import time
 import traceback
