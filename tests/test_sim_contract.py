@@ -606,3 +606,22 @@ def test_the_graph_context_ends_the_capture_even_when_the_body_raises():
     q, kc, vc, bt, out = _pa_setup()
     with npu.graph(g):
         _pa(q, kc, vc, bt, torch.tensor([1, 2], dtype=torch.int32), out)
+
+
+def test_install_torch_npu_makes_module_level_imports_resolve_to_the_simulator():
+    import sys
+
+    assert "torch_npu" not in sys.modules and not hasattr(torch, "npu")
+    torch_npu.install_torch_npu()
+    try:
+        import torch_npu as imported  # as vllm-ascend does at module level
+
+        assert imported is torch_npu and torch.npu is npu and sys.modules["torch_npu.npu"] is npu
+        torch_npu.install_torch_npu()  # idempotent
+        g = torch.npu.NPUGraph()
+        with torch.npu.graph(g):
+            pass
+    finally:
+        torch_npu.uninstall_torch_npu()
+    assert "torch_npu" not in sys.modules and not hasattr(torch, "npu")
+    torch_npu.uninstall_torch_npu()  # a no-op now

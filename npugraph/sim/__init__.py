@@ -11,6 +11,7 @@ Simulator-only controls: :func:`configure` (adversarial scheduling, host-cost mo
 from __future__ import annotations
 
 import collections
+import sys
 import types
 from typing import Any
 
@@ -60,6 +61,10 @@ __all__ = [
     "counters",
     "pool_bytes",
     "device_seconds",
+    "install_torch_npu",
+    "uninstall_torch_npu",
+    "install_torch_npu",
+    "uninstall_torch_npu",
     "SimError",
     "DeadlockError",
     "RaceError",
@@ -134,3 +139,49 @@ def device_seconds() -> float:
     replay, an update, a synchronize); subtract this to get the host's own time.
     """
     return get_state().busy_s
+
+
+_MISSING = object()
+# what install_torch_npu replaced, to restore: module name (or "torch.npu") -> the old value
+_INSTALLED: dict[str, Any] = {}
+
+
+def install_torch_npu() -> None:
+    """Make ``import torch_npu`` (with ``torch_npu.npu`` and ``torch_npu._C``) and ``torch.npu``
+    resolve to the simulator, for code that imports torch_npu at module level (vllm-ascend):
+    its graph code then runs on a CPU with real kernel math instead of mocks.
+
+    Idempotent; :func:`uninstall_torch_npu` restores what was there.  Refused where a real
+    torch_npu is already imported (two NPU backends in one process would mix).
+    """
+    if _INSTALLED:
+        return
+    me = sys.modules[__name__]
+    real = sys.modules.get("torch_npu")
+    if real is not None and real is not me:
+        raise RuntimeError(
+            "install_torch_npu: a real torch_npu is already imported in this process; the simulator "
+            "cannot stand in for it"
+        )
+    stand_ins = {"torch_npu": me, "torch_npu.npu": npu, "torch_npu._C": _C}
+    for name, module in stand_ins.items():
+        _INSTALLED[name] = sys.modules.get(name, _MISSING)
+        sys.modules[name] = module  # type: ignore[assignment]
+    _INSTALLED["torch.npu"] = getattr(torch, "npu", _MISSING)
+    torch.npu = npu  # type: ignore[attr-defined]
+
+
+def uninstall_torch_npu() -> None:
+    """Undo :func:`install_torch_npu` (a no-op when it is not installed)."""
+    for name, old in _INSTALLED.items():
+        if name == "torch.npu":
+            if old is _MISSING:
+                if hasattr(torch, "npu"):
+                    delattr(torch, "npu")
+            else:
+                torch.npu = old  # type: ignore[attr-defined]
+        elif old is _MISSING:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = old
+    _INSTALLED.clear()
