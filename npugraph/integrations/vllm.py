@@ -42,6 +42,7 @@ from unittest import mock
 import torch
 
 from npugraph.errors import ConfigError, MetadataError, NpuGraphError
+from npugraph.integrations import vllm_ascend
 from npugraph.replay import AttentionMetadata, StepMetadata
 from npugraph.runtime import Runtime
 
@@ -94,6 +95,8 @@ def to_attention_metadata(obj: Any) -> AttentionMetadata:
     """
     if isinstance(obj, AttentionMetadata):
         return obj
+    if getattr(obj, "actual_seq_lengths_q", None) is not None and getattr(obj, "decode", None) is None:
+        return vllm_ascend.metadata_from_ascend(obj)  # vllm-ascend's AscendMetadata: host query ends
     decode = getattr(obj, "decode", None)
     if decode is not None and getattr(decode, "seq_lens_list", None) is not None:
         meta = to_attention_metadata(decode)
@@ -304,16 +307,29 @@ class NpuGraphWrapper:
         # Once vLLM has turned capturing off (serving), a new batch descriptor must fail, not capture.
         validate_cudagraph_capturing_enabled()
         self._addresses[key] = _inputs(args, kwargs)
-        with _gc_disabled(opts.gc_disable, self.runtime.device.npu):
-            out = self.runtime.capture(
-                self.runnable,
-                *args,
-                key=key,
-                namespace=self.namespace,
-                tokens=int(key.num_tokens),
-                require_attention=self._full,
-                **kwargs,
-            )
+        from vllm.forward_context import get_forward_context
+
+        ctx: Any = get_forward_context()
+        was_capturing = getattr(ctx, "capturing", False)
+        with (
+            _gc_disabled(opts.gc_disable, self.runtime.device.npu),
+            vllm_ascend.capturing(self.runtime, self.namespace),
+        ):
+            # vllm-ascend's backends take their graph path (now npugraph's recorders) while
+            # the forward context says so, as its own ACLGraphWrapper sets it
+            ctx.capturing = True
+            try:
+                out = self.runtime.capture(
+                    self.runnable,
+                    *args,
+                    key=key,
+                    namespace=self.namespace,
+                    tokens=int(key.num_tokens),
+                    require_attention=self._full,
+                    **kwargs,
+                )
+            finally:
+                ctx.capturing = was_capturing
         compilation_counter.num_cudagraph_captured += 1
         if not opts.weak_ref_output:
             self._strong[key] = out  # the caller asked the wrapper to own the outputs
@@ -362,13 +378,15 @@ def install(platform: Any = None) -> None:
     * vllm-ascend ``vllm_ascend.compilation.acl_graph.ACLGraphWrapper`` (and the
       alias in ``vllm_ascend.worker.model_runner_v1``) → :class:`NpuGraphWrapper`,
       which has the same constructor and call contract;
-    * vllm-ascend ``update_attn_params`` / ``update_mla_attn_params`` /
-      ``update_draft_graph_params`` → no-ops: npugraph's wrapper updates the graph
-      itself before each FULL replay, and a second update would record each event
-      twice (a lost record, then a hang).
+    * vllm-ascend's own graph recorders and per-step update → npugraph's
+      (:func:`npugraph.integrations.vllm_ascend.install`, for its Aug and Sept 2026
+      generations): its backends become thin clients, and its update a no-op, since
+      npugraph's wrapper updates the graph itself (a second update would record each
+      event twice: a lost record, then a hang).
 
     Every original is kept on the patched object (``_npugraph_original_*``) and
-    restored by :func:`uninstall`.
+    restored by :func:`uninstall`.  What was replaced is logged; every expected name
+    that was not found is warned about, once, by name.
     """
     if platform is None:
         from vllm.platforms import current_platform as platform
@@ -377,21 +395,16 @@ def install(platform: Any = None) -> None:
         cls._npugraph_original_wrapper_cls = cls.__dict__.get("get_static_graph_wrapper_cls")
         cls.get_static_graph_wrapper_cls = classmethod(lambda c: WRAPPER_PATH)
     for module_name, names in _PATCHED:
-        for name in names:
-            _patch(module_name, (name,), NpuGraphWrapper if name == "ACLGraphWrapper" else _noop)
+        _patch(module_name, names, NpuGraphWrapper)
+    vllm_ascend.install()
     _log_once(f"npugraph: installed as the graph wrapper of {cls.__name__}")
 
 
 # vllm-ascend names install() replaces (where the module and the name exist), and uninstall() restores.
-_UPDATES = ("update_attn_params", "update_mla_attn_params", "update_draft_graph_params")
 _PATCHED = (
-    ("vllm_ascend.compilation.acl_graph", ("ACLGraphWrapper", *_UPDATES)),
-    ("vllm_ascend.worker.model_runner_v1", ("ACLGraphWrapper", *_UPDATES)),
+    ("vllm_ascend.compilation.acl_graph", ("ACLGraphWrapper",)),
+    ("vllm_ascend.worker.model_runner_v1", ("ACLGraphWrapper",)),
 )
-
-
-def _noop(*args: Any, **kwargs: Any) -> None:
-    """Replaces vllm-ascend's per-step update: npugraph's wrapper already updated the graph."""
 
 
 def _patch(module_name: str, names: tuple[str, ...], value: Any) -> None:
@@ -429,6 +442,7 @@ def uninstall(platform: Any = None) -> None:
         del cls._npugraph_original_wrapper_cls
     for module_name, names in _PATCHED:
         _unpatch(module_name, names)
+    vllm_ascend.uninstall()
 
 
 def register() -> None:

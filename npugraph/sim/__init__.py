@@ -63,8 +63,6 @@ __all__ = [
     "device_seconds",
     "install_torch_npu",
     "uninstall_torch_npu",
-    "install_torch_npu",
-    "uninstall_torch_npu",
     "SimError",
     "DeadlockError",
     "RaceError",

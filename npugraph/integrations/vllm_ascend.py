@@ -1,0 +1,397 @@
+"""vllm-ascend's own attention backends as thin clients of npugraph.
+
+vllm-ascend records its graph path itself, in two generations:
+
+* **Aug 2026** (``compilation/acl_graph.py``, ``attention/attention_v1.py``): while the
+  forward context says ``capturing``, ``AscendAttentionBackendImpl.full_graph_pa`` /
+  ``full_graph_fia`` / ``full_graph_fia_v2`` record an ExternalEvent, a task group and the
+  kernel into module-level ``GraphParams``; per step the runner calls
+  ``update_full_graph_params(...)``, which calls each backend's ``update_graph_params``
+  staticmethod to re-issue them.
+* **Sept 2026** (``compilation/updatable_graph.py``, PRs #15908/#16798; the V2 runner's
+  ``worker/v2/updatable_graph.py``): backends call ``register_task(operation, kwargs,
+  provider)`` and ``get_capture_resource(key, factory, use_max_workspace)``, which find the
+  ``UpdatableGraph`` being captured through a ``ContextVar``; per step the runner resolves
+  each task's ``ParamProvider`` and calls ``graph.update(update_stream, tasks)``.
+
+:func:`install` makes both record through :meth:`npugraph.Runtime.attention` instead (the
+recorders become thin clients: one npugraph task per layer, validated, padded and
+updated by npugraph's one step protocol), and turns their per-step update into a no-op —
+npugraph's wrapper already updated the graph, and a second update would record every
+event twice (a lost record, then a hang).  It says what it replaced, and warns once, by
+name, about every name it expected and did not find: vllm-ascend's names drift.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import torch
+
+from npugraph.errors import CaptureFailed, MetadataError
+from npugraph.ops import AttentionCall
+from npugraph.replay import AttentionMetadata
+from npugraph.runtime import Runtime
+
+__all__ = ["Replaced", "capturing", "detect", "install", "uninstall", "metadata_from_ascend"]
+
+logger = logging.getLogger("vllm.npugraph")
+
+_ATTENTION = "vllm_ascend.attention.attention_v1"
+_ACL_GRAPH = "vllm_ascend.compilation.acl_graph"
+_UPDATABLE = ("vllm_ascend.compilation.updatable_graph", "vllm_ascend.worker.v2.updatable_graph")
+_IMPL = "AscendAttentionBackendImpl"
+_RECORDERS = ("full_graph_pa", "full_graph_fia", "full_graph_fia_v2")
+_MARK = "_npugraph_original_"
+
+
+@attrs.frozen(kw_only=True)
+class _Capture:
+    """The runtime a capture records into, and the graph's namespace."""
+
+    runtime: Runtime
+    namespace: str
+
+
+# The capture in progress (set by NpuGraphWrapper around a capture): a ContextVar, as
+# vllm-ascend's own active graph is, so that the recorders need no global.
+_CAPTURING: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("npugraph_capturing", default=None)
+# The attention layer whose forward is running (its name keys the step's metadata).
+_LAYER: contextvars.ContextVar[str | None] = contextvars.ContextVar("npugraph_layer", default=None)
+
+
+@contextlib.contextmanager
+def capturing(runtime: Runtime, namespace: str) -> Iterator[None]:
+    """Route vllm-ascend's recorders to ``runtime`` for the capture this block runs."""
+    token = _CAPTURING.set(_Capture(runtime=runtime, namespace=namespace))
+    try:
+        yield
+    finally:
+        _CAPTURING.reset(token)
+
+
+@attrs.frozen(kw_only=True)
+class Replaced:
+    """What :func:`install` found: the generation, the names it replaced, those it missed."""
+
+    generation: str
+    replaced: tuple[str, ...]
+    missing: tuple[str, ...]
+
+
+def detect() -> str | None:
+    """Which vllm-ascend generation is importable: ``"sept-2026"``, ``"aug-2026"`` or None."""
+    if any(_module(m) is not None and hasattr(_module(m), "register_task") for m in _UPDATABLE):
+        return "sept-2026"
+    attn = _module(_ATTENTION)
+    if attn is not None and hasattr(getattr(attn, _IMPL, None), "full_graph_pa"):
+        return "aug-2026"
+    return None
+
+
+def install() -> Replaced | None:
+    """Make the installed vllm-ascend's backends record through npugraph (see the module doc).
+
+    Returns what was replaced (None where vllm-ascend is not installed); logs it, and
+    warns once per expected name that was not found.
+    """
+    generation = detect()
+    if generation is None:
+        return None
+    replaced: list[str] = []
+    missing: list[str] = []
+    impl = getattr(_module(_ATTENTION), _IMPL, None)
+    if impl is not None:
+        for name in _RECORDERS:
+            _replace_attr(impl, name, _recorder(name), f"{_ATTENTION}.{_IMPL}.{name}", replaced, missing)
+        _replace_attr(
+            impl, "update_graph_params", staticmethod(_noop), f"{_IMPL}.update_graph_params", replaced, missing
+        )
+        _replace_attr(impl, "forward", _named_forward(impl), f"{_IMPL}.forward", replaced, missing)
+    elif generation == "aug-2026":
+        missing.append(f"{_ATTENTION}.{_IMPL}")
+    if generation == "aug-2026":
+        _replace_everywhere("update_full_graph_params", _noop, _ACL_GRAPH, replaced, missing)
+    else:
+        for module_name in _UPDATABLE:
+            if _module(module_name) is None:
+                continue
+            _replace_everywhere("register_task", _register_task, module_name, replaced, missing)
+            _replace_everywhere("get_capture_resource", _get_capture_resource, module_name, replaced, missing)
+            graph_cls = getattr(_module(module_name), "UpdatableGraph", None)
+            if graph_cls is None:
+                missing.append(f"{module_name}.UpdatableGraph")
+                continue
+            where = f"{module_name}.UpdatableGraph"
+            _replace_attr(graph_cls, "resolve_tasks", _no_tasks, f"{where}.resolve_tasks", replaced, missing)
+            _replace_attr(graph_cls, "update", _noop_method, f"{where}.update", replaced, missing)
+    result = Replaced(generation=generation, replaced=tuple(replaced), missing=tuple(missing))
+    logger.info("npugraph: vllm-ascend (%s) installed; replaced %s", generation, ", ".join(replaced) or "nothing")
+    for name in missing:
+        _warn_missing(name)
+    return result
+
+
+def uninstall() -> None:
+    """Put back every name :func:`install` replaced."""
+    for module in list(sys.modules.values()):
+        if module is None or not getattr(module, "__name__", "").startswith("vllm_ascend"):
+            continue
+        _restore(module)
+        for value in list(vars(module).values()):
+            if isinstance(value, type):
+                _restore(value)
+
+
+@functools.cache
+def _warn_missing(name: str) -> None:
+    warnings.warn(
+        f"npugraph: vllm-ascend has no {name}; it was not replaced (its name changed?). Check that vllm-ascend's "
+        "own graph update does not also run, or pin the vllm-ascend npugraph was tested with.",
+        stacklevel=3,
+    )
+
+
+def _module(name: str) -> Any:
+    try:
+        return __import__(name, fromlist=["_"])
+    except Exception:
+        return None
+
+
+def _replace_attr(owner: Any, name: str, value: Any, label: str, replaced: list[str], missing: list[str]) -> None:
+    if name not in vars(owner):
+        missing.append(label)
+        return
+    if f"{_MARK}{name}" not in vars(owner):
+        setattr(owner, f"{_MARK}{name}", vars(owner)[name])
+        setattr(owner, name, value)
+    replaced.append(label)
+
+
+def _replace_everywhere(name: str, value: Any, home: str, replaced: list[str], missing: list[str]) -> None:
+    """Replace ``home.name`` and every vllm-ascend module's copy of it (``from home import name``)."""
+    original = getattr(_module(home), name, None)
+    if original is None:
+        missing.append(f"{home}.{name}")
+        return
+    for module in list(sys.modules.values()):
+        mod_name = getattr(module, "__name__", "")
+        if module is None or not mod_name.startswith("vllm_ascend") or vars(module).get(name) is not original:
+            continue
+        setattr(module, f"{_MARK}{name}", original)
+        setattr(module, name, value)
+        replaced.append(f"{mod_name}.{name}")
+
+
+def _restore(owner: Any) -> None:
+    for attr in [a for a in vars(owner) if a.startswith(_MARK)]:
+        setattr(owner, attr[len(_MARK) :], vars(owner)[attr])
+        delattr(owner, attr)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    """vllm-ascend's per-step update: npugraph's wrapper already updated the graph."""
+
+
+def _noop_method(self: Any, *args: Any, **kwargs: Any) -> None:
+    """``UpdatableGraph.update``: npugraph's wrapper already updated the graph."""
+
+
+def _no_tasks(self: Any, *args: Any, **kwargs: Any) -> tuple[()]:
+    """``UpdatableGraph.resolve_tasks``: npugraph holds the tasks; nothing to resolve."""
+    return ()
+
+
+def _named_forward(impl: type) -> Callable[..., Any]:
+    """``forward(self, layer, ...)`` that makes the layer's name known to the recorders."""
+    original = vars(impl)["forward"]
+
+    @functools.wraps(original)
+    def forward(self: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
+        name = getattr(self, "kv_sharing_target_layer_name", None) or getattr(layer, "layer_name", None)
+        token = _LAYER.set(name)
+        try:
+            return original(self, layer, *args, **kwargs)
+        finally:
+            _LAYER.reset(token)
+
+    return forward
+
+
+def _current() -> _Capture:
+    cap = _CAPTURING.get()
+    if cap is None:
+        raise CaptureFailed(
+            "vllm-ascend recorded a graph task outside an npugraph capture: its ACLGraphWrapper (or another "
+            "wrapper) captured the graph, so npugraph would never update it. Install npugraph before the model "
+            "runner builds its wrappers (NPUGRAPH_ENABLE=1 and the vllm.general_plugins entry point)."
+        )
+    return cap
+
+
+def _layer(self: Any, layer: Any = None) -> str:
+    name = getattr(layer, "layer_name", None) or _LAYER.get() or getattr(self, "_layer_name", None)
+    if not name:
+        raise CaptureFailed(
+            "vllm-ascend's recorder ran without a layer name: npugraph keys every task by the layer whose "
+            "metadata updates it; call the backend through its forward(layer, ...)"
+        )
+    return str(name)
+
+
+def metadata_from_ascend(meta: Any) -> AttentionMetadata:
+    """npugraph's metadata from vllm-ascend's ``AscendMetadata`` (capture and step alike).
+
+    Host lengths from ``seq_lens_list`` (or the CPU ``seq_lens``); query ends from the
+    host list ``actual_seq_lengths_q`` (``query_start_loc`` is device-resident there).
+    """
+    seq = getattr(meta, "seq_lens_list", None)
+    if seq is None:
+        lens = getattr(meta, "seq_lens", None)
+        if not isinstance(lens, torch.Tensor):
+            raise MetadataError(f"{type(meta).__name__} has no seq_lens_list / seq_lens on the host")
+        seq = lens.tolist()
+    table = getattr(meta, "block_tables", None)
+    if table is None:
+        table = getattr(meta, "block_table", None)
+    if table is None:
+        raise MetadataError(f"{type(meta).__name__} has no block_tables")
+    ends = getattr(meta, "actual_seq_lengths_q", None)
+    qsl = None
+    if ends is not None and len(ends) == len(seq) and (not seq or ends[-1] != len(seq)):
+        qsl = torch.tensor([0, *[int(x) for x in ends]], dtype=torch.int32, device="cpu")
+    return AttentionMetadata(
+        seq_lens=torch.tensor([int(x) for x in seq], dtype=torch.int32, device="cpu"),
+        block_table=table,
+        query_start_loc=qsl,
+    )
+
+
+def _attend(self: Any, query: torch.Tensor, meta: Any, out: torch.Tensor, layer: Any = None) -> None:
+    cap = _current()
+    window = getattr(self, "sliding_window", None)
+    npu_meta = metadata_from_ascend(meta)
+    call = AttentionCall(
+        query=query,
+        key_cache=self.key_cache,
+        value_cache=self.value_cache,
+        block_table=npu_meta.block_table,
+        out=out.view(query.shape[0], self.num_heads, -1),
+        num_heads=int(self.num_heads),
+        num_kv_heads=int(self.num_kv_heads),
+        scale=float(self.scale),
+        window=int(window) if window else None,
+    )
+    cap.runtime.attention(_layer(self, layer), call, npu_meta, namespace=cap.namespace)
+
+
+def _recorder(name: str) -> Callable[..., Any]:
+    """The replacement of one ``full_graph_*`` recorder, with its signature and return."""
+    if name == "full_graph_pa":
+
+        def full_graph_pa(self: Any, query: torch.Tensor, attn_metadata: Any, output: Any = None) -> Any:
+            _attend(self, query, attn_metadata, output)
+            return output
+
+        return full_graph_pa
+
+    def full_graph_fia(
+        self: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        layer: Any = None,
+    ) -> tuple[torch.Tensor, int]:
+        if name == "full_graph_fia_v2" and getattr(self, "sinks", None) is not None:
+            raise CaptureFailed(
+                f"layer {_layer(self, layer)!r} has attention sinks (FIA v2 learnable_sink): npugraph's FIA "
+                "declarations do not pass sinks yet; capture this model with vllm-ascend's own graph mode"
+            )
+        num_tokens = int(attn_metadata.actual_seq_lengths_q[-1])
+        view = output.view(query.shape[0], self.num_heads, -1)
+        _attend(self, query, attn_metadata, view, layer)
+        return view, num_tokens
+
+    full_graph_fia.__name__ = name
+    return full_graph_fia
+
+
+# --- the Sept 2026 generation: register_task / get_capture_resource ----------------------
+
+
+def _register_task(operation: Callable[..., Any], kwargs: dict[str, Any], provider: Any) -> None:
+    """``register_task`` backed by npugraph: a known attention op becomes a runtime task."""
+    cap = _CAPTURING.get()
+    if cap is None:
+        operation(**kwargs)  # eager, as vllm-ascend's own does
+        return
+    call, meta = _call_from_task(operation, kwargs)
+    name = getattr(provider, "layer_name", None) or _LAYER.get()
+    if not name:
+        raise CaptureFailed(
+            f"register_task({getattr(operation, '__name__', operation)!r}): its provider "
+            f"{type(provider).__name__} names no layer; npugraph keys every task by its layer's metadata"
+        )
+    cap.runtime.attention(str(name), call, meta, namespace=cap.namespace)
+
+
+def _get_capture_resource(key: Any, factory: Callable[[], Any], use_max_workspace: bool = False) -> Any:
+    """Inside an npugraph capture the runtime sizes and owns the workspaces itself."""
+    return None if _CAPTURING.get() is not None else factory()
+
+
+def _call_from_task(operation: Callable[..., Any], kw: dict[str, Any]) -> tuple[AttentionCall, AttentionMetadata]:
+    """The npugraph call and metadata an UpdatableGraph task describes (FIA TND paged, or PA)."""
+    op = getattr(operation, "__name__", str(operation))
+    if "paged_attention" in op:
+        call = AttentionCall(
+            query=kw["query"],
+            key_cache=kw["key_cache"],
+            value_cache=kw["value_cache"],
+            block_table=kw["block_table"],
+            out=kw["out"],
+            num_heads=int(kw["num_heads"]),
+            num_kv_heads=int(kw["num_kv_heads"]),
+            scale=float(kw["scale_value"]),
+        )
+        lens = kw["context_lens"]
+        seq = lens.tolist() if isinstance(lens, torch.Tensor) else list(lens)
+        return call, AttentionMetadata(seq_lens=torch.tensor(seq, dtype=torch.int32), block_table=kw["block_table"])
+    if "fused_infer_attention_score" in op and kw.get("input_layout") == "TND" and kw.get("block_table") is not None:
+        q = kw["query"]
+        n, kvn = int(kw["num_heads"]), int(kw.get("num_key_value_heads") or kw["num_heads"])
+        key, value = kw["key"], kw["value"]
+        nb, bs = int(key.shape[0]), int(key.shape[1])
+        sparse, pre = int(kw.get("sparse_mode", 0)), kw.get("pre_tokens")
+        call = AttentionCall(
+            query=q,
+            key_cache=key.view(nb, bs, kvn, -1),
+            value_cache=value.view(nb, bs, kvn, -1),
+            block_table=kw["block_table"],
+            out=kw["out"][0].view(q.shape[0], n, -1),
+            num_heads=n,
+            num_kv_heads=kvn,
+            scale=float(kw.get("scale", 1.0)),
+            window=int(pre) + 1 if sparse == 4 and pre is not None else None,
+        )
+        ends = [int(x) for x in kw["actual_seq_lengths"]]
+        kv = [int(x) for x in kw["actual_seq_lengths_kv"]]
+        qsl = torch.tensor([0, *ends], dtype=torch.int32)
+        return call, AttentionMetadata(
+            seq_lens=torch.tensor(kv, dtype=torch.int32), block_table=kw["block_table"], query_start_loc=qsl
+        )
+    raise CaptureFailed(
+        f"register_task({op}): npugraph records PA and paged TND FIA tasks; this operation has no npugraph "
+        "declaration yet (capture this model with vllm-ascend's own graph mode)"
+    )
