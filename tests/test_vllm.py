@@ -570,31 +570,6 @@ def test_weak_ref_output_of_a_view_still_replays():
     assert out is not None and torch.equal(out, ((torch.arange(8.0) + 1) * 3).view(2, -1)[:, 1:])
 
 
-def test_uninstall_restores_every_vllm_ascend_name(monkeypatch):
-    from vllm.platforms import current_platform
-
-    originals = {}
-    for name in ("vllm_ascend", "vllm_ascend.compilation", "vllm_ascend.worker"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    for name in ("vllm_ascend.compilation.acl_graph", "vllm_ascend.worker.model_runner_v1"):
-        module = types.ModuleType(name)
-        for attr in ("ACLGraphWrapper", "update_attn_params", "update_mla_attn_params", "update_draft_graph_params"):
-            value = type(attr, (), {}) if attr == "ACLGraphWrapper" else (lambda *a, _n=attr: _n)
-            setattr(module, attr, value)
-            originals[(name, attr)] = value
-        monkeypatch.setitem(sys.modules, name, module)
-    integ.install(current_platform)
-    try:
-        for (name, attr), value in originals.items():
-            now = getattr(sys.modules[name], attr)
-            assert now is (integ.NpuGraphWrapper if attr == "ACLGraphWrapper" else integ._noop), (name, attr)
-    finally:
-        integ.uninstall(current_platform)
-    for (name, attr), value in originals.items():
-        assert getattr(sys.modules[name], attr) is value, f"{name}.{attr} restored"
-        assert not hasattr(sys.modules[name], f"_npugraph_original_{attr}")
-
-
 def test_plugin_without_vllm_logs_one_line_and_device_is_validated(monkeypatch, caplog):
     from vllm.platforms import current_platform
 

@@ -95,8 +95,9 @@ def to_attention_metadata(obj: Any) -> AttentionMetadata:
     """
     if isinstance(obj, AttentionMetadata):
         return obj
-    if getattr(obj, "actual_seq_lengths_q", None) is not None and getattr(obj, "decode", None) is None:
-        return vllm_ascend.metadata_from_ascend(obj)  # vllm-ascend's AscendMetadata: host query ends
+    ascend = getattr(obj, "actual_seq_lengths_q", None) is not None or isinstance(getattr(obj, "seq_lens", None), list)
+    if ascend and getattr(obj, "decode", None) is None:
+        return vllm_ascend.metadata_from_ascend(obj)  # vllm-ascend's AscendMetadata: host lengths and query ends
     decode = getattr(obj, "decode", None)
     if decode is not None and getattr(decode, "seq_lens_list", None) is not None:
         meta = to_attention_metadata(decode)

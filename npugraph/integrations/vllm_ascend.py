@@ -251,23 +251,31 @@ def _layer(self: Any, layer: Any = None) -> str:
 def metadata_from_ascend(meta: Any) -> AttentionMetadata:
     """npugraph's metadata from vllm-ascend's ``AscendMetadata`` (capture and step alike).
 
-    Host lengths from ``seq_lens_list`` (or the CPU ``seq_lens``); query ends from the
-    host list ``actual_seq_lengths_q`` (``query_start_loc`` is device-resident there).
+    Host lengths from ``seq_lens_list`` (Aug 2026), or ``seq_lens`` as a host list (the V2
+    runner's) or CPU tensor; query ends from the host list ``actual_seq_lengths_q`` (Aug:
+    ``query_start_loc`` is device-resident there) or the V2 runner's host list
+    ``query_start_loc`` (cumulative ends, or starts with a leading 0).
     """
     seq = getattr(meta, "seq_lens_list", None)
     if seq is None:
         lens = getattr(meta, "seq_lens", None)
-        if not isinstance(lens, torch.Tensor):
+        if isinstance(lens, (list, tuple)):
+            seq = list(lens)
+        elif isinstance(lens, torch.Tensor) and lens.device.type == "cpu":
+            seq = lens.tolist()
+        else:
             raise MetadataError(f"{type(meta).__name__} has no seq_lens_list / seq_lens on the host")
-        seq = lens.tolist()
     table = getattr(meta, "block_tables", None)
     if table is None:
         table = getattr(meta, "block_table", None)
     if table is None:
-        raise MetadataError(f"{type(meta).__name__} has no block_tables")
+        raise MetadataError(f"{type(meta).__name__} has no block_tables / block_table")
     ends = getattr(meta, "actual_seq_lengths_q", None)
+    listed = getattr(meta, "query_start_loc", None)
+    if ends is None and isinstance(listed, (list, tuple)):
+        ends = list(listed[1:]) if len(listed) == len(seq) + 1 and listed and listed[0] == 0 else list(listed)
     qsl = None
-    if ends is not None and len(ends) == len(seq) and (not seq or ends[-1] != len(seq)):
+    if ends is not None and len(ends) == len(seq) and list(ends) != list(range(1, len(seq) + 1)):
         qsl = torch.tensor([0, *[int(x) for x in ends]], dtype=torch.int32, device="cpu")
     return AttentionMetadata(
         seq_lens=torch.tensor([int(x) for x in seq], dtype=torch.int32, device="cpu"),

@@ -1,0 +1,1 @@
+"""A stand-in of vllm-ascend for npugraph's tests: its names and signatures, not its code."""

@@ -1,0 +1,244 @@
+"""vllm-ascend's own attention backends, captured through npugraph's plugin, as thin clients.
+
+Stand-ins of vllm-ascend (``tests/standin/{aug,sept}``: its module names, class names,
+signatures and torch_npu calls, for its Aug and Sept 2026 generations; bodies of our own)
+run over ``npugraph.sim.install_torch_npu()``, driven through real vLLM classes.  Each step
+goes through the wrapper and then the runner's own per-step update (which the plugin must
+have made a no-op): one npugraph task per layer, exactly one event record per layer per
+step, replays bitwise equal to the backends' own eager path and within tolerance of the
+float64 reference, under both padding conventions.  With ``NPUGRAPH_VLLM_ASCEND_SRC``
+pointing at a vllm-ascend checkout, the same checks run on its real files.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+if not os.environ.get("NPUGRAPH_REQUIRE_VLLM"):
+    pytest.importorskip("vllm")
+
+from vllm.config import CUDAGraphMode, VllmConfig
+from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context
+
+from npugraph import Runtime, sim
+from npugraph.integrations import vllm as integ
+from npugraph.integrations import vllm_ascend as ascend
+from npugraph.reference import paged_attention_reference
+
+pytestmark = pytest.mark.vllm
+
+HEADS, KV_HEADS, HEAD, BLOCK, BLOCKS, LAYERS = 4, 2, 64, 16, 40, 3
+MAX_LEN = 128
+COLS = MAX_LEN // BLOCK
+SIZES = [8, 4, 2]  # FIA at 8, PA at 4 and 2 (vllm-ascend's pa_shape_list and npugraph's default)
+STANDIN = Path(__file__).parent / "standin"
+CAUSAL = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)
+
+
+def _purge() -> None:
+    for name in [n for n in sys.modules if n == "vllm_ascend" or n.startswith("vllm_ascend.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture(params=["aug"])
+def generation(request, monkeypatch):
+    """vllm-ascend of one generation installed (a stand-in), npugraph's plugin on top."""
+    from vllm.platforms import current_platform
+
+    sim.install_torch_npu()
+    _purge()
+    monkeypatch.syspath_prepend(str(STANDIN / request.param))
+    import vllm_ascend.attention.attention_v1
+    import vllm_ascend.worker.model_runner_v1  # noqa: F401
+
+    try:
+        integ.install(current_platform)
+        yield request.param
+    finally:
+        integ.uninstall(current_platform)
+        _purge()
+        sim.uninstall_torch_npu()
+
+
+class AscendModel(torch.nn.Module):
+    """Layers whose attention is vllm-ascend's backend impl, called as vLLM's Attention layer does."""
+
+    def __init__(self, vllm_config, seed=0):
+        super().__init__()
+        from vllm_ascend.attention.attention_v1 import AscendAttentionBackendImpl
+
+        gen = torch.Generator().manual_seed(seed)
+        self.layers = [types.SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn") for i in range(LAYERS)]
+        self.caches = [
+            (
+                torch.randn(BLOCKS, BLOCK, KV_HEADS, HEAD, generator=gen).half(),
+                torch.randn(BLOCKS, BLOCK, KV_HEADS, HEAD, generator=gen).half(),
+            )
+            for _ in range(LAYERS)
+        ]
+        self.impls = [
+            AscendAttentionBackendImpl(
+                HEADS, HEAD, HEAD**-0.5, KV_HEADS, None, None, "auto", None, "decoder", None, vllm_config=vllm_config
+            )
+            for _ in range(LAYERS)
+        ]
+
+    def forward(self, query):
+        md = get_forward_context().attn_metadata
+        outs = []
+        for layer, impl, cache in zip(self.layers, self.impls, self.caches):
+            out = torch.empty(query.shape[0], HEADS * HEAD, dtype=query.dtype)
+            outs.append(impl.forward(layer, query, None, None, cache, md[layer.layer_name], out))
+        return torch.stack(outs)
+
+
+def ascend_metadata(lens, tables, size, convention, buffer):
+    """``AscendMetadata`` the way the runners pad a FULL batch to ``size`` requests; the block
+    table is a view of the runner's persistent ``buffer`` (as vLLM's input batch keeps it).
+
+    ``"vllm"``: padding requests have ``seq_len`` 0 and no query tokens (vLLM 0.32's
+    model runner: query_start_loc repeats its last value); ``"vllm-ascend"``: padding
+    requests have ``seq_len`` 0 and one query token each (vllm-ascend's graph path).
+    """
+    from vllm_ascend.attention.attention_v1 import AscendAttentionState, AscendMetadata
+
+    r = len(lens)
+    seq = list(lens) + [0] * (size - r)
+    ends = list(range(1, r + 1)) + ([r] * (size - r) if convention == "vllm" else list(range(r + 1, size + 1)))
+    table = buffer[:size]
+    table.zero_()
+    table[:r] = tables
+    seq_cpu = torch.tensor(seq, dtype=torch.int32)
+    return AscendMetadata(
+        attn_mask=CAUSAL,  # vllm-ascend's AttentionMaskBuilder: the compressed causal mask
+        attn_state=AscendAttentionState.DecodeOnly,
+        num_actual_tokens=r,
+        seq_lens=seq_cpu,
+        seq_lens_cpu=seq_cpu,
+        seq_lens_list=seq,
+        actual_seq_lengths_q=ends,
+        query_start_loc=torch.tensor([0, *ends], dtype=torch.int32),  # device-resident on a real NPU
+        max_query_len=1,
+        block_tables=table,
+    )
+
+
+class AscendRunner:
+    """What vllm-ascend's model runner does per FULL step: dispatch, wrapper, then its update."""
+
+    def __init__(self):
+        from vllm_ascend.compilation import acl_graph
+
+        vc = VllmConfig()
+        vc.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+        self.vc = vc
+        self.rt = integ.attach_runtime(vc, Runtime("sim", max_model_len=MAX_LEN))
+        acl_graph.set_graph_params(SIZES)
+        self.model = AscendModel(vc)
+        # the runner builds its wrapper through vllm-ascend's name, which now is npugraph's
+        self.wrapper = acl_graph.ACLGraphWrapper(self.model, vc, CUDAGraphMode.FULL)
+        self.query = torch.zeros(max(SIZES), HEADS, HEAD, dtype=torch.float16)
+        self.table = torch.zeros(max(SIZES), COLS, dtype=torch.int32)  # the input batch's block table
+        self.update_stream = torch.npu.Stream()
+        self.rng = random.Random(0)
+
+    def forward(self, size, meta, mode=CUDAGraphMode.FULL):
+        from vllm_ascend.attention.attention_v1 import AscendAttentionBackend
+        from vllm_ascend.worker import model_runner_v1
+
+        md = {layer.layer_name: meta for layer in self.model.layers}
+        with set_forward_context(
+            md, self.vc, num_tokens=size, cudagraph_runtime_mode=mode, batch_descriptor=BatchDescriptor(num_tokens=size)
+        ):
+            out = self.wrapper(self.query[:size])
+            if mode == CUDAGraphMode.FULL:
+                model_runner_v1._update_full_graph_params_if_needed(
+                    AscendAttentionBackend, self.update_stream, get_forward_context(), size, self.vc
+                )
+        return out
+
+    def capture(self):
+        for size in SIZES:
+            ones = [1] * size
+            self.forward(size, self.metadata(ones, torch.zeros(size, COLS, dtype=torch.int32), size, "vllm-ascend"))
+
+    def metadata(self, lens, tables, size, convention):
+        return ascend_metadata(lens, tables, size, convention, self.table)
+
+    def batch(self, size):
+        r = self.rng.randint(1, size)
+        lens = [self.rng.randint(1, MAX_LEN) for _ in range(r)]
+        tables = torch.zeros(r, COLS, dtype=torch.int32)
+        for i, n in enumerate(lens):
+            used = -(-n // BLOCK)
+            tables[i, :used] = torch.tensor(self.rng.sample(range(BLOCKS), used), dtype=torch.int32)
+        return lens, tables
+
+
+def test_the_generation_is_detected_and_every_name_replaced(generation):
+    assert ascend.detect() == "aug-2026"
+    from vllm_ascend.attention.attention_v1 import AscendAttentionBackendImpl
+    from vllm_ascend.compilation import acl_graph
+    from vllm_ascend.worker import model_runner_v1
+
+    assert acl_graph.ACLGraphWrapper is integ.NpuGraphWrapper
+    assert model_runner_v1.update_full_graph_params is ascend._noop, "the runner's own imported copy too"
+    assert acl_graph.update_full_graph_params is ascend._noop
+    assert AscendAttentionBackendImpl.update_graph_params is ascend._noop
+    assert AscendAttentionBackendImpl.full_graph_pa.__module__ == "npugraph.integrations.vllm_ascend"
+
+
+@pytest.mark.parametrize("convention", ["vllm", "vllm-ascend"])
+def test_ascend_backends_replay_through_npugraph_with_both_padding_conventions(generation, convention):
+    runner = AscendRunner()
+    runner.capture()
+    entries = {e.key.num_tokens: e for e in runner.rt.entries()}
+    assert sorted(entries) == sorted(SIZES)
+    for size, e in entries.items():
+        assert [t.layer for t in e.tasks] == [layer.layer_name for layer in runner.model.layers], "one task per layer"
+        assert e.choice.kernel == ("pa" if size <= 4 else "fia")
+    counters = sim.counters()
+    for step in range(12):
+        size = SIZES[step % len(SIZES)]
+        lens, tables = runner.batch(size)
+        r = len(lens)
+        meta = runner.metadata(lens, tables, size, convention)
+        q = torch.randn(size, HEADS, HEAD, generator=torch.Generator().manual_seed(step)).half()
+        runner.query[:size].copy_(q)
+        records = counters["event_record"]
+        out = runner.forward(size, meta)
+        runner.rt.synchronize()
+        assert counters["event_record"] - records == LAYERS, "exactly one update per layer: none twice, none lost"
+        got = out[:, :r].clone()
+        eager = runner.forward(size, meta, mode=CUDAGraphMode.NONE)  # the backend's own eager path
+        assert torch.equal(got, eager[:, :r]), f"step {step}: replay differs from vllm-ascend's eager"
+        for li, (k, v) in enumerate(runner.model.caches):
+            ref = paged_attention_reference(q[:r], k, v, tables, lens, HEAD**-0.5)
+            err = (got[li].view(r, HEADS, HEAD).double() - ref).abs().max().item()
+            assert err < 4e-3, f"step {step} layer {li}: {err} from the float64 reference"
+
+
+def test_install_warns_by_name_about_what_it_did_not_find(generation):
+    from vllm_ascend.attention import attention_v1
+
+    ascend.uninstall()
+    del attention_v1.AscendAttentionBackendImpl.full_graph_fia_v2  # as if vllm-ascend renamed it
+    ascend._warn_missing.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = ascend.install()
+    assert result is not None and result.generation == "aug-2026"
+    assert "vllm_ascend.attention.attention_v1.AscendAttentionBackendImpl.full_graph_fia_v2" in result.missing
+    assert any(
+        "has no vllm_ascend.attention.attention_v1.AscendAttentionBackendImpl.full_graph_fia_v2" in str(w.message)
+        for w in caught
+    )
+    assert "vllm_ascend.worker.model_runner_v1.update_full_graph_params" in result.replaced
