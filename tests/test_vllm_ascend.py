@@ -50,18 +50,27 @@ def _purge() -> None:
 
 @pytest.fixture(params=["aug"])
 def generation(request, monkeypatch):
+    yield from _installed(request.param, monkeypatch)
+
+
+@pytest.fixture
+def sept(monkeypatch):
+    yield from _installed("sept", monkeypatch)
+
+
+def _installed(which, monkeypatch):
     """vllm-ascend of one generation installed (a stand-in), npugraph's plugin on top."""
     from vllm.platforms import current_platform
 
     sim.install_torch_npu()
     _purge()
-    monkeypatch.syspath_prepend(str(STANDIN / request.param))
+    monkeypatch.syspath_prepend(str(STANDIN / which))
     import vllm_ascend.attention.attention_v1
     import vllm_ascend.worker.model_runner_v1  # noqa: F401
 
     try:
         integ.install(current_platform)
-        yield request.param
+        yield which
     finally:
         integ.uninstall(current_platform)
         _purge()
@@ -242,3 +251,113 @@ def test_install_warns_by_name_about_what_it_did_not_find(generation):
         for w in caught
     )
     assert "vllm_ascend.worker.model_runner_v1.update_full_graph_params" in result.replaced
+
+
+# --- Sept 2026: UpdatableGraph, register_task -------------------------------------------------
+
+
+def _sept_metadata(lens, tables, size, convention, buffer):
+    """The V2 runner's AscendMetadata: host lists, padded as in ``ascend_metadata``."""
+    from vllm_ascend.attention.attention_v1 import AscendMetadata
+
+    r = len(lens)
+    ends = list(range(1, r + 1)) + ([r] * (size - r) if convention == "vllm" else list(range(r + 1, size + 1)))
+    table = buffer[:size]
+    table.zero_()
+    table[:r] = tables
+    return AscendMetadata(
+        attn_mask=CAUSAL,
+        num_actual_tokens=r,
+        seq_lens=list(lens) + [0] * (size - r),
+        query_start_loc=ends,
+        block_table=table,
+    )
+
+
+def test_the_sept_generation_is_detected_and_register_task_replaced(sept):
+    assert ascend.detect() == "sept-2026"
+    from vllm_ascend.attention import attention_v1
+    from vllm_ascend.compilation import acl_graph, updatable_graph
+
+    assert attention_v1.register_task is ascend._register_task, "the backend's imported copy"
+    assert updatable_graph.get_capture_resource is ascend._get_capture_resource
+    assert updatable_graph.UpdatableGraph.update is ascend._noop_method
+    assert acl_graph.ACLGraphWrapper is integ.NpuGraphWrapper
+
+
+@pytest.mark.parametrize("convention", ["vllm", "vllm-ascend"])
+def test_register_task_backends_replay_through_npugraph(sept, convention):
+    from vllm_ascend.compilation import acl_graph
+
+    vc = VllmConfig()
+    vc.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    rt = integ.attach_runtime(vc, Runtime("sim", max_model_len=MAX_LEN))
+    model = AscendModel(vc)
+    wrapper = acl_graph.ACLGraphWrapper(model, vc, CUDAGraphMode.FULL)
+    query = torch.zeros(max(SIZES), HEADS, HEAD, dtype=torch.float16)
+    buffer = torch.zeros(max(SIZES), COLS, dtype=torch.int32)
+
+    def forward(size, meta, mode=CUDAGraphMode.FULL):
+        md = {layer.layer_name: meta for layer in model.layers}
+        with set_forward_context(
+            md, vc, num_tokens=size, cudagraph_runtime_mode=mode, batch_descriptor=BatchDescriptor(num_tokens=size)
+        ):
+            return wrapper(query[:size])
+
+    for size in SIZES:
+        forward(
+            size, _sept_metadata([1] * size, torch.zeros(size, COLS, dtype=torch.int32), size, "vllm-ascend", buffer)
+        )
+    assert all([t.layer for t in e.tasks] == [m.layer_name for m in model.layers] for e in rt.entries())
+    counters = sim.counters()
+    rng = random.Random(1)
+    for step in range(10):
+        size = SIZES[step % len(SIZES)]
+        r = rng.randint(1, size)
+        lens = [rng.randint(1, MAX_LEN) for _ in range(r)]
+        tables = torch.zeros(r, COLS, dtype=torch.int32)
+        for i, n in enumerate(lens):
+            tables[i, : -(-n // BLOCK)] = torch.tensor(rng.sample(range(BLOCKS), -(-n // BLOCK)), dtype=torch.int32)
+        q = torch.randn(size, HEADS, HEAD, generator=torch.Generator().manual_seed(step)).half()
+        query[:size].copy_(q)
+        records = counters["event_record"]
+        out = forward(size, _sept_metadata(lens, tables, size, convention, buffer))
+        rt.synchronize()
+        assert counters["event_record"] - records == LAYERS, "exactly one update per layer"
+        got = out[:, :r].clone()
+        for li, (k, v) in enumerate(model.caches):
+            ref = paged_attention_reference(q[:r], k, v, tables, lens, HEAD**-0.5)
+            assert (got[li].view(r, HEADS, HEAD).double() - ref).abs().max().item() < 4e-3, f"step {step} layer {li}"
+        if convention == "vllm-ascend":  # its eager path needs one query row per padding request
+            eager = forward(size, _sept_metadata(lens, tables, size, convention, buffer), mode=CUDAGraphMode.NONE)
+            assert torch.equal(got, eager[:, :r]), f"step {step}: replay differs from the backend's eager path"
+
+
+# --- the real thing, when a checkout is at hand --------------------------------------------------
+
+
+def test_real_vllm_ascend_sources_have_every_name_npugraph_replaces(monkeypatch):
+    """With ``NPUGRAPH_VLLM_ASCEND_SRC`` pointing at a vllm-ascend checkout (and a vLLM it
+    imports with), its real modules are imported over the simulator and every name the
+    plugin replaces must be found (none missing)."""
+    src = os.environ.get("NPUGRAPH_VLLM_ASCEND_SRC")
+    if not src:
+        pytest.skip("set NPUGRAPH_VLLM_ASCEND_SRC to a vllm-ascend checkout to run its real files")
+    sim.install_torch_npu()
+    _purge()
+    monkeypatch.syspath_prepend(src)
+    try:
+        try:
+            import vllm_ascend.attention.attention_v1
+            import vllm_ascend.compilation.acl_graph  # noqa: F401
+        except Exception as exc:  # its vLLM pin differs from the one installed here
+            pytest.skip(f"vllm-ascend at {src} does not import over this vLLM: {type(exc).__name__}: {exc}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = ascend.install()
+        assert result is not None, "no vllm-ascend generation detected"
+        assert result.missing == (), f"expected names not found: {result.missing}"
+    finally:
+        ascend.uninstall()
+        _purge()
+        sim.uninstall_torch_npu()

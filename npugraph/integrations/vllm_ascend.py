@@ -110,14 +110,14 @@ def install() -> Replaced | None:
     missing: list[str] = []
     impl = getattr(_module(_ATTENTION), _IMPL, None)
     if impl is not None:
+        _replace_attr(impl, "forward", _named_forward(impl), f"{_ATTENTION}.{_IMPL}.forward", replaced, missing)
+    else:
+        missing.append(f"{_ATTENTION}.{_IMPL}")
+    if generation == "aug-2026" and impl is not None:
         for name in _RECORDERS:
             _replace_attr(impl, name, _recorder(name), f"{_ATTENTION}.{_IMPL}.{name}", replaced, missing)
-        _replace_attr(
-            impl, "update_graph_params", staticmethod(_noop), f"{_IMPL}.update_graph_params", replaced, missing
-        )
-        _replace_attr(impl, "forward", _named_forward(impl), f"{_IMPL}.forward", replaced, missing)
-    elif generation == "aug-2026":
-        missing.append(f"{_ATTENTION}.{_IMPL}")
+        label = f"{_ATTENTION}.{_IMPL}.update_graph_params"
+        _replace_attr(impl, "update_graph_params", staticmethod(_noop), label, replaced, missing)
     if generation == "aug-2026":
         _replace_everywhere("update_full_graph_params", _noop, _ACL_GRAPH, replaced, missing)
     else:
@@ -344,7 +344,7 @@ def _register_task(operation: Callable[..., Any], kwargs: dict[str, Any], provid
     if cap is None:
         operation(**kwargs)  # eager, as vllm-ascend's own does
         return
-    call, meta = _call_from_task(operation, kwargs)
+    call, meta = _call_from_task(cap.runtime.device.ops, operation, kwargs)
     name = getattr(provider, "layer_name", None) or _LAYER.get()
     if not name:
         raise CaptureFailed(
@@ -359,10 +359,14 @@ def _get_capture_resource(key: Any, factory: Callable[[], Any], use_max_workspac
     return None if _CAPTURING.get() is not None else factory()
 
 
-def _call_from_task(operation: Callable[..., Any], kw: dict[str, Any]) -> tuple[AttentionCall, AttentionMetadata]:
-    """The npugraph call and metadata an UpdatableGraph task describes (FIA TND paged, or PA)."""
+def _call_from_task(
+    ops: Any, operation: Callable[..., Any], kw: dict[str, Any]
+) -> tuple[AttentionCall, AttentionMetadata]:
+    """The npugraph call and metadata an UpdatableGraph task describes (FIA TND paged, or PA);
+    the operation is recognised by identity with the device's own entry points."""
     op = getattr(operation, "__name__", str(operation))
-    if "paged_attention" in op:
+    fia = getattr(ops, "npu_fused_infer_attention_score", None)
+    if operation is getattr(ops, "_npu_paged_attention", None):
         call = AttentionCall(
             query=kw["query"],
             key_cache=kw["key_cache"],
@@ -376,7 +380,8 @@ def _call_from_task(operation: Callable[..., Any], kw: dict[str, Any]) -> tuple[
         lens = kw["context_lens"]
         seq = lens.tolist() if isinstance(lens, torch.Tensor) else list(lens)
         return call, AttentionMetadata(seq_lens=torch.tensor(seq, dtype=torch.int32), block_table=kw["block_table"])
-    if "fused_infer_attention_score" in op and kw.get("input_layout") == "TND" and kw.get("block_table") is not None:
+    is_fia = fia is not None and operation in (fia, getattr(fia, "out", None))
+    if is_fia and kw.get("input_layout") == "TND" and kw.get("block_table") is not None:
         q = kw["query"]
         n, kvn = int(kw["num_heads"]), int(kw.get("num_key_value_heads") or kw["num_heads"])
         key, value = kw["key"], kw["value"]
