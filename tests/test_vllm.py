@@ -615,3 +615,34 @@ def test_dump_inspect_selects_a_vllm_graph_by_its_token_count(tmp_path, capsys):
     table = [line for line in lines if "BatchDescriptor" in line or line.strip().startswith("key")]
     assert len(table) == len(SIZES) + 1
     assert len({line.rindex("  ") for line in table}) == 1, "the columns line up under long keys"
+
+
+@pytest.mark.parametrize("convention", ["vllm", "vllm-ascend"])
+def test_padded_metadata_gets_the_same_answer_in_full_and_eager(convention):
+    """vLLM 0.32 pads a FULL batch with requests of seq_len 0 and no query tokens
+    (query_start_loc repeats its last value); vllm-ascend with one query token each."""
+    runner = Runner()
+    runner.capture()
+    for batch in _batches(runner, 30, seed=4):
+        if batch.num_reqs == batch.size:
+            continue
+        r, t = batch.num_reqs, batch.size
+        ends = list(range(1, r + 1)) + ([r] * (t - r) if convention == "vllm" else list(range(r + 1, t + 1)))
+        padded = AttentionMetadata(
+            seq_lens=torch.tensor(batch.meta.seq_lens.tolist() + [0] * (t - r), dtype=torch.int32),
+            block_table=batch.padded_meta.block_table,
+            query_start_loc=torch.tensor([0, *ends], dtype=torch.int32),
+        )
+        mode, bd = runner.dispatcher.dispatch(r, uniform_decode=True)
+        for buf, src in (
+            (runner.ids, batch.input_ids),
+            (runner.pos, batch.positions),
+            (runner.slots, batch.slot_mapping),
+        ):
+            buf[:t].copy_(src)
+        full = runner._forward(mode, bd, padded)[:r].clone()
+        runner.rt.synchronize()
+        eager = runner._forward(CUDAGraphMode.NONE, bd, padded)[:r]
+        runner.rt.synchronize()
+        assert torch.equal(full, eager), f"{convention}: FULL and eager differ on the same metadata"
+        assert torch.equal(full, runner.eager(batch, t)), "and equal the unpadded step"
