@@ -379,7 +379,8 @@ def _call_from_task(
         )
         lens = kw["context_lens"]
         seq = lens.tolist() if isinstance(lens, torch.Tensor) else list(lens)
-        return call, AttentionMetadata(seq_lens=torch.tensor(seq, dtype=torch.int32), block_table=kw["block_table"])
+        lens_t = torch.tensor(seq, dtype=torch.int32, device="cpu")  # host lengths
+        return call, AttentionMetadata(seq_lens=lens_t, block_table=kw["block_table"])
     is_fia = fia is not None and operation in (fia, getattr(fia, "out", None))
     if is_fia and kw.get("input_layout") == "TND" and kw.get("block_table") is not None:
         q = kw["query"]
@@ -400,9 +401,11 @@ def _call_from_task(
         )
         ends = [int(x) for x in kw["actual_seq_lengths"]]
         kv = [int(x) for x in kw["actual_seq_lengths_kv"]]
-        qsl = torch.tensor([0, *ends], dtype=torch.int32)
+        qsl = torch.tensor([0, *ends], dtype=torch.int32, device="cpu")
         return call, AttentionMetadata(
-            seq_lens=torch.tensor(kv, dtype=torch.int32), block_table=kw["block_table"], query_start_loc=qsl
+            seq_lens=torch.tensor(kv, dtype=torch.int32, device="cpu"),
+            block_table=kw["block_table"],
+            query_start_loc=qsl,
         )
     raise CaptureFailed(
         f"register_task({op}): npugraph records PA and paged TND FIA tasks; this operation has no npugraph "
