@@ -18,6 +18,7 @@ Each runs with the simulator's host-cost model off (pure framework overhead) and
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -51,11 +52,16 @@ __all__ = [
 _MAX_MODEL_LEN = 2048
 
 
-def _setup(layers: int, size: int, kernel: str, cost: bool) -> tuple[Runtime, Any, torch.Tensor, torch.Tensor]:
+def _setup(
+    layers: int, size: int, kernel: str, cost: bool, *, event_group: int = 1, configure: bool = True
+) -> tuple[Runtime, Any, torch.Tensor, torch.Tensor]:
     """A captured attention stack; returns the runtime, the stack, and the graph's block-table
     and query buffers (the caller keeps them alive: the graph reads them)."""
-    sim.configure(cost_model=sim.HostCostModel.atlas_a2() if cost else None)
-    rt = Runtime("sim", max_model_len=_MAX_MODEL_LEN, policy=FixedPolicy(kernel), order="update-first")
+    if configure:
+        sim.configure(cost_model=sim.HostCostModel.atlas_a2() if cost else None)
+    rt = Runtime(
+        "sim", max_model_len=_MAX_MODEL_LEN, policy=FixedPolicy(kernel), order="update-first", event_group=event_group
+    )
     stack = AttentionStack(rt, layers=layers)
     cols = _MAX_MODEL_LEN // stack.block_size
     dev = rt.device.memory
@@ -70,9 +76,9 @@ def _legacy_loop(device: Any, entry: Any, us: Any) -> Callable[[Any], None]:
     """vllm-ascend's per-layer update before September 2026, for the graph ``entry`` on ``device``.
 
     The step's metadata (``{layer: metadata}``) is walked in capture order with a positional
-    tuple per layer; lengths are converted per layer and the PA workspace is queried before
-    every PA layer (PR #3986); then begin / op / end / record.  The caller adds the host
-    synchronize before the replay (PR #4233).
+    tuple per layer; lengths are converted per layer; the PA workspace is queried once per
+    pass (PR #15579, which replaced a query before every layer, #3986); then begin / op /
+    end / record.  The caller adds the host synchronize before the replay (PR #4233).
     """
     npu, ops = device.npu, device.ops
     spec = entry.tasks[0].spec
@@ -84,14 +90,18 @@ def _legacy_loop(device: Any, entry: Any, us: Any) -> Callable[[Any], None]:
     events = [t.event for t in entry.tasks]
 
     def update(metadata: Any) -> None:
+        workspace = None
         with npu.stream(us):
             for (_name, meta), params, handle, event in zip(metadata.items(), attn_params, handles, events):
                 kw = dict(zip(names, params))
                 seq = meta.seq_lens.tolist()
                 if is_pa:
                     kw["context_lens"] = torch.tensor(seq, dtype=torch.int32, device="cpu")
-                    # re-queried before every layer; the captured buffer is kept
-                    ops._npu_paged_attention_get_workspace(**{k: v for k, v in kw.items() if k != "workspace"})
+                    if workspace is None:  # once per pass (#15579)
+                        workspace = ops._npu_paged_attention_get_workspace(
+                            **{k: v for k, v in kw.items() if k != "workspace"}
+                        )
+                    kw["workspace"] = workspace
                 else:
                     kw["actual_seq_lengths"] = list(range(1, len(seq) + 1))
                     kw["actual_seq_lengths_kv"] = seq
@@ -388,76 +398,153 @@ def _shadow(rt: Runtime, size: int, dev: RecordingDevice) -> Any:
     return attrs.evolve(entry, tasks=tasks, graph=ShadowGraph(dev))
 
 
-def _implementations(rt: Runtime, size: int, kernel: str) -> dict[str, tuple[RecordingDevice, Callable[[Any], None]]]:
-    """Each implementation's step, on its own recording device (step metadata built outside)."""
+def _implementations(
+    rt: Runtime, size: int, kernel: str, grouped: Runtime | None = None
+) -> dict[str, tuple[RecordingDevice, Callable[[Any], None]]]:
+    """Each implementation's step, on its own calibrated recording device (metadata built
+    outside); ``grouped``: the same graph captured with event grouping (``npugraph_grouped``)."""
     out: dict[str, tuple[RecordingDevice, Callable[[Any], None]]] = {}
-    for name, order in (("npugraph_k1", "replay-first"), ("npugraph_k1_update_first", "update-first")):
+    variants = [("npugraph", "replay-first", rt), ("npugraph_update_first", "update-first", rt)]
+    if grouped is not None:
+        variants.append(("npugraph_grouped", "replay-first", grouped))
+    for name, order, source in variants:
         dev = RecordingDevice(kernel)
-        shadow = _shadow(rt, size, dev)
+        shadow = _shadow(source, size, dev)
         upd = ReplayUpdater(_ShadowManager(dev, shadow, rt.max_model_len), order=order, fused_update=True)  # type: ignore[arg-type]
 
         def npugraph_step(meta: Any, upd: ReplayUpdater = upd) -> None:
             upd.step("main", size, {"default": meta.meta})
 
         out[name] = (dev, npugraph_step)
-    out["updatable"] = _updatable(rt, size, kernel)
+    out["updatable_mrv2"] = _updatable(rt, size, kernel, synchronize=False)
+    out["updatable_mrv1"] = _updatable(rt, size, kernel, synchronize=True)
     out["legacy"] = _legacy(rt, size, kernel)
+    for dev, _ in out.values():
+        dev.calibrate()
     return out
 
 
-def _updatable(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDevice, Callable[[Any], None]]:
-    """vllm-ascend's UpdatableGraph loop (#15908, #16798), reimplemented from its description.
+@dataclasses.dataclass(slots=True)
+class _UpdateTask:
+    """UpdatableGraph's ``GraphUpdateTask`` (vllm-ascend ``compilation/updatable_graph.py``
+    as merged in #16798): ``bind`` builds a new task with the step's parameters merged in."""
 
-    Replay first; the update stream waits on the replay stream (no host synchronize,
-    #12944); each task's provider resolves its parameters from the forward context and
-    ``bind`` merges them into the captured kwargs (a dict per task); then begin / op / end
-    / record per task; the PA workspace is queried once per pass (#15579); no validation.
+    operation: Callable[..., Any]
+    kwargs: dict[str, Any]
+    provider: Any
+    handle: Any
+    event: Any
+
+    def bind(self, params: dict[str, Any]) -> _UpdateTask:
+        return dataclasses.replace(self, kwargs={**self.kwargs, **params})
+
+    def apply(self, npu: Any, update_stream: Any) -> None:
+        npu.graph_task_update_begin(update_stream, self.handle)
+        self.operation(**self.kwargs)
+        npu.graph_task_update_end(update_stream)
+        self.event.record(update_stream)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FIAProvider:
+    """vllm-ascend's ``FIAParamProvider``: the layer's FIA host lengths from the metadata."""
+
+    layer_name: str
+
+    def resolve(self, attn_metadata: Any) -> dict[str, Any]:
+        m = attn_metadata[self.layer_name]
+        return {"actual_seq_lengths": m.q_list, "actual_seq_lengths_kv": m.seq_lens_list}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PAProvider:
+    """The PA provider: ``context_lens`` as the CPU tensor the metadata carries."""
+
+    layer_name: str
+
+    def resolve(self, attn_metadata: Any) -> dict[str, Any]:
+        return {"context_lens": attn_metadata[self.layer_name].context_lens}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ContextSource:
+    context: Any
+
+    def get(self, provider: Any, _index: int) -> dict[str, Any]:
+        return provider.resolve(self.context)  # type: ignore[no-any-return]
+
+
+def _updatable(
+    rt: Runtime, size: int, kernel: str, *, synchronize: bool
+) -> tuple[RecordingDevice, Callable[[Any], None]]:
+    """vllm-ascend's UpdatableGraph step, ported call for call from ``updatable_graph.py`` as
+    merged in #16798 (commit 3c708ca): ``resolve_tasks`` binds every task to its provider's
+    parameters (a dict merge and a new dataclass each), ``update`` runs begin / op / end /
+    record per task and queries the PA workspace once per distinct PA task signature.
+
+    ``synchronize``: the MRV1 wrapper's host ``synchronize()`` before each FULL replay
+    (#15125); without it, the V2 runner's ordering: the update stream waits for the replay
+    stream (``wait_stream``: an event record and a wait, #12944).
     """
     dev = RecordingDevice(kernel)
     shadow = _shadow(rt, size, dev)
     npu, ops = dev.npu, dev.ops
-    spec = shadow.tasks[0].spec
-    kernel_fn = spec.kernel_fn(dev)
-    captured = [(t.layer, t.handle, t.event, dict(t.args)) for t in shadow.tasks]
+    operation = shadow.tasks[0].spec.kernel_fn(dev)
+    provider_cls = _PAProvider if kernel == "pa" else _FIAProvider
+    tasks = [_UpdateTask(operation, dict(t.args), provider_cls(t.layer), t.handle, t.event) for t in shadow.tasks]
     us, main = npu.Stream(), npu.current_stream()
 
-    def provider(layer: str, context: Any) -> dict[str, Any]:
-        m = context[layer]
-        if kernel == "pa":
-            return {"context_lens": m.context_lens}
-        return {"actual_seq_lengths": m.q_list, "actual_seq_lengths_kv": m.seq_lens_list}
+    def ws_key(kw: dict[str, Any]) -> tuple[Any, ...]:
+        def sig(t: Any) -> tuple[Any, Any]:
+            return (None, None) if t is None else (tuple(t.shape), t.dtype)
+
+        return (
+            kw["context_lens"].data_ptr(),
+            tuple(kw["context_lens"].shape),
+            sig(kw["query"]),
+            sig(kw["key_cache"]),
+            sig(kw["value_cache"]),
+            sig(kw["block_table"]),
+            sig(kw["out"]),
+            kw["num_kv_heads"],
+            kw["num_heads"],
+            kw["scale_value"],
+        )
 
     def step(meta: Any) -> None:
+        if synchronize:
+            npu.synchronize()
         shadow.graph.replay()
-        us.wait_stream(main)
-        ws = None
-        if kernel == "pa":
-            first = {k: v for k, v in captured[0][3].items() if k != "workspace"}
-            ws = ops._npu_paged_attention_get_workspace(**first)
+        if not synchronize:
+            us.wait_stream(main)
+        source = _ContextSource(meta.context)
+        resolved = tuple(task.bind(source.get(task.provider, i)) for i, task in enumerate(tasks))
         with npu.stream(us):
-            for layer, handle, event, kwargs in captured:
-                bound = {**kwargs, **provider(layer, meta.context)}
-                if ws is not None:
-                    bound["workspace"] = ws
-                npu.graph_task_update_begin(us, handle)
-                kernel_fn(**bound)
-                npu.graph_task_update_end(us)
-                event.record(us)
+            ws_buffer: dict[Any, Any] = {}
+            for task in resolved:
+                if kernel == "pa":
+                    key = ws_key(task.kwargs)
+                    if ws_buffer.get(key) is None:
+                        ws_kwargs = task.kwargs.copy()
+                        ws_kwargs.pop("workspace")
+                        ws_buffer[key] = ops._npu_paged_attention_get_workspace(**ws_kwargs)
+                    task.kwargs["workspace"] = ws_buffer[key]
+                task.apply(npu, us)
 
     return dev, step
 
 
 def _legacy(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDevice, Callable[[Any], None]]:
-    """vllm-ascend's loop before September 2026 (:func:`_legacy_loop`), then a host
-    synchronize and the replay."""
+    """vllm-ascend's model runner before UpdatableGraph, in its real order: a host
+    synchronize (#4233), the replay, then :func:`_legacy_loop` (PA workspace once per pass)."""
     dev = RecordingDevice(kernel)
     shadow = _shadow(rt, size, dev)
     update = _legacy_loop(dev, shadow, dev.npu.Stream())
 
     def step(meta: Any) -> None:
-        update(meta.context)
         dev.npu.synchronize()  # before every replay (PR #4233)
         shadow.graph.replay()
+        update(meta.context)
 
     return dev, step
 
@@ -482,62 +569,152 @@ def _step_input(rt: Runtime, size: int, lens: list[int], table: torch.Tensor) ->
     return _StepInput(meta=meta, context=dict.fromkeys(entry.layers, per_layer))
 
 
+@attrs.frozen(kw_only=True)
+class ModeledShape:
+    """One modeled serving shape: the graph, and the device time of each layer (with where
+    that figure comes from: only a device can confirm it)."""
+
+    label: str
+    layers: int
+    size: int
+    kernel: str
+    attention_us: float
+    other_us: float  # the layer's non-attention work (matmuls, norms)
+    source: str
+    event_group: int = 10  # tasks per ExternalEvent in the npugraph_grouped row
+
+    @property
+    def device_limit(self) -> float:
+        """Steps/s of the device alone: every layer back to back, nothing waiting."""
+        return 1e6 / (self.layers * (self.attention_us + self.other_us))
+
+
+# The row the summary's ratios are of: npugraph with event grouping (the lever that
+# remains legal under one updater); the default configuration is reported beside it.
+HEADLINE = "npugraph_grouped"
+
+SHAPES = (
+    ModeledShape(
+        label="host_bound",
+        layers=20,
+        size=16,
+        kernel="fia",
+        attention_us=20.0,
+        other_us=40.0,
+        source="vllm-ascend #13058: 1.21 ms of replay for 20 layers, 60 us a layer (split 20 attention / 40 other: assumed)",
+    ),
+    ModeledShape(
+        label="small_batch",
+        layers=20,
+        size=4,
+        kernel="pa",
+        attention_us=10.0,
+        other_us=20.0,
+        source="a small model at batch 4: 30 us a layer (10 attention / 20 other: assumed)",
+    ),
+    ModeledShape(
+        label="device_bound",
+        layers=32,
+        size=16,
+        kernel="fia",
+        attention_us=50.0,
+        other_us=270.0,
+        source="a Llama-3-8B-sized layer on Atlas A2: 218M bf16 weights (436 MB) read at ~1.6 TB/s = 270 us; attention "
+        "at batch 16 over 2K tokens = 50 us (estimates)",
+    ),
+)
+
+
 def bench_timeline(
-    *,
-    layers: int,
-    size: int,
-    kernel: str,
-    costs: Costs,
-    repeats: int = 7,
-    seed: int = 0,
+    shape: ModeledShape, *, repeats: int = 7, seed: int = 0, host_costs: dict[str, Any] | None = None
 ) -> dict[str, TimelineResult]:
-    """Modeled step latency and steps/s of every implementation for one shape."""
+    """Modeled step latency and steps/s of every implementation for one shape and seed,
+    plus ``api_floor``: the headline's device-API calls with none of its Python.
+    ``host_costs``: measured host µs per call (``npugraph selftest --calibrate``) instead of A2's."""
     sim.configure()
-    rt, _, table, _query = _setup(layers, size, kernel, cost=False)
+    rt, _, table, _query = _setup(shape.layers, shape.size, shape.kernel, cost=False)
+    grouped, _, _g_table, _g_query = _setup(
+        shape.layers, shape.size, shape.kernel, cost=False, event_group=shape.event_group, configure=False
+    )
     rng = random.Random(seed)
+    device_us = {"attention_us": shape.attention_us, "other_us": shape.other_us}
+    costs = Costs.host_costs(host_costs, **device_us) if host_costs else Costs(**device_us)
     results: dict[str, TimelineResult] = {}
-    for name, (dev, step) in _implementations(rt, size, kernel).items():
+    tasks = grouped.entry(shape.size).tasks
+    recorded_by = [next(j for j in range(i, len(tasks)) if tasks[j].records) for i in range(len(tasks))]
+    for name, (dev, step) in _implementations(rt, shape.size, shape.kernel, grouped).items():
         logs: list[StepLog] = []
         for _ in range(repeats + 2):
-            inp = _step_input(rt, size, [rng.randint(1, _MAX_MODEL_LEN) for _ in range(size)], table)
+            inp = _step_input(rt, shape.size, [rng.randint(1, _MAX_MODEL_LEN) for _ in range(shape.size)], table)
             with dev.recording() as log:
                 step(inp)
             logs += log
-        results[name] = model_steps(min_log(logs[2:]), costs, kernel=kernel, layers=layers)
+        best = min_log(logs[2:])
+        by = recorded_by if name == "npugraph_grouped" else None
+        results[name] = model_steps(best, costs, kernel=shape.kernel, layers=shape.layers, recorded_by=by)
+        if name == HEADLINE:  # its device-API calls alone: the floor for one updater
+            bare = StepLog(calls=tuple(attrs.evolve(c, python_us=0.0) for c in best.calls), fork=best.fork)
+            results["api_floor"] = model_steps(bare, costs, kernel=shape.kernel, layers=shape.layers, recorded_by=by)
     sim.configure()
     return results
 
 
+def _spread(xs: Sequence[float]) -> dict[str, Any]:
+    med = statistics.median(xs)
+    return {"median": round(med, 4), "min": round(min(xs), 4), "max": round(max(xs), 4), "n": len(xs)}
+
+
 def modeled_summary(
+    seeds: int = 5,
     progress: Callable[[str, dict[str, TimelineResult]], None] | None = None,
+    host_costs: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, TimelineResult]]:
-    """The modeled rows of ``npugraph bench``: host-bound (#13058's shape), device-bound, PA at batch 4."""
-    shapes = {
-        "host_bound": dict(layers=20, size=16, kernel="fia", costs=Costs(attention_us=60.0)),
-        "device_bound": dict(layers=32, size=16, kernel="fia", costs=Costs(attention_us=200.0)),
-        "pa_batch4": dict(layers=20, size=4, kernel="pa", costs=Costs(attention_us=30.0)),
-    }
+    """The modeled rows of ``npugraph bench``, each ratio over ``seeds`` runs with its spread.
+
+    A ratio is a claim only where its whole spread lies on one side of 1 (``claim``).
+    """
     out: dict[str, Any] = {}
     host_bound: dict[str, TimelineResult] = {}
-    for label, shape in shapes.items():
-        res = bench_timeline(**shape)  # type: ignore[arg-type]
-        if label == "host_bound":
-            host_bound = res
-        sps = {k: r.steps_per_s for k, r in res.items()}
+    noise = 0.0
+    for shape in SHAPES:
+        runs = [bench_timeline(shape, seed=seed, host_costs=host_costs) for seed in range(seeds)]
+        if shape.label == "host_bound":
+            host_bound = runs[0]
+        sps = {k: [r[k].steps_per_s for r in runs] for k in runs[0]}
+        lat = {k: [r[k].step_latency_us for r in runs] for k in runs[0]}
+
+        def ratio(
+            a: str, b: str, lat: dict[str, list[float]] = lat, sps: dict[str, list[float]] = sps
+        ) -> dict[str, Any]:
+            return _spread([x / y for x, y in zip(sps[a], sps[b])])
+
         row: dict[str, Any] = {
-            "layers": shape["layers"],
-            "size": shape["size"],
-            "kernel": shape["kernel"],
-            "device_us_per_layer": shape["costs"].attention_us,  # type: ignore[attr-defined]
-            "steps_per_s": {k: round(v, 1) for k, v in sps.items()},
-            "step_latency_us": {k: round(r.step_latency_us, 1) for k, r in res.items()},
-            "host_us_per_step": {k: round(r.host_us_per_step, 1) for k, r in res.items()},
+            "headline": f"{HEADLINE}: Runtime(event_group={shape.event_group}), replay-first, one update thread",
+            "layers": shape.layers,
+            "size": shape.size,
+            "kernel": shape.kernel,
+            "attention_us": shape.attention_us,
+            "other_us": shape.other_us,
+            "device_time_source": shape.source,
+            "steps_per_s": {k: round(statistics.median(v), 1) for k, v in sps.items()},
+            "step_latency_us": {k: round(statistics.median(v), 1) for k, v in lat.items()},
+            "npugraph_vs_updatable": ratio(HEADLINE, "updatable_mrv2"),
+            "npugraph_vs_updatable_mrv1": ratio(HEADLINE, "updatable_mrv1"),
+            "npugraph_default_vs_updatable": ratio("npugraph", "updatable_mrv2"),
+            "legacy_vs_updatable": ratio("legacy", "updatable_mrv2"),
+            "latency_vs_updatable": _spread([x / y for x, y in zip(lat[HEADLINE], lat["updatable_mrv2"])]),
+            "npugraph_vs_api_floor": ratio(HEADLINE, "api_floor"),
+            "npugraph_vs_device_limit": _spread([x / shape.device_limit for x in sps[HEADLINE]]),
+            "device_limit_steps_per_s": round(shape.device_limit, 1),
         }
-        row["npugraph_k1_vs_updatable"] = sps["npugraph_k1"] / sps["updatable"]
-        row["legacy_vs_updatable"] = sps["legacy"] / sps["updatable"]
-        device_limit = 1e6 / (shape["layers"] * shape["costs"].attention_us)  # type: ignore[attr-defined]
-        row["npugraph_vs_device_limit"] = sps["npugraph_k1"] / device_limit
-        out[label] = row
+        for key in ("npugraph_vs_updatable", "npugraph_vs_updatable_mrv1", "npugraph_default_vs_updatable"):
+            r = row[key]
+            r["claim"] = r["min"] > 1.0 or r["max"] < 1.0  # the whole spread on one side of 1
+            noise = max(noise, (r["max"] - r["min"]) / r["median"])
+        out[shape.label] = row
         if progress is not None:
-            progress(label, res)
+            progress(shape.label, runs[0])
+    out["noise"] = round(noise, 4)
+    out["seeds"] = seeds
+    out["host_costs"] = dict(host_costs) if host_costs else "atlas_a2 (vllm-ascend #13058, #15579, #4233)"
     return out, host_bound

@@ -24,13 +24,13 @@ from npugraph._version import __version__
 from npugraph.device import load_device
 from npugraph.dump import cli as dump_cli
 from npugraph.errors import NpuGraphError
-from npugraph.files import FileError, check_writable, write_text
+from npugraph.files import FileError, check_writable, read_json, write_text
 from npugraph.measure import measure_policy
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.policy import KernelPolicy, MeasuredPolicy, StaticPolicy, load_policy
 from npugraph.runtime import Runtime
-from npugraph.selftest import CheckResult, run_selftest, versions
+from npugraph.selftest import CheckResult, calibrate_costs, run_selftest, versions
 from npugraph.timeline import chrome_trace
 
 __all__ = ["main", "build_parser"]
@@ -286,6 +286,14 @@ def cmd_selftest(args: argparse.Namespace) -> int:
     results = run_selftest(args.device, progress=show)
     failed = [r for r in results if not r.passed]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    if args.calibrate:
+        costs = calibrate_costs(args.device)
+        write_text(args.calibrate, json.dumps(costs, indent=1))
+        note = " (the simulator's own costs: plumbing only, not a device's)" if args.device == "sim" else ""
+        print(
+            f"host costs per call written to {args.calibrate}{note}: "
+            + ", ".join(f"{k} {v:.1f} us" for k, v in costs.items() if k != "device")
+        )
     if args.json:
         doc = {
             "versions": info,
@@ -298,19 +306,34 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """The modeled timeline (npugraph vs UpdatableGraph vs the older loop), then the measured
     host cost of the update path against the floor, and validation's share."""
-    print("modeled on the device timeline (A2 host costs; steps/s, higher is better):", flush=True)
+    host_costs = None
+    if args.costs:
+        host_costs = read_json(args.costs, "host-cost calibration")
+        if not isinstance(host_costs, dict):
+            raise NpuGraphError(f"{args.costs}: a calibration is a JSON object (npugraph selftest --calibrate FILE)")
+    source = f"host costs from {args.costs}" if args.costs else "A2 host costs"
+    print(f"modeled on the device timeline ({source}; steps/s over {args.seeds} seeds, higher is better):", flush=True)
 
     def show_model(label: str, res: dict[str, Any]) -> None:
-        cells = "  ".join(f"{k} {r.steps_per_s:8.1f}" for k, r in res.items())
-        print(f"  {label:<13} {cells}", flush=True)
+        cells = "  ".join(f"{k} {r.steps_per_s:7.1f}" for k, r in res.items())
+        print(f"  {label:<12} {cells}", flush=True)
 
-    modeled, host_bound = bench.modeled_summary(progress=show_model)
-    hb, db = modeled["host_bound"], modeled["device_bound"]
-    print(
-        f"  host-bound: npugraph_k1/updatable {hb['npugraph_k1_vs_updatable']:.2f}, legacy/updatable {hb['legacy_vs_updatable']:.2f}; device-bound: "
-        f"npugraph at {db['npugraph_vs_device_limit']:.3f} of the device limit",
-        flush=True,
-    )
+    try:
+        modeled, host_bound = bench.modeled_summary(seeds=args.seeds, progress=show_model, host_costs=host_costs)
+    except ValueError as exc:
+        raise NpuGraphError(f"{args.costs}: {exc}") from exc
+    for label in ("host_bound", "small_batch", "device_bound"):
+        row = modeled[label]
+        r, lat = row["npugraph_vs_updatable"], row["latency_vs_updatable"]
+        print(
+            f"  {label}: npugraph (event_group) / UpdatableGraph (MRV2) {r['median']:.3f} "
+            f"[{r['min']:.3f}, {r['max']:.3f}]{'' if r['claim'] else ' (within the noise: no claim)'}, "
+            f"/ MRV1 {row['npugraph_vs_updatable_mrv1']['median']:.3f}, default npugraph "
+            f"{row['npugraph_default_vs_updatable']['median']:.3f}; latency {lat['median']:.3f}; "
+            f"API floor {row['npugraph_vs_api_floor']['median']:.3f}; device limit "
+            f"{row['npugraph_vs_device_limit']['median']:.3f}",
+            flush=True,
+        )
     if args.timeline:
         write_text(args.timeline, json.dumps(chrome_trace(host_bound)))
         print(f"  timeline of the host-bound case: {args.timeline} (open in https://ui.perfetto.dev)")
@@ -465,6 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("selftest", help="check the device behaviours npugraph relies on (run this first on Ascend)")
     t.add_argument("--device", default="sim", choices=["sim", "npu"])
     t.add_argument("--json", metavar="PATH", type=_out_path, help="write the results as JSON")
+    t.add_argument(
+        "--calibrate",
+        metavar="FILE",
+        type=_out_path,
+        help="also measure the host cost of each device-API call here, for npugraph bench --costs FILE",
+    )
     t.set_defaults(func=cmd_selftest)
 
     b = sub.add_parser("bench", help="modeled step timeline and measured update cost, npugraph vs baselines")
@@ -479,6 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_positive, default=15, help="measured steps per method (default 15)")
     b.add_argument("--extra", action="store_true", help="also measure capture cost and replay vs eager")
     b.add_argument("--json", metavar="PATH", type=_out_path, help="write rows and summary as JSON")
+    b.add_argument(
+        "--costs", metavar="FILE", type=_in_file, help="model with these host costs (npugraph selftest --calibrate)"
+    )
+    b.add_argument("--seeds", type=_positive, default=5, help="modeled: runs per shape, for the spread (default 5)")
     b.set_defaults(func=cmd_bench)
 
     dump_cli.add_parser(sub)

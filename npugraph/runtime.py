@@ -66,11 +66,14 @@ class Runtime:
         trace_depth: int = 16,
         eager_fallback: Callable[[Hashable, StepMetadata, Mapping[str, torch.Tensor]], Any] | None = None,
         defer_block_check: bool | None = None,
+        event_group: int = 1,
     ) -> None:
         if order not in ORDERS:  # before any device work
             raise ConfigError(f"order must be 'replay-first' or 'update-first', got {order!r}")
         self.device = load_device(device)
-        self.manager = CaptureManager(self.device, max_model_len=max_model_len, progress=progress)
+        self.manager = CaptureManager(
+            self.device, max_model_len=max_model_len, progress=progress, event_group=event_group
+        )
         self.trace = UpdateTrace(depth=trace_depth)
         self.updater = ReplayUpdater(
             self.manager,

@@ -9,10 +9,12 @@ assumptions shows up here rather than as wrong tokens.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -20,12 +22,13 @@ import torch
 from npugraph.device import Device, load_device
 from npugraph.errors import NpuGraphError
 from npugraph.models.stack import AttentionStack
+from npugraph.ops import pad_lens
 from npugraph.policy import FixedPolicy
 from npugraph.reference import paged_attention_reference
 from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
 
-__all__ = ["CheckResult", "run_selftest", "versions"]
+__all__ = ["CheckResult", "calibrate_costs", "run_selftest", "versions"]
 
 _HEADS, _KV_HEADS, _HEAD, _BLOCK, _BLOCKS, _MAX_LEN = 8, 2, 128, 128, 48, 1024
 _TOL = {torch.float16: 2e-2, torch.bfloat16: 8e-2}
@@ -244,3 +247,57 @@ def run_selftest(
         if progress is not None:
             progress(r)
     return results
+
+
+def calibrate_costs(kind: str | Device = "sim", repeats: int = 20) -> dict[str, Any]:
+    """Measure, on this device, the host µs of each device-API call the timeline model
+    charges (``npugraph bench --costs FILE`` runs the model on them): a task update's
+    begin, op and end for PA and FIA, an event record, a replay, a synchronize and a PA
+    workspace query.  Each figure is the median over ``repeats`` calls, the graphs replayed
+    between updates (untimed) so that every update lands on an executed task."""
+    device = load_device(kind)
+    npu = device.npu
+    timed: dict[str, list[float]] = {}
+
+    def clock(name: str, call: Callable[[], Any]) -> None:
+        t0 = time.perf_counter()
+        call()
+        timed.setdefault(name, []).append((time.perf_counter() - t0) * 1e6)
+
+    for kernel in ("pa", "fia"):
+        b = _make(device, kernel, (4,))
+        entry = b.rt.entry(4)
+        plan = b.rt.updater.plan(entry)
+        us = b.rt.updater.stream
+        host = plan.tasks[0].spec.host_values(pad_lens([_MAX_LEN // 2] * 4, None, 4, 4))
+        for _ in range(repeats):
+            npu.synchronize()
+            with npu.stream(us):
+                for t in plan.tasks:
+                    kw = {**t.kwargs, **host}
+                    args = t.qkv or ()
+                    clock(f"{kernel}_update_begin", functools.partial(npu.graph_task_update_begin, us, t.handle))
+                    clock(f"{kernel}_op_launch", functools.partial(t.kernel, *args, **kw))
+                    clock(f"{kernel}_update_end", functools.partial(npu.graph_task_update_end, us))
+                    clock("event_record", functools.partial(t.event.record, us))
+            clock("replay", entry.graph.replay)
+            clock("synchronize", npu.synchronize)
+            if kernel == "pa":
+                kw = {k: v for k, v in plan.tasks[0].kwargs.items() if k != "workspace"}
+                ws_query = device.ops._npu_paged_attention_get_workspace
+                clock("workspace_query", functools.partial(ws_query, **{**kw, **host}))
+        b.rt.reset()
+    med = {k: sorted(v)[len(v) // 2] for k, v in timed.items()}
+    return {
+        "device": device.name,
+        "replay": med["replay"],
+        "event_record": med["event_record"],
+        "workspace_query": med["workspace_query"],
+        "synchronize": med["synchronize"],
+        "update_begin": med["fia_update_begin"],
+        "update_end": med["fia_update_end"],
+        "op_launch_fia": med["fia_op_launch"],
+        "op_launch_pa": med["pa_op_launch"],
+        "pa_update_begin": med["pa_update_begin"],
+        "pa_update_end": med["pa_update_end"],
+    }

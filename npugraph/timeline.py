@@ -9,11 +9,13 @@ that log on a timeline:
 
 * each device-API call costs its modeled host time (:class:`Costs`: Atlas A2 figures,
   a PA layer update ≈ 59 µs (#15579), an FIA one ≈ 184 µs (#13058), a workspace query
-  50 µs, a host synchronize 85 µs plus the wait); the implementation's Python holds the
-  GIL, the 4-in-1 FIA update does not, so several update threads overlap only there;
-* the device runs the graph layer by layer (modeled non-attention work, then the
-  attention kernel), and layer ``i``'s attention starts only once its update has landed
-  (its event recorded) and the previous step's replay has finished;
+  50 µs, a host synchronize 85 µs plus the wait, ``wait_stream`` an event record and a
+  wait); the implementation's Python holds the GIL, the 4-in-1 FIA update does not; the
+  recorder's own time per call is calibrated on an empty loop and subtracted, and the
+  Python after the last call is counted;
+* the device runs the graph layer by layer (the layer's non-attention work, ``other_us``,
+  then the attention kernel), and layer ``i``'s attention starts only once its update has
+  landed (its event recorded) and the previous step's replay has finished;
 * steps follow each other, the host at most one step ahead of the device (it needs the
   outputs to schedule); a host synchronize stalls it until the device is idle.
 
@@ -41,7 +43,9 @@ __all__ = ["Call", "Costs", "RecordingDevice", "StepLog", "TimelineResult", "mod
 class Call:
     """One device-API call as the implementation made it."""
 
-    kind: str  # replay, update_begin, op_launch, update_end, event_record, fused, workspace_query, synchronize, wait
+    # replay, update_begin, op_launch, update_end, event_record, fused, workspace_query, synchronize,
+    # wait, wait_stream, end (the step's last Python, after its last device call)
+    kind: str
     thread: int  # 0: the calling thread; 1..: update workers (told apart by their update streams)
     task: int = -1  # the layer it concerns (-1: none)
     python_us: float = 0.0  # the implementation's own host time since its previous call on that thread
@@ -77,7 +81,21 @@ class Costs:
     attention_us: float = 60.0  # device time of one layer's attention kernel
     other_us: float = 0.0  # device time of one layer's non-attention work
 
+    @classmethod
+    def host_costs(cls, measured: dict[str, Any], **device: float) -> Costs:
+        """Costs with the host figures of ``measured`` (``npugraph selftest --calibrate``)
+        and the device figures given (per layer: ``attention_us``, ``other_us``)."""
+        names = {f.name for f in attrs.fields(cls)} - {"attention_us", "other_us", "update_lands"}
+        unknown = [k for k in measured if k not in names and k != "device"]
+        if unknown:
+            raise ValueError(f"unknown host costs {unknown}; expected some of {sorted(names)}")
+        return cls(**{k: float(v) for k, v in measured.items() if k in names}, **device)
+
     def host(self, call: Call, kernel: str) -> float:
+        if call.kind == "end":
+            return 0.0
+        if call.kind == "wait_stream":  # records an event on the other stream, then waits on it
+            return self.event_record + self.wait
         if call.kind == "op_launch":
             return self.op_launch_pa if kernel == "pa" else self.op_launch_fia
         if call.kind == "update_begin" and kernel == "pa":
@@ -121,6 +139,7 @@ class RecordingDevice:
         self.ops = _Ops(self)
         self.fused_fia_update = self.ops._C._npu_fused_infer_attention_score_out_graph
         self.memory = None
+        self.overhead_us = 0.0  # the recorder's own time per logged call (calibrate())
         self.deadlock_errors: tuple[type[BaseException], ...] = ()
         self.race_errors: tuple[type[BaseException], ...] = ()
         self.fault_errors: tuple[type[BaseException], ...] = ()
@@ -142,17 +161,34 @@ class RecordingDevice:
         with self._lock:
             self._calls.append((threading.get_ident(), worker, kind, task, time.thread_time()))
 
+    def calibrate(self, calls: int = 2000) -> float:
+        """Measure what logging one call costs (the gap between back-to-back logged calls
+        with nothing between them): :meth:`recording` subtracts it from every gap, so the
+        recorder never counts as the implementation's Python."""
+        gaps = []
+        for _ in range(5):
+            self._calls.clear()
+            for _ in range(calls):
+                self.log("calibration")
+            ts = [c[4] for c in self._calls]
+            gaps.append((ts[-1] - ts[0]) * 1e6 / (len(ts) - 1))
+        self._calls.clear()
+        self.overhead_us = min(gaps)
+        return self.overhead_us
+
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[StepLog]]:
-        """Record one step: the threads' calls, with each gap of own Python time."""
+        """Record one step: the threads' calls, with each gap of own Python time (less the
+        recorder's own per-call time), and the Python after the last call as an ``end`` call."""
         out: list[StepLog] = []
         self._calls.clear()
         last: dict[int, float] = {threading.get_ident(): time.thread_time()}
         yield out
+        self.log("end")
         calls: list[Call] = []
         for ident, worker, kind, task, t in self._calls:
-            prev = last.get(ident)
-            gap = (t - prev) * 1e6 if prev is not None else 0.0  # CPU time is per OS thread
+            prev = last.get(ident, t)  # a worker's first gap: from its own start, unknown here
+            gap = (t - prev) * 1e6 - self.overhead_us  # CPU time is per OS thread
             last[ident] = t
             calls.append(Call(kind=kind, thread=worker, task=task, python_us=max(0.0, gap)))
         mine = [c for c in calls if c.thread == 0]
@@ -182,7 +218,7 @@ class _Stream:
         self.dev.log("wait", stream=self)
 
     def wait_stream(self, stream: Any) -> None:
-        self.dev.log("wait", stream=self)
+        self.dev.log("wait_stream", stream=self)
 
 
 class _Npu:
@@ -341,9 +377,19 @@ def _ev(name: str, tid: int, ts: float, dur: float, pid: int = 0) -> dict[str, A
     return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": round(ts, 3), "dur": round(max(dur, 0.0), 3)}
 
 
-def model_steps(log: StepLog, costs: Costs, *, kernel: str, layers: int, steps: int = 12) -> TimelineResult:
+def model_steps(
+    log: StepLog,
+    costs: Costs,
+    *,
+    kernel: str,
+    layers: int,
+    steps: int = 12,
+    recorded_by: Sequence[int] | None = None,
+) -> TimelineResult:
     """Run ``steps`` identical steps of ``log`` on the modeled host and device.
 
+    ``recorded_by[i]``: the task whose event record lets layer ``i`` run (event grouping:
+    the last task of ``i``'s group; default ``i``).
     The host starts step ``k + 1`` once it is done with step ``k`` and the device has
     finished step ``k - 1`` (it samples from an output one step behind, as with async
     scheduling); the steady state is measured over the last two thirds of the steps.
@@ -360,7 +406,8 @@ def model_steps(log: StepLog, costs: Costs, *, kernel: str, layers: int, steps: 
         dev_trace = []
         for i in range(layers):
             t += costs.other_us
-            land = max(events.get(i, replay_at), prev_end) + costs.update_lands
+            by = recorded_by[i] if recorded_by is not None else i
+            land = max(events.get(by, replay_at), prev_end) + costs.update_lands
             start = max(t, land)
             t = start + costs.attention_us
             dev_trace.append(_ev(f"layer {i} attention", 100, start, costs.attention_us))

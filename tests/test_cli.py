@@ -98,7 +98,7 @@ def test_bench_json_schema(tmp_path):
     path, trace = tmp_path / "bench.json", tmp_path / "timeline.json"
     code = main(
         [
-            *("bench", "--layers", "2,32", "--sizes", "1", "--cost-model", "off", "--repeats", "2"),
+            *("bench", "--layers", "2,32", "--sizes", "1", "--cost-model", "off", "--repeats", "2", "--seeds", "2"),
             *("--json", str(path), "--timeline", str(trace)),
         ]
     )
@@ -113,13 +113,17 @@ def test_bench_json_schema(tmp_path):
     assert {"ratio_vs_baseline_median", "overhead_vs_floor_median"} <= set(s)
     assert doc["summary"]["measured_off"]["npugraph_vs_floor"] == s["overhead_vs_floor_median"]
     modeled = doc["summary"]["modeled"]
-    hb = modeled["host_bound"]
-    assert set(hb["steps_per_s"]) >= {"npugraph_k1", "updatable", "legacy"}
-    assert "npugraph_k4" not in hb["steps_per_s"], "CANN allows one updater at a time"
-    assert {"npugraph_k1_vs_updatable", "legacy_vs_updatable"} <= set(hb)
-    assert (hb["layers"], hb["size"], hb["kernel"], hb["device_us_per_layer"]) == (20, 16, "fia", 60.0)
-    assert modeled["device_bound"]["layers"] == 32 and "npugraph_vs_device_limit" in modeled["device_bound"]
-    assert modeled["pa_batch4"]["kernel"] == "pa" and modeled["pa_batch4"]["size"] == 4
+    hb, sb, db = modeled["host_bound"], modeled["small_batch"], modeled["device_bound"]
+    impls = {"npugraph", "npugraph_grouped", "api_floor", "updatable_mrv2", "updatable_mrv1", "legacy"}
+    assert set(hb["steps_per_s"]) >= impls
+    assert not any("k4" in k for k in hb["steps_per_s"]), "CANN allows one updater at a time"
+    assert (hb["layers"], hb["size"], hb["kernel"], hb["attention_us"] + hb["other_us"]) == (20, 16, "fia", 60.0)
+    assert (sb["kernel"], sb["size"]) == ("pa", 4) and db["layers"] == 32 and db["other_us"] > 0
+    for key in ("npugraph_vs_updatable", "latency_vs_updatable", "npugraph_vs_api_floor"):
+        assert {"median", "min", "max", "n"} <= set(hb[key]) and hb[key]["n"] == 2
+    assert isinstance(hb["npugraph_vs_updatable"]["claim"], bool)
+    assert "median" in sb["npugraph_vs_updatable"] and "median" in db["npugraph_vs_device_limit"]
+    assert 0 <= modeled["noise"] < 0.5 and modeled["seeds"] == 2
     assert [r["requests"] for r in doc["validation"]] == [64, 256]
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "device stream" or e.get("args", {}).get("name") == "device stream" for e in events)

@@ -217,3 +217,55 @@ def test_workspaces_cover_every_length_by_the_kernels_own_model():
     entry = h.rt.manager.entry("main", 4)
     need = max(kernels.pa_workspace_bytes(4, HEADS, KV_HEADS, HEAD, length) for length in range(0, MAX_LEN + 1))
     assert entry.workspace_bytes >= need, "PA: every length up to max_model_len (its model is not monotonic)"
+
+
+@pytest.mark.parametrize("order", ["replay-first", "update-first"])
+@pytest.mark.parametrize("adversarial", [None, 5])
+@pytest.mark.parametrize("kernel", ["pa", "fia"])
+def test_event_groups_against_the_reference(order, adversarial, kernel):
+    """Runtime(event_group=3): the graph waits once per group and the update records once
+    per group (the last task alone), so a step records fewer events; results unchanged."""
+    sim.configure(adversarial_seed=adversarial)
+    h = Harness([4, 8], layers=7, order=order, event_group=3, policy=FixedPolicy(kernel), fused_update=True)
+    tasks = h.rt.entry(8).tasks
+    assert [(t.waits, t.records) for t in tasks] == [
+        (True, False),
+        (False, False),
+        (False, True),
+        (True, False),
+        (False, False),
+        (False, True),
+        (True, True),
+    ]
+    assert len({id(t.event) for t in tasks}) == 3, "one ExternalEvent per group"
+    counters = sim.counters()
+    for step in range(8):
+        size = 8 if step % 2 else 4
+        meta = h.random_meta(h.rng.randint(1, size))
+        q = query_for(h, size, step)
+        before = counters["event_record"]
+        h.check(h.step(size, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+        assert counters["event_record"] - before == 3, "one record per group"
+
+
+def test_event_groups_count_a_namespace_first_and_fall_back_for_another_task_count():
+    calls = []
+    h = Harness([8], layers=5, event_group=2, capture=False)
+    real = h.forward
+
+    def counted(query, metas):
+        calls.append(1)
+        return real(query, metas)
+
+    h.forward = counted
+    h.capture([8])
+    assert len(calls) == 2, "the first capture of a namespace counts its tasks, then captures grouped"
+    assert [t.records for t in h.rt.entry(8).tasks] == [False, True, False, True, True]
+    h.names = h.names[:3]  # a graph of the namespace with fewer attention layers
+    h.capture([4])
+    assert len(calls) == 4, "its grouping would not fit: captured again with one event per task"
+    assert all(t.waits and t.records for t in h.rt.entry(4).tasks)
+    meta = h.random_meta(3)
+    q = query_for(h, 4, 0)
+    out = h.step(4, {"default": meta}, q)
+    h.check(out[:, :3], q, dict.fromkeys(h.names, meta))

@@ -74,9 +74,11 @@ BAD_KINDS = [
 class System:
     """One runtime under test and the path its steps take."""
 
-    def __init__(self, order: str, path: str) -> None:
+    def __init__(self, order: str, path: str, event_group: int = 1) -> None:
         self.order, self.path = order, path
-        self.h = Harness(SIZES, layers=LAYERS, order=order, capture=path != "vllm")
+        # with event groups, 4 layers: groups [0, 1], [2], [3]
+        self.layers = LAYERS if event_group == 1 else 4
+        self.h = Harness(SIZES, layers=self.layers, order=order, capture=path != "vllm", event_group=event_group)
         self.rt = self.h.rt
         self.captured = set() if path == "vllm" else set(SIZES)
         if path == "vllm":
@@ -158,13 +160,14 @@ class System:
 class StepProtocol(RuleBasedStateMachine):
     order = "replay-first"
     path = "step"
+    event_group = 1
 
     @initialize(adversarial=st.sampled_from([None, 3, 8]))
     def setup(self, adversarial):
         sim.configure(adversarial_seed=adversarial)
-        self.sys = System(self.order, self.path)
+        self.sys = System(self.order, self.path, self.event_group)
         # a runtime that only ever sees good steps: the "fresh runtime" every good step must equal
-        self.fresh = Harness([*SIZES, LATE], layers=LAYERS, order=self.order)
+        self.fresh = Harness([*SIZES, LATE], layers=self.sys.layers, order=self.order)
         self.goods = 0
 
     def _meta(self, size: int, nreq: int, seed: int) -> AttentionMetadata:
@@ -207,7 +210,8 @@ class StepProtocol(RuleBasedStateMachine):
         self.sys.rt.updater.validate = False
         try:
             with pytest.raises(UpdateFailed, match="layer 'layer1'"):
-                self.sys.step(size, {"layer0": good, "layer1": bad}, query_for(self.sys.h, size, seed))
+                metadata = {n: (bad if n == "layer1" else good) for n in self.sys.h.names}
+                self.sys.step(size, metadata, query_for(self.sys.h, size, seed))
         finally:
             self.sys.rt.updater.validate = True
 
@@ -273,8 +277,9 @@ class StepProtocol(RuleBasedStateMachine):
             assert self.sys.rt.updater.state(e).phase in StepPhase
 
 
-def _machine(order: str, path: str) -> type[StepProtocol]:
-    return type(f"StepProtocol_{order}_{path}", (StepProtocol,), {"order": order, "path": path})
+def _machine(order: str, path: str, event_group: int = 1) -> type[StepProtocol]:
+    name = f"StepProtocol_{order}_{path}_g{event_group}"
+    return type(name, (StepProtocol,), {"order": order, "path": path, "event_group": event_group})
 
 
 _SETTINGS = {
@@ -295,11 +300,19 @@ def test_a_bad_step_never_stops_serving(order, path):
     machine.TestCase().runTest()
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_bad_step_never_stops_serving_with_event_groups(order):
+    machine = _machine(order, "manual" if order == "update-first" else "step", event_group=2)
+    machine.TestCase.settings = settings(max_examples=4, stateful_step_count=14, **_SETTINGS)
+    machine.TestCase().runTest()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("NPUGRAPH_LONG"), reason="the long run: make test-long (about 7 minutes)")
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("path", ["step", "manual"])
-def test_a_bad_step_never_stops_serving_long(order, path):
-    machine = _machine(order, path)
+@pytest.mark.parametrize("event_group", [1, 2])
+def test_a_bad_step_never_stops_serving_long(order, path, event_group):
+    machine = _machine(order, path, event_group)
     machine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, **_SETTINGS)
     machine.TestCase().runTest()

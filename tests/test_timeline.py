@@ -7,11 +7,12 @@ whose host costs are given, so every expected figure follows from the rules.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from npugraph import bench
-from npugraph.timeline import Call, Costs, StepLog, chrome_trace, model_steps
+from npugraph.timeline import Call, Costs, RecordingDevice, StepLog, chrome_trace, model_steps
 
 COSTS = Costs(attention_us=60.0)
 FIA_LAYER = 22 + 120 + 30 + 12  # begin + op + end + record, the fused call's total
@@ -72,7 +73,7 @@ def test_recording_logs_one_updater_and_the_legacy_loop():
     bench.sim.configure()
     rt, _, table, _q = bench._setup(8, 8, "fia", cost=False)
     impls = bench._implementations(rt, 8, "fia")
-    dev, step = impls["npugraph_k1"]
+    dev, step = impls["npugraph"]
     inp = bench._step_input(rt, 8, [5] * 8, table)
     with dev.recording() as logs:
         step(inp)
@@ -84,7 +85,7 @@ def test_recording_logs_one_updater_and_the_legacy_loop():
     with dev.recording() as logs:
         step(inp)
     kinds = [c.kind for c in logs[0].calls]
-    assert kinds[-2:] == ["synchronize", "replay"] and kinds.count("op_launch") == 8
+    assert kinds[:2] == ["synchronize", "replay"] and kinds.count("op_launch") == 8 and kinds[-1] == "end"
 
 
 def test_chrome_trace_names_processes_and_threads():
@@ -93,3 +94,40 @@ def test_chrome_trace_names_processes_and_threads():
     names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
     assert {"npugraph_k2", "host (main)", "host update worker 1", "device stream"} <= names
     assert all(e["dur"] >= 0 for e in doc["traceEvents"] if e["ph"] == "X")
+
+
+def test_the_recorder_does_not_count_itself_and_counts_the_python_after_the_last_call():
+    dev = RecordingDevice("fia")
+    overhead = dev.calibrate()
+    assert overhead > 0
+    with dev.recording() as logs:
+        for _ in range(80):
+            dev.log("event_record", 0)
+    (log,) = logs
+    own = sum(c.python_us for c in log.calls[:-1])
+    assert own < 0.25 * 80 * overhead, "80 back-to-back calls are not 80 calls' worth of Python"
+    with dev.recording() as logs:
+        dev.log("replay")
+        end = time.thread_time() + 0.002
+        while time.thread_time() < end:  # 2 ms of Python after the last device call
+            pass
+    assert logs[0].calls[-1].kind == "end" and logs[0].calls[-1].python_us >= 1500
+
+
+def test_updatable_graph_baselines_follow_the_merged_code():
+    bench.sim.configure()
+    rt, _, table, _q = bench._setup(4, 4, "pa", cost=False)
+    impls = bench._implementations(rt, 4, "pa")
+    inp = bench._step_input(rt, 4, [5] * 4, table)
+    kinds = {}
+    for name in ("updatable_mrv1", "updatable_mrv2", "legacy"):
+        dev, step = impls[name]
+        with dev.recording() as logs:
+            step(inp)
+        kinds[name] = [c.kind for c in logs[0].calls if c.kind != "end"]
+    assert kinds["updatable_mrv1"][:2] == ["synchronize", "replay"], "MRV1: a host synchronize before the replay"
+    assert kinds["updatable_mrv2"][:2] == ["replay", "wait_stream"], "MRV2: the update stream waits for the replay"
+    for name in ("updatable_mrv1", "updatable_mrv2", "legacy"):
+        assert kinds[name].count("workspace_query") == 1, f"{name}: the PA workspace once per pass (#15579)"
+        assert kinds[name].count("event_record") == 4
+    assert kinds["legacy"][:2] == ["synchronize", "replay"], "the runner's order: synchronize, replay, update"

@@ -24,7 +24,7 @@ from npugraph.errors import CaptureFailed, ConfigError, UnknownKeyError
 from npugraph.ops import SPECS, AttentionCall, OpSpec, StepLens
 from npugraph.policy import KernelChoice, KernelPolicy, StaticPolicy
 
-__all__ = ["Phase", "CaptureManager"]
+__all__ = ["Phase", "CaptureManager", "EventSchedule"]
 
 logger = logging.getLogger("npugraph")
 
@@ -49,10 +49,34 @@ class _Capture:
     tasks: list[TaskRecord] = attrs.field(factory=list)
     layer: str | None = None
     seen: set[tuple[int, str]] = attrs.field(factory=set)
+    # event grouping: which task indices start a group (the graph waits there) and end one
+    # (the update records there); None: one event per task
+    schedule: EventSchedule | None = None
+    group_event: Any = None  # the ExternalEvent of the group being recorded
 
     @property
     def choice(self) -> KernelChoice | None:
         return next(iter(self.choices.values()))[1] if self.choices else None
+
+
+@attrs.frozen(kw_only=True)
+class EventSchedule:
+    """Which tasks of a graph of ``tasks`` attention tasks share an ExternalEvent.
+
+    Groups of ``size`` tasks from the first, then the last task alone: the graph waits
+    once per group (at its first task) and the update records once (after its last), so
+    a step makes fewer event records; the last task alone keeps the step's latency (the
+    device runs one layer after the last update lands, as without groups).
+    """
+
+    tasks: int
+    size: int
+
+    def waits(self, i: int) -> bool:
+        return i == self.tasks - 1 or i % self.size == 0
+
+    def records(self, i: int) -> bool:
+        return i >= self.tasks - 2 or i % self.size == self.size - 1
 
 
 def _shape(call: AttentionCall) -> tuple[Any, ...]:
@@ -97,11 +121,18 @@ class CaptureManager:
         policy: KernelPolicy | None = None,
         progress: bool = False,
         on_captured: Callable[[CapturedGraph], None] | None = None,
+        event_group: int = 1,
     ) -> None:
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ConfigError(f"max_model_len must be an int >= 1, got {max_model_len!r}")
         self.device = device
+        if isinstance(event_group, bool) or not isinstance(event_group, int) or event_group < 1:
+            raise ConfigError(f"event_group must be an int >= 1 (tasks per ExternalEvent), got {event_group!r}")
         self.max_model_len = max_model_len
+        # tasks per ExternalEvent (1: one per task); the schedule needs a namespace's task
+        # count, learned from its first capture (captured twice: to count, then grouped)
+        self.event_group = event_group
+        self._task_counts: dict[str, int] = {}
         self.policy: KernelPolicy = policy if policy is not None else StaticPolicy()
         self.progress = progress
         # told of each graph before it is registered (the updater builds its plan there);
@@ -160,13 +191,20 @@ class CaptureManager:
         kwargs = spec.arguments(call, lens, ctx.workspace)
         npu = self.device.npu
         stream = npu.current_stream()
-        event = npu.ExternalEvent()
-        event.wait(stream)  # no reset(): a no-op on every CANN with task groups, which npugraph needs
+        index = len(ctx.tasks)
+        schedule = ctx.schedule
+        waits = schedule is None or schedule.waits(index)
+        records = schedule is None or schedule.records(index)
+        if waits:
+            event = ctx.group_event = npu.ExternalEvent()
+            event.wait(stream)  # no reset(): a no-op on every CANN with task groups, which npugraph needs
+            if hasattr(event, "label"):  # the simulator names it in hang reports
+                event.label = f"{ctx.namespace}/{ctx.key!r}/{layer}"
+        else:
+            event = ctx.group_event
         npu.graph_task_group_begin(stream)
         spec.launch(self.device, kwargs)
         handle = npu.graph_task_group_end(stream)
-        if hasattr(event, "label"):  # the simulator names it in hang reports
-            event.label = f"{ctx.namespace}/{ctx.key!r}/{layer}"
         ctx.tasks.append(
             TaskRecord(
                 index=len(ctx.tasks),
@@ -179,6 +217,8 @@ class CaptureManager:
                 args={k: self._alias(v) for k, v in kwargs.items()},
                 host_at_capture={k: _host_tuple(kwargs[k]) for k in spec.host_args},
                 workspace_bytes=need,
+                waits=waits,
+                records=records,
             )
         )
         ctx.layer = None
@@ -265,10 +305,42 @@ class CaptureManager:
             if isinstance(key, bool) or not isinstance(key, int):
                 raise CaptureFailed(f"capture of {namespace}/{key!r}: the key is not a token count; pass tokens=")
             tokens = key
+        schedule = self._schedule(namespace)
+        if self.event_group > 1 and schedule is None:
+            # the schedule needs the namespace's task count: a first capture counts them
+            counted = self._capture_once(
+                fn, args, kwargs, namespace, key, int(tokens), static_inputs, require_attention, None, count_only=True
+            )
+            self._task_counts[namespace] = counted
+            schedule = self._schedule(namespace)
+        return self._capture_once(
+            fn, args, kwargs, namespace, key, int(tokens), static_inputs, require_attention, schedule
+        )
+
+    def _schedule(self, namespace: str) -> EventSchedule | None:
+        count = self._task_counts.get(namespace)
+        if self.event_group == 1 or count is None or count < 3:
+            return None
+        return EventSchedule(tasks=count, size=self.event_group)
+
+    def _capture_once(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        namespace: str,
+        key: Hashable,
+        tokens: int,
+        static_inputs: Mapping[str, torch.Tensor] | None,
+        require_attention: bool,
+        schedule: EventSchedule | None,
+        *,
+        count_only: bool = False,
+    ) -> Any:
         npu = self.device.npu
         for spec in SPECS.values():
             spec.prepare(self.device.memory)
-        ctx = _Capture(namespace=namespace, key=key, tokens=int(tokens))
+        ctx = _Capture(namespace=namespace, key=key, tokens=tokens, schedule=schedule)
         graph = npu.NPUGraph()
         t0 = time.perf_counter()
         self._ctx = ctx
@@ -287,6 +359,16 @@ class CaptureManager:
                 raise CaptureFailed(
                     f"capture of {namespace}/{key!r}: the callable made no attention call "
                     "through the runtime; nothing would be updated"
+                )
+            if count_only or (schedule is not None and len(ctx.tasks) != schedule.tasks):
+                graph.reset()
+                if count_only:
+                    return len(ctx.tasks)
+                # this graph has another task count than its namespace's first: its last group
+                # would never record; capture it again with one event per task
+                self._ctx = None
+                return self._capture_once(
+                    fn, args, kwargs, namespace, key, tokens, static_inputs, require_attention, None
                 )
             entry = CapturedGraph(
                 namespace=namespace,
@@ -336,7 +418,7 @@ class CaptureManager:
             )
         self._entries[(namespace, key)] = entry
         for t in entry.tasks:
-            self._by_event[id(t.event)] = (entry, t)
+            self._by_event.setdefault(id(t.event), (entry, t))  # a shared event names its group's first task
         return outputs
 
     def capture_all(
@@ -429,7 +511,7 @@ class CaptureManager:
             if namespace not in (None, ns) or (key is not None and k != key):
                 continue
             for t in entry.tasks:
-                del self._by_event[id(t.event)]
+                self._by_event.pop(id(t.event), None)
             entry.graph.reset()
             del self._entries[(ns, k)]
 

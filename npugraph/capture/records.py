@@ -34,6 +34,10 @@ class TaskRecord:
     host_at_capture: Mapping[str, tuple[int, ...]]
     workspace_bytes: int
     ubatch: int = 0  # micro-batch index (0 unless one forward runs several)
+    # event grouping: the graph waits on ``event`` before this task (the first of its group)
+    # and the update records ``event`` after this task (the last of its group)
+    waits: bool = True
+    records: bool = True
 
     @property
     def slot(self) -> str:

@@ -36,7 +36,9 @@ class TaskPlan:
     and value when the 4-in-1 ``fused`` update applies: they are ``qkv``); the updater
     writes each step's host values into this dict before re-issuing, so nothing is
     allocated per task.  ``block_table`` is the captured buffer a step's table is copied
-    into (one object per distinct buffer).  ``null_host`` are the host values of a step
+    into (one object per distinct buffer).  ``records``: the update records ``event`` after
+    this task (the last of its event group; with one event per task, every task).
+    ``null_host`` are the host values of a step
     with no real request (every key length 0: the kernel reads no block and writes
     zeros), used to release a replay whose step failed.
     """
@@ -49,6 +51,7 @@ class TaskPlan:
     spec: OpSpec
     handle: Any
     event: Any
+    records: bool
     kernel: Callable[..., Any]
     fused: bool
     kwargs: dict[str, Any]
@@ -84,7 +87,8 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
     buffers: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Any] = {}
     for t in entry.tasks:
         kw = {k: v for k, v in t.kwargs().items() if k not in t.spec.host_args}
-        fused = bool(t.spec.fused_update and fused_fn is not None)
+        # the 4-in-1 always records the event: only for the task that ends its event group
+        fused = bool(t.spec.fused_update and fused_fn is not None and t.records)
         qkv = (kw.pop("query"), kw.pop("key"), kw.pop("value")) if fused else None
         (table_arg,) = t.spec.refreshed_buffers  # the block table, refreshed by copy
         bt, kc, q = t.args[table_arg], t.args[t.spec.cache_arg], t.args["query"]  # every spec has them
@@ -105,6 +109,7 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
                 spec=t.spec,
                 handle=t.handle,
                 event=t.event,
+                records=t.records,
                 kernel=t.spec.kernel_fn(device),
                 fused=fused,
                 kwargs=kw,

@@ -57,7 +57,8 @@ class StepPhase(enum.Enum):
 class GraphState:
     """The per-step state of one captured graph (what capture recorded stays frozen).
 
-    ``pending[i]``: task ``i``'s event is recorded and not yet consumed by a replay;
+    ``pending[i]``: task ``i`` recorded its event (it ends its event group) and no replay
+    consumed it yet;
     ``applied[i]``: the host values last written into task ``i`` (identity tells an
     unchanged task; ``None``: unknown, re-issue it); ``lens_of[i]`` / ``host_of[i]``: the
     lengths task ``i`` was last given and their host values (a step with equal lengths
@@ -179,6 +180,8 @@ class ReplayUpdater:
         # its stream, so the updater keeps it the last replay enqueued: any other graph's
         # step releases it first (it was abandoned).  Then ``_after`` always precedes it.
         self._waiting: CapturedGraph | None = None
+        # graphs whose update no replay ran yet (a superset: pruned as they are looked at)
+        self._updated: weakref.WeakSet[CapturedGraph] = weakref.WeakSet()
         # dropped with the graph: a plan holds task-group handles, which must not
         # outlive the graph the manager released
         self._plans: weakref.WeakKeyDictionary[CapturedGraph, UpdatePlan] = weakref.WeakKeyDictionary()
@@ -304,7 +307,7 @@ class ReplayUpdater:
             # update's re-issues land (and run the earlier lengths), so consume them first
             self._settle(plan, state)
         waiting = state.phase is StepPhase.REPLAY_QUEUED
-        if step.copies:
+        if step.copies and self._updated:
             self._invalidate_sharers(entry, plan)
         try:
             reissued = self._issue(plan, state, step)
@@ -322,6 +325,7 @@ class ReplayUpdater:
             self._waiting_ran(state)
         else:
             state.phase = StepPhase.UPDATED
+            self._updated.add(entry)  # its update waits for a replay: another graph's copy may void it
         busy = self.device.device_seconds() - d0
         state.last_update_s = time.perf_counter() - t0 - busy
         if self._on_update is not None:
@@ -407,9 +411,13 @@ class ReplayUpdater:
     def _invalidate_sharers(self, entry: CapturedGraph, plan: UpdatePlan) -> None:
         """Another graph's update that no replay ran yet read a block-table buffer this
         update rewrites: replayed now it would run its lengths over this step's table."""
-        for other, st in list(self._states.items()):
-            if other is not entry and st.phase is StepPhase.UPDATED and self.plan(other).shares_buffer_with(plan):
+        for other in list(self._updated):
+            st = self.state(other)
+            if st.phase is not StepPhase.UPDATED:
+                self._updated.discard(other)
+            elif other is not entry and self.plan(other).shares_buffer_with(plan):
                 st.phase = StepPhase.BROKEN
+                self._updated.discard(other)
 
     def _release_other(self, entry: CapturedGraph) -> None:
         """Another graph's replay still waits: its step was abandoned; let it run empty."""
@@ -438,7 +446,7 @@ class ReplayUpdater:
                     except Exception:
                         state.applied[i] = None
                         ok = False
-                if not state.pending[i]:
+                if t.records and not state.pending[i]:
                     state.pending[i] = True
                     with contextlib.suppress(Exception):
                         t.event.record(us)
@@ -468,7 +476,7 @@ class ReplayUpdater:
         it skipped stay recorded; the graph is BROKEN until its next complete step."""
         state = self.state(entry)
         skipped = {id(e) for e in waits_skipped}
-        state.pending[:] = [id(t.event) in skipped for t in entry.tasks]
+        state.pending[:] = [t.records and id(t.event) in skipped for t in entry.tasks]
         state.phase = StepPhase.BROKEN
 
     def waiting(self) -> list[CapturedGraph]:
@@ -620,13 +628,15 @@ class ReplayUpdater:
     def _issue_tasks(self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]]) -> int:
         """Re-issue every task whose host values changed; record every task's event once."""
         applied, pending, skip, fused_fn = state.applied, state.pending, self.skip_unchanged, self._fused
+        npu = self.device.npu
+        begin, end = npu.graph_task_update_begin, npu.graph_task_update_end
         reissued = 0
         for t in plan.tasks:
             i = t.index
             try:
                 hv = host[i]
                 if skip and applied[i] is hv:
-                    if not pending[i]:
+                    if t.records and not pending[i]:
                         pending[i] = True  # once record() is called the flag will be set
                         t.event.record(us)
                     continue
@@ -638,9 +648,22 @@ class ReplayUpdater:
                     applied[i] = hv
                     pending[i] = True
                     continue
-                self._reissue(us, t, hv)
+                # _reissue, inlined: this loop is the hot path of every step
+                kw = t.kwargs
+                kw.update(hv)  # the plan's own dict: host entries are rewritten in place
+                begin(us, t.handle)
+                try:
+                    if t.qkv is not None:
+                        t.kernel(*t.qkv, **kw)
+                    else:
+                        t.kernel(**kw)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        end(us)  # close the update; the kernel's error is the one to report
+                    raise
+                end(us)
                 applied[i] = hv
-                if not pending[i]:
+                if t.records and not pending[i]:
                     pending[i] = True
                     t.event.record(us)
             except Exception as exc:

@@ -95,6 +95,7 @@ class CaptureSession:
         self.recorder = _Recorder(self)
         self.guard = _HostReadGuard(self)
         self.last_wait: ExtWaitNode | None = None
+        self.last_wait_at = -1  # its node index
 
     # host reads
     def check_host_read(self, t: torch.Tensor, how: str) -> None:
@@ -135,6 +136,7 @@ class CaptureSession:
         if wait:
             node = ExtWaitNode(event)
             self.last_wait = node
+            self.last_wait_at = len(self.graph._nodes)
             self.append(node)
         else:
             self.append(ExtRecordNode(event, self.graph))
@@ -209,7 +211,10 @@ class CaptureSession:
             task.group = group
             if self.last_wait is not None and self.graph._nodes[-1] is self.last_wait:
                 self.last_wait.group = group
-                group.guard = (len(self.graph._nodes) - 1, self.last_wait.event)
+            if self.last_wait is not None:
+                # the wait a replay passes before this task: the most recent one (a task of a
+                # group that shares an event is guarded by the group's one wait)
+                group.guard = (self.last_wait_at, self.last_wait.event)
         self.graph._nodes.append(task)
         for name in op.output_args:
             v = params.get(name)
