@@ -1,18 +1,24 @@
-"""Benchmarks of the per-step update path: npugraph vs today's algorithm vs the floor.
+"""Benchmarks of the per-step update path.
 
-Three implementations update the same captured graph, interleaved step by step so
-that machine drift cancels:
+Modeled (:func:`modeled_summary`): each implementation's device-API calls and own Python,
+recorded and replayed on a model of the host and the device (``npugraph.timeline``):
+npugraph in its default and grouped configurations, vllm-ascend's ``UpdatableGraph`` as
+merged in #16798 under the MRV1 (synchronize before each FULL replay, #15125) and MRV2
+runners, and the runner's older loop (#4233, #15579).
+
+Measured (:func:`bench_update`): host time of three implementations updating the same
+captured graph, interleaved step by step so that machine drift cancels:
 
 * **npugraph** — :meth:`ReplayUpdater.update`;
-* **baseline** — the algorithm engines use today (vllm-ascend's ``update_*_params``):
+* **baseline** — the older loop of vllm-ascend's runner (``update_*_params``):
   host-synchronize before every replay; walk the metadata dict in capture order; per
-  layer unpack a positional argument tuple, look the layer's metadata up, convert its
-  lengths to a Python list, query the PA workspace before every PA layer; update
-  begin, re-issue the op, update end, record the event;
+  layer unpack a positional argument tuple, convert its lengths to a Python list; the
+  PA workspace once per pass (#15579); update begin, re-issue the op, update end,
+  record the event;
 * **floor** — only the device calls an update needs (begin, op, end, record per
-  layer), hand-unrolled with every argument precomputed.
+  layer), with every argument precomputed.
 
-Each runs with the simulator's host-cost model off (pure framework overhead) and on
+Each runs with the simulator's host-cost model off (pure framework overhead) or on
 (``HostCostModel.atlas_a2``: the cost structure measured on Atlas A2).
 """
 
@@ -668,18 +674,18 @@ def modeled_summary(
     seeds: int = 5,
     progress: Callable[[str, dict[str, TimelineResult]], None] | None = None,
     host_costs: dict[str, Any] | None = None,
-) -> tuple[dict[str, Any], dict[str, TimelineResult]]:
-    """The modeled rows of ``npugraph bench``, each ratio over ``seeds`` runs with its spread.
+) -> tuple[dict[str, Any], dict[str, dict[str, TimelineResult]]]:
+    """The modeled rows of ``npugraph bench``, each ratio over ``seeds`` runs with its spread,
+    and the first seed's timelines per shape (for the Chrome trace).
 
     A ratio is a claim only where its whole spread lies on one side of 1 (``claim``).
     """
     out: dict[str, Any] = {}
-    host_bound: dict[str, TimelineResult] = {}
+    traces: dict[str, dict[str, TimelineResult]] = {}
     noise = 0.0
     for shape in SHAPES:
         runs = [bench_timeline(shape, seed=seed, host_costs=host_costs) for seed in range(seeds)]
-        if shape.label == "host_bound":
-            host_bound = runs[0]
+        traces[shape.label] = runs[0]
         sps = {k: [r[k].steps_per_s for r in runs] for k in runs[0]}
         lat = {k: [r[k].step_latency_us for r in runs] for k in runs[0]}
 
@@ -717,4 +723,4 @@ def modeled_summary(
     out["noise"] = round(noise, 4)
     out["seeds"] = seeds
     out["host_costs"] = dict(host_costs) if host_costs else "atlas_a2 (vllm-ascend #13058, #15579, #4233)"
-    return out, host_bound
+    return out, traces

@@ -319,7 +319,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"  {label:<12} {cells}", flush=True)
 
     try:
-        modeled, host_bound = bench.modeled_summary(seeds=args.seeds, progress=show_model, host_costs=host_costs)
+        modeled, traces = bench.modeled_summary(seeds=args.seeds, progress=show_model, host_costs=host_costs)
     except ValueError as exc:
         raise NpuGraphError(f"{args.costs}: {exc}") from exc
     for label in ("host_bound", "small_batch", "device_bound"):
@@ -335,8 +335,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             flush=True,
         )
     if args.timeline:
-        write_text(args.timeline, json.dumps(chrome_trace(host_bound)))
-        print(f"  timeline of the host-bound case: {args.timeline} (open in https://ui.perfetto.dev)")
+        write_text(args.timeline, json.dumps(chrome_trace(traces)))
+        print(f"  timelines of every modeled shape: {args.timeline} (open in https://ui.perfetto.dev)")
     cms = {"off": [False], "a2": [True], "both": [False, True]}[args.cost_model]
     print(
         f"{'cost':>4} {'layers':>6} {'size':>4} {'kernel':>6} {'npugraph us':>12} {'baseline us':>12} "
@@ -502,9 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--cost-model", choices=["off", "a2", "both"], default="off", help="measured: host-cost model (default off)"
     )
-    b.add_argument(
-        "--timeline", metavar="FILE", type=_out_path, help="write a Chrome trace of the modeled host-bound step"
-    )
+    b.add_argument("--timeline", metavar="FILE", type=_out_path, help="write a Chrome trace of every modeled shape")
     b.add_argument("--repeats", type=_positive, default=15, help="measured steps per method (default 15)")
     b.add_argument("--extra", action="store_true", help="also measure capture cost and replay vs eager")
     b.add_argument("--json", metavar="PATH", type=_out_path, help="write rows and summary as JSON")

@@ -431,14 +431,17 @@ def model_steps(
     )
 
 
-def chrome_trace(results: dict[str, TimelineResult]) -> dict[str, Any]:
-    """One Chrome trace: a process per implementation, its host threads and the device."""
+def chrome_trace(shapes: dict[str, dict[str, TimelineResult]]) -> dict[str, Any]:
+    """One Chrome trace: a process per shape and implementation, its host threads and the device."""
     events: list[dict[str, Any]] = []
-    for pid, (name, r) in enumerate(results.items()):
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
-        tids = {e["tid"] for e in r.events}
-        for tid in sorted(tids):
-            label = "device stream" if tid == 100 else ("host (main)" if tid == 0 else f"host update worker {tid}")
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
-        events += [dict(e, pid=pid) for e in r.events]
+    pid = 0
+    for shape, results in shapes.items():
+        for name, r in results.items():
+            events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"{shape}: {name}"}})
+            events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
+            for tid in sorted({e["tid"] for e in r.events}):
+                label = "device stream" if tid == 100 else ("host (main)" if tid == 0 else f"host update worker {tid}")
+                events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
+            events += [dict(e, pid=pid) for e in r.events]
+            pid += 1
     return {"traceEvents": events, "displayTimeUnit": "ms"}

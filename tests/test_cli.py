@@ -126,6 +126,8 @@ def test_bench_json_schema(tmp_path):
     assert 0 <= modeled["noise"] < 0.5 and modeled["seeds"] == 2
     assert [r["requests"] for r in doc["validation"]] == [64, 256]
     events = json.loads(trace.read_text())["traceEvents"]
+    processes = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert {f"{shape}: updatable_mrv2" for shape in ("host_bound", "small_batch", "device_bound")} <= processes
     assert any(e.get("name") == "device stream" or e.get("args", {}).get("name") == "device stream" for e in events)
 
 

@@ -90,9 +90,9 @@ def test_recording_logs_one_updater_and_the_legacy_loop():
 
 def test_chrome_trace_names_processes_and_threads():
     r = model_steps(_fused_log(4, workers=2), COSTS, kernel="fia", layers=4)
-    doc = json.loads(json.dumps(chrome_trace({"npugraph_k2": r})))
-    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
-    assert {"npugraph_k2", "host (main)", "host update worker 1", "device stream"} <= names
+    doc = json.loads(json.dumps(chrome_trace({"host_bound": {"npugraph_k2": r}})))
+    names = {e["args"].get("name") for e in doc["traceEvents"] if e["ph"] == "M"}
+    assert {"host_bound: npugraph_k2", "host (main)", "host update worker 1", "device stream"} <= names
     assert all(e["dur"] >= 0 for e in doc["traceEvents"] if e["ph"] == "X")
 
 

@@ -24,8 +24,8 @@ from vllm.config import CompilationMode, CUDAGraphMode, VllmConfig
 from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-from npugraph import AttentionMetadata, Runtime
-from npugraph.errors import NpuGraphError
+from npugraph import AttentionMetadata, Runtime, sim
+from npugraph.errors import ConfigError, NpuGraphError
 from npugraph.integrations import vllm as integ
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.reference import paged_attention_reference
@@ -78,7 +78,12 @@ class Runner:
     """A minimal model runner: persistent buffers, the dispatcher, forward contexts."""
 
     def __init__(
-        self, mode=CUDAGraphMode.FULL_DECODE_ONLY, piecewise_head=False, check_addresses=False, dtype=torch.bfloat16
+        self,
+        mode=CUDAGraphMode.FULL_DECODE_ONLY,
+        piecewise_head=False,
+        check_addresses=False,
+        dtype=torch.bfloat16,
+        event_group=1,
     ):
         self.cfg = DecoderConfig(layers=3, num_blocks=96, max_model_len=128, dtype=dtype)
         vc = VllmConfig()
@@ -92,7 +97,8 @@ class Runner:
         cc.max_cudagraph_capture_size = max(SIZES)
         vc.scheduler_config.max_num_seqs = max(SIZES)
         self.vllm_config = vc
-        self.rt = integ.attach_runtime(vc, Runtime("sim", max_model_len=self.cfg.max_model_len))
+        rt = Runtime("sim", max_model_len=self.cfg.max_model_len, event_group=event_group)
+        self.rt = integ.attach_runtime(vc, rt)
         self.decoder = Decoder(self.cfg, self.rt)
         if piecewise_head:
             self.decoder.lm_head = _PiecewiseHead(self.decoder.lm_head, vc, max(SIZES))
@@ -163,6 +169,26 @@ def test_continuous_batching_through_the_wrapper_equals_eager():
         assert spy.call_count == len(SIZES), "each FULL key is captured once"
     assert modes == {CUDAGraphMode.FULL}
     assert sum(runner.rt.updater.state(e).replays for e in runner.rt.manager.entries()) == 60
+
+
+def test_event_grouping_through_the_wrapper_equals_eager_and_records_fewer_events(monkeypatch):
+    runner = Runner(event_group=2)  # 3 layers: events after layers 1 and 2 (the last alone)
+    runner.capture()
+    entry = runner.rt.manager.entries("main")[0]
+    assert [t.records for t in entry.tasks] == [False, True, True]
+    for i, batch in enumerate(_batches(runner, 12, seed=3)):
+        before = sim.counters()["event_record"]
+        mode, bd, out = runner.step(batch)
+        assert sim.counters()["event_record"] - before == 2, f"step {i}: one record per group"
+        assert torch.equal(out, runner.eager(batch, bd.num_tokens)), f"step {i} differs"
+    # the setting vLLM users reach: NPUGRAPH_EVENT_GROUP, checked like NPUGRAPH_DEVICE
+    vc = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=64))
+    monkeypatch.setenv(integ.ENV_DEVICE, "sim")
+    monkeypatch.setenv(integ.ENV_EVENT_GROUP, "4")
+    assert integ.runtime_for(vc).manager.event_group == 4
+    monkeypatch.setenv(integ.ENV_EVENT_GROUP, "0")
+    with pytest.raises(ConfigError, match="NPUGRAPH_EVENT_GROUP='0' is not a group size; use an integer >= 1"):
+        integ.runtime_for(types.SimpleNamespace(model_config=vc.model_config))
 
 
 def test_pass_through_on_none_and_on_a_mismatched_mode():

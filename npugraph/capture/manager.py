@@ -367,6 +367,12 @@ class CaptureManager:
                 # this graph has another task count than its namespace's first: its last group
                 # would never record; capture it again with one event per task
                 self._ctx = None
+                warnings.warn(
+                    f"capture of {namespace}/{key!r}: {len(ctx.tasks)} attention calls, but the first graph "
+                    f"of namespace {namespace!r} had {schedule.tasks}; this graph records one ExternalEvent "
+                    f"per layer (event_group={self.event_group} does not apply to it)",
+                    stacklevel=2,
+                )
                 return self._capture_once(
                     fn, args, kwargs, namespace, key, tokens, static_inputs, require_attention, None
                 )

@@ -61,6 +61,7 @@ logger = logging.getLogger("vllm.npugraph")
 
 ENV_ENABLE = "NPUGRAPH_ENABLE"
 ENV_DEVICE = "NPUGRAPH_DEVICE"
+ENV_EVENT_GROUP = "NPUGRAPH_EVENT_GROUP"
 WRAPPER_PATH = "npugraph.integrations.vllm.NpuGraphWrapper"
 _RUNTIME_ATTR = "_npugraph_runtime"
 
@@ -82,7 +83,8 @@ def runtime_for(vllm_config: Any) -> Runtime:
                 "npugraph.integrations.vllm.attach_runtime(vllm_config, Runtime(...)) first"
             )
         device = _env_device() or ("npu" if _platform_has_npu_graphs() else "sim")
-        rt = attach_runtime(vllm_config, Runtime(device, max_model_len=int(model.max_model_len)))
+        rt = Runtime(device, max_model_len=int(model.max_model_len), event_group=_env_event_group())
+        attach_runtime(vllm_config, rt)
     return rt
 
 
@@ -171,6 +173,19 @@ def _env_device() -> str | None:
             "or 'sim' (or unset it)"
         )
     return value
+
+
+def _env_event_group() -> int:
+    """``NPUGRAPH_EVENT_GROUP``: tasks per ExternalEvent (default 1: one per layer)."""
+    value = os.environ.get(ENV_EVENT_GROUP, "").strip()
+    if not value:
+        return 1
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(
+            f"{ENV_EVENT_GROUP}={value!r} is not a group size; use an integer >= 1 (layers per "
+            "ExternalEvent; 1, the default, records one per layer) or unset it"
+        )
+    return int(value)
 
 
 def _noop_call(*args: Any, **kwargs: Any) -> None:
@@ -456,6 +471,7 @@ def register() -> None:
         return
     try:
         device = _env_device()
+        _env_event_group()
     except ConfigError as exc:
         logger.error("npugraph: %s; vLLM left untouched", exc)
         return
