@@ -362,7 +362,7 @@ class CaptureManager:
                 )
             if count_only or (schedule is not None and len(ctx.tasks) != schedule.tasks):
                 graph.reset()
-                if count_only:
+                if count_only or schedule is None:
                     return len(ctx.tasks)
                 # this graph has another task count than its namespace's first: its last group
                 # would never record; capture it again with one event per task
