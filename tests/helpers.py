@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
 
 from npugraph import AttentionMetadata, DecodeAttention, Runtime
+from npugraph.errors import NpuGraphError
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.reference import paged_attention_reference
@@ -32,6 +34,29 @@ def run(eng, cfg, steps, seed=0, adversarial=False):
             mismatches += 1
         wl.feedback(batch.rids, out.argmax(-1).tolist())
     return mismatches
+
+
+def assert_engine_serves(eng, steps=3, seed=99):
+    """A decode engine's graphs serve good steps: equal to eager bitwise and, every step,
+    close to the float64-attention reference (``Decoder.reference_logits``), which runs
+    none of npugraph's padding or kernels.  An error an earlier bad step left for the
+    device to report comes out at the first synchronize; it belongs to that step."""
+    rt = eng.runtime
+    with contextlib.suppress(NpuGraphError):
+        rt.synchronize()
+    if not rt.entries(eng.namespace):
+        return
+    for i, b in enumerate(Workload(eng.model.cfg, eng.sizes, seed=seed).steps(steps)):
+        if not rt.has(b.size, namespace=eng.namespace):
+            continue
+        ref = eng.eager(b).clone()
+        got = eng.step(b).clone()
+        assert torch.equal(got, ref), f"serving step {i} differs from eager"
+        lens = b.meta.seq_lens.tolist()
+        ind = eng.model.reference_logits(
+            b.input_ids, b.positions, b.slot_mapping, lens, [1] * len(lens), b.meta.block_table
+        )
+        assert (got - ind).abs().max() < 0.06 * ind.abs().max(), f"serving step {i} from the float64 reference"
 
 
 HEADS, KV_HEADS, HEAD, BLOCK, BLOCKS, MAX_LEN = 4, 2, 64, 16, 48, 128
@@ -166,6 +191,44 @@ class Harness:
             err = (got - ref).abs().max().item() if real else 0.0
             assert err < TOL[self.dtype], f"layer {n} ubatch {ubatch}: {err} from the float64 reference"
             assert not out[ubatch, li, real:].any(), f"layer {n}: padding rows must be zeros"
+
+    def assert_serves(self, seed=1234):
+        """Every captured graph serves a good step, right against the float64 reference.
+
+        The conftest runs it after every passing test that built a harness: whatever the
+        test did (bad steps, faults, half steps), serving goes on.  An error an earlier bad
+        step left for the device to report comes out at the first synchronize, as documented;
+        it belongs to that step, not to this one.
+        """
+        with contextlib.suppress(NpuGraphError):
+            self.rt.synchronize()
+        rng = random.Random(seed)
+        blocks = min(int(k.shape[0]) for k, _ in self.caches.values())
+        for entry in self.rt.entries("main"):
+            size = entry.key
+            if not isinstance(size, int) or not entry.tasks:
+                continue
+            r = 1 if size == 1 else size - 1
+            lens = [rng.randint(self.tpr, MAX_LEN) for _ in range(r)]
+            table = torch.zeros(r, MAX_LEN // BLOCK, dtype=torch.int32)
+            for i, n in enumerate(lens):
+                used = -(-n // BLOCK)
+                table[i, :used] = torch.tensor(rng.sample(range(blocks), used), dtype=torch.int32)
+            qsl = None if self.tpr == 1 else torch.arange(0, (r + 1) * self.tpr, self.tpr, dtype=torch.int32)
+            meta = AttentionMetadata(
+                seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, query_start_loc=qsl
+            )
+            groups = {g: meta for g in set(self.groups.values())}
+            metadata = groups if self.ubatches == 1 else [groups] * self.ubatches
+            q = query_for(self, size, seed)
+            out = self.step(size, metadata, q)
+            layers = [t.layer for t in entry.tasks[: len(entry.tasks) // self.ubatches]]
+            for u in range(self.ubatches):
+                for li, name in enumerate(layers):  # the graph's own layers (a test may trim self.names)
+                    real = meta.num_reqs * self.tpr
+                    err = (out[u, li, :real].double() - self.reference(name, q[u], meta)).abs().max().item()
+                    assert err < TOL[self.dtype], f"{name} of graph {size}: {err} from the float64 reference"
+                    assert not out[u, li, real:].any(), f"{name} of graph {size}: padding rows must be zeros"
 
 
 def query_for(h, size, seed):

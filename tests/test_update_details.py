@@ -248,6 +248,7 @@ def test_device_errors_are_traced_back_to_their_layers():
     assert named(sim.RaceError("not ours", event=sim.npu.ExternalEvent())) == "no captured task matched: not ours"
 
 
+@pytest.mark.no_serving_check("the graph reads a KV cache the test freed: every replay faults")
 @pytest.mark.parametrize("order", ["update-first", "replay-first"])
 def test_a_replay_on_freed_memory_names_the_layer(order):
     h = Harness([4], layers=3, policy=FixedPolicy("pa"), order=order)
@@ -738,6 +739,7 @@ def test_every_task_of_a_graph_uses_its_one_shared_workspace():
         assert spaces[0].dtype == torch.uint8, "sized in bytes: any other dtype multiplies the memory"
 
 
+@pytest.mark.no_serving_check("a replay issued behind the runtime's back hangs the device, as on hardware")
 def test_a_hang_names_the_event_of_the_layer_it_waits_for():
     h = Harness([2], layers=2)
     h.rt.entry(2).graph.replay()  # behind the runtime's back: only the device sees the hang
@@ -814,6 +816,7 @@ def test_a_replay_updater_built_by_hand_validates_skips_and_stays_on_one_thread(
     assert _update_threads() == before, "one update worker runs on the calling thread"
 
 
+@pytest.mark.no_serving_check("graphs captured by hand, without the harness's static inputs")
 def test_a_capture_manager_built_by_hand():
     """Its own defaults and arguments: namespace 'main', the policy given, no progress bar
     unless asked, and a model length of one is a model length."""
