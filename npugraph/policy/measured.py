@@ -97,6 +97,9 @@ class MeasuredPolicy:
             block_size=block_size,
             device=self.signature.device,
         )
+        self._refuse_other(mine)
+
+    def _refuse_other(self, mine: PolicySignature) -> None:
         diffs = self.signature.differences(mine)
         if diffs:
             raise PolicyError(
@@ -110,14 +113,7 @@ class MeasuredPolicy:
         if mla is not None:
             return mla  # measured for GQA shapes; MLA has one kernel
         if calls:
-            mine = PolicySignature.of(calls[0], self.signature.device)
-            diffs = self.signature.differences(mine)
-            if diffs:
-                raise PolicyError(
-                    "kernel policy file does not match this model: "
-                    + "; ".join(diffs)
-                    + ". Measure a policy for these shapes (npugraph policy measure)."
-                )
+            self._refuse_other(PolicySignature.of(calls[0], self.signature.device))
         reason = pa_blocker(calls)
         if reason is not None:
             return KernelChoice(kernel="fia", reason=reason)

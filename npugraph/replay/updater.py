@@ -628,8 +628,7 @@ class ReplayUpdater:
     def _issue_tasks(self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]]) -> int:
         """Re-issue every task whose host values changed; record every task's event once."""
         applied, pending, skip, fused_fn = state.applied, state.pending, self.skip_unchanged, self._fused
-        npu = self.device.npu
-        begin, end = npu.graph_task_update_begin, npu.graph_task_update_end
+        reissue = self._reissue
         reissued = 0
         for t in plan.tasks:
             i = t.index
@@ -648,20 +647,7 @@ class ReplayUpdater:
                     applied[i] = hv
                     pending[i] = True
                     continue
-                # _reissue, inlined: this loop is the hot path of every step
-                kw = t.kwargs
-                kw.update(hv)  # the plan's own dict: host entries are rewritten in place
-                begin(us, t.handle)
-                try:
-                    if t.qkv is not None:
-                        t.kernel(*t.qkv, **kw)
-                    else:
-                        t.kernel(**kw)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        end(us)  # close the update; the kernel's error is the one to report
-                    raise
-                end(us)
+                reissue(us, t, hv)
                 applied[i] = hv
                 if t.records and not pending[i]:
                     pending[i] = True
