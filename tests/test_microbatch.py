@@ -93,3 +93,6 @@ def test_micro_batched_graph_updates_each_micro_batch_from_its_own_metadata():
         rt.update(8, [{"default": m0}])
     with pytest.raises(MetadataError, match="metadata of micro-batch 1 has no entry for layer 'main.layers.0.attn'"):
         rt.update(8, [{"default": m0}, {"other": m1}])
+    out = rt.step(8, [{"default": m0}, {"main.layers.0.attn": m1, "default": m1_group}])  # serving goes on
+    rt.synchronize()
+    assert torch.equal(out[0], ref0) and torch.equal(out[1], ref1), "the step after the bad ones"

@@ -247,6 +247,9 @@ def test_input_address_check_names_the_moved_argument():
         pytest.raises(NpuGraphError, match=r"argument 'slot_mapping' moved \(expected 0x[0-9a-f]+ at capture, got 0x"),
     ):
         runner.wrapper(runner.ids[:t], runner.pos[:t], slot_mapping=moved)
+    for batch in _batches(runner, 3, seed=5):  # serving goes on
+        mode, bd, out = runner.step(batch)
+        assert torch.equal(out, runner.eager(batch, bd.num_tokens))
 
 
 def test_weak_ref_output_option_and_gc_disable():
