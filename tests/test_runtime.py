@@ -475,9 +475,13 @@ def test_key_for_picks_the_smallest_graph_that_holds_the_batch_and_step_pads_to_
     [
         (
             "ACL error 207008: stream resource exhausted",
-            r"capture fewer sizes \(vLLM: compilation_config.cudagraph_capture_sizes\)",
+            r"capture fewer sizes \(vLLM: compilation_config.cudagraph_capture_sizes, or a lower",
         ),
         ("Failed to find function aclmdlRICaptureBegin", r"needs CANN >= 8.2.RC1 and Ascend HDK >= 25.0.RC1"),
+        # the signatures vllm-ascend's ACLGraphWrapper recognises, in any case
+        ("EE9999: Stream resources are insufficient", r"ran out of stream resources"),
+        ("rtStreamCreate failed: INSUFFICIENT_STREAM_RESOURCES", r"ran out of stream resources"),
+        ("drvError: Alloc sq cq fail", r"upgrade the Ascend HDK to 25.5.1 or later"),
     ],
 )
 def test_a_device_capture_error_comes_with_advice(device_error, advice):

@@ -525,14 +525,23 @@ class CaptureManager:
 # What a device's capture error means, by the code or message torch_npu and CANN report
 # (vllm-ascend's issues #1168, #2182 and the torch_npu builds without aclmdlRI*): the
 # advice appended to CaptureFailed.
+# Device error signatures (matched in lower case) and what to do; the stream-resource and
+# old-HDK markers are the ones vllm-ascend's ACLGraphWrapper diagnoses (compilation/acl_graph.py).
 _DEVICE_ADVICE = (
     (
-        ("207008",),
+        ("207008", "insufficient_stream_resources", "stream resources are insufficient"),
         "The device ran out of stream resources (error 207008; about 1,920 graphs per device, vllm-ascend "
-        "#1168): capture fewer sizes (vLLM: compilation_config.cudagraph_capture_sizes) or fewer namespaces.",
+        "#1168): capture fewer sizes (vLLM: compilation_config.cudagraph_capture_sizes, or a lower "
+        "max_cudagraph_capture_size) or fewer namespaces; FULL_DECODE_ONLY captures fewer graphs than "
+        "PIECEWISE.",
     ),
     (
-        ("aclmdlRICaptureBegin", "aclmdlRICapture"),
+        ("alloc sq cq fail",),
+        "This is the capture error of an old Ascend HDK/CANN stack (`Alloc sq cq fail`): upgrade the Ascend "
+        "HDK to 25.5.1 or later with its matching CANN.",
+    ),
+    (
+        ("aclmdlricapturebegin", "aclmdlricapture"),
         "This CANN/driver has no graph capture (aclmdlRICapture*): graph capture with task updates needs "
         "CANN >= 8.2.RC1 and Ascend HDK >= 25.0.RC1; upgrade them, or run without graphs.",
     ),
@@ -545,8 +554,9 @@ _DEVICE_ADVICE = (
 
 
 def _advice(message: str) -> str:
+    lowered = message.lower()
     for needles, advice in _DEVICE_ADVICE:
-        if any(n in message for n in needles):
+        if any(n in lowered for n in needles):
             return " " + advice
     return ""
 
