@@ -181,6 +181,12 @@ def test_event_grouping_through_the_wrapper_equals_eager_and_records_fewer_event
         mode, bd, out = runner.step(batch)
         assert sim.counters()["event_record"] - before == 2, f"step {i}: one record per group"
         assert torch.equal(out, runner.eager(batch, bd.num_tokens)), f"step {i} differs"
+        lens = batch.meta.seq_lens.tolist()  # and against attention that runs none of npugraph
+        ind = runner.decoder.reference_logits(
+            batch.input_ids, batch.positions, batch.slot_mapping, lens, [1] * len(lens), batch.meta.block_table
+        )
+        err = (out - ind).abs().max().item()
+        assert err < 0.02 * max(1.0, ind.abs().max().item()), f"step {i}: {err} from the float64 reference"
     # the setting vLLM users reach: NPUGRAPH_EVENT_GROUP, checked like NPUGRAPH_DEVICE
     vc = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=64))
     monkeypatch.setenv(integ.ENV_DEVICE, "sim")

@@ -360,10 +360,11 @@ class CaptureManager:
                     f"capture of {namespace}/{key!r}: the callable made no attention call "
                     "through the runtime; nothing would be updated"
                 )
-            if count_only or (schedule is not None and len(ctx.tasks) != schedule.tasks):
+            if count_only:
                 graph.reset()
-                if count_only or schedule is None:
-                    return len(ctx.tasks)
+                return len(ctx.tasks)
+            if schedule is not None and len(ctx.tasks) != schedule.tasks:
+                graph.reset()
                 # this graph has another task count than its namespace's first: its last group
                 # would never record; capture it again with one event per task
                 self._ctx = None
