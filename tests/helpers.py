@@ -151,13 +151,15 @@ class Harness:
             outs.append(torch.stack(row))
         return torch.stack(outs)  # [ubatch, layer, T, N, D]
 
-    def random_meta(self, r, lens=None):
-        """R requests with random lengths (at least their query tokens) and distinct blocks."""
-        lens = lens or [self.rng.randint(self.tpr, MAX_LEN) for _ in range(r)]
+    def random_meta(self, r, lens=None, *, rng=None, blocks=BLOCKS):
+        """R requests with random lengths (at least their query tokens) and distinct blocks
+        among the first ``blocks`` (drawn from ``rng``, default the harness's own)."""
+        rng = rng or self.rng
+        lens = lens or [rng.randint(self.tpr, MAX_LEN) for _ in range(r)]
         table = torch.zeros(r, MAX_LEN // BLOCK, dtype=torch.int32)
         for i, n in enumerate(lens):
             used = -(-n // BLOCK)
-            table[i, :used] = torch.tensor(self.rng.sample(range(BLOCKS), used), dtype=torch.int32)
+            table[i, :used] = torch.tensor(rng.sample(range(blocks), used), dtype=torch.int32)
         qsl = None if self.tpr == 1 else torch.arange(0, (r + 1) * self.tpr, self.tpr, dtype=torch.int32)
         return AttentionMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, query_start_loc=qsl)
 
@@ -208,16 +210,7 @@ class Harness:
             size = entry.key
             if not isinstance(size, int) or not entry.tasks:
                 continue
-            r = 1 if size == 1 else size - 1
-            lens = [rng.randint(self.tpr, MAX_LEN) for _ in range(r)]
-            table = torch.zeros(r, MAX_LEN // BLOCK, dtype=torch.int32)
-            for i, n in enumerate(lens):
-                used = -(-n // BLOCK)
-                table[i, :used] = torch.tensor(rng.sample(range(blocks), used), dtype=torch.int32)
-            qsl = None if self.tpr == 1 else torch.arange(0, (r + 1) * self.tpr, self.tpr, dtype=torch.int32)
-            meta = AttentionMetadata(
-                seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, query_start_loc=qsl
-            )
+            meta = self.random_meta(1 if size == 1 else size - 1, rng=rng, blocks=blocks)
             groups = {g: meta for g in set(self.groups.values())}
             metadata = groups if self.ubatches == 1 else [groups] * self.ubatches
             q = query_for(self, size, seed)
