@@ -150,6 +150,9 @@ class RecordingDevice:
     def weak_ref_tensor(self, t: Any) -> Any:
         return t
 
+    def is_device_memory(self, t: Any) -> bool:
+        return bool(t.device.type != "cpu")  # the recorded steps' tables are host tables
+
     def handle(self, task: int) -> _Tagged:
         return _Tagged(task)
 

@@ -190,8 +190,9 @@ def test_replay_is_asynchronous_and_ordered_by_events():
         ev.wait(s)
         x.mul_(3)
     g.replay()  # blocked on ev
-    assert torch.equal(x, torch.ones(2)), "must not have run yet"
     us = npu.Stream()
+    with npu.stream(us):  # a read on the blocked stream would wait for it (forever)
+        assert torch.equal(x, torch.ones(2)), "must not have run yet"
     ev.record(us)
     npu.synchronize()
     assert torch.equal(x, torch.full((2,), 3.0))
@@ -470,10 +471,10 @@ def test_adversarial_mode_defers_work_until_a_synchronize():
             x.add_(1)
             x.add_(1)
         g.replay()
-        if x.item() != 2.0:
-            deferred += 1
-        npu.synchronize()
-        assert x.item() == 2.0
+        with npu.stream(npu.Stream()):  # not ordered after the replay: memory as it is now
+            if x.item() != 2.0:
+                deferred += 1
+        assert x.item() == 2.0, "a read on the replay's stream waits for it"
     assert deferred > 0, "some seeds must defer the replay"
 
 

@@ -54,6 +54,14 @@ class Device:
         c = getattr(self.ops, "_C", None)
         return getattr(c, "_npu_fused_infer_attention_score_out_graph", None)
 
+    def is_device_memory(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in this device's memory (the host must not read it: a read
+        waits for the stream).  On the simulator, whose device memory is CPU memory, the
+        simulator says which memory it knows as the device's."""
+        if self.is_sim:
+            return bool(self.ops.is_device_memory(t))
+        return t.device.type == self.memory.type
+
     def weak_ref_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """A non-owning alias of ``t`` (same data pointer, shape, stride, dtype).
 

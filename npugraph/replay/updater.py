@@ -578,7 +578,7 @@ class ReplayUpdater:
         if self.defer_block_check is not None:
             return self.defer_block_check
         table = getattr(meta, "block_table", None)
-        return isinstance(table, torch.Tensor) and table.device.type != "cpu"
+        return isinstance(table, torch.Tensor) and self.device.is_device_memory(table)
 
     def _prepare_one(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, meta: Any) -> _Step:
         """The common step: one metadata object for every task of one kernel and one cache geometry."""

@@ -61,6 +61,7 @@ __all__ = [
     "counters",
     "pool_bytes",
     "device_seconds",
+    "is_device_memory",
     "install_torch_npu",
     "uninstall_torch_npu",
     "SimError",
@@ -128,6 +129,17 @@ def pool_bytes(pool: tuple[int, int]) -> int:
     """Bytes that graphs captured into ``pool`` currently hold."""
     p = get_state().memory.pools.get(pool)
     return p.nbytes if p is not None else 0
+
+
+def is_device_memory(tensor: torch.Tensor) -> bool:
+    """Whether the simulator knows ``tensor``'s memory as device memory.
+
+    The simulated device's memory is CPU memory, so a tensor's ``device`` cannot say.
+    Known: graph pool blocks, kernel arguments, and everything an eager op ordered on a
+    stream touched.  Code that must not read device memory on the host (a read waits for
+    the stream) asks here where hardware code would look at ``tensor.device``.
+    """
+    return int(tensor.untyped_storage()._cdata) in get_state().memory.owners
 
 
 def device_seconds() -> float:

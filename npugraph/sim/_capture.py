@@ -17,37 +17,14 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from npugraph.sim import _runtime as rt
+from npugraph.sim._aten import ALLOC_PACKETS, HOST_READ_METHODS, HOST_READ_OPS, ShapeUnknown, plan_outputs
 from npugraph.sim._memory import ArgRef, hold_params, hold_tree
 from npugraph.sim._nodes import ExtRecordNode, ExtWaitNode, KernelTask, OpNode, storage_key
 from npugraph.sim.errors import CaptureError
 
 __all__ = ["CaptureSession", "make_host_copy"]
-
-_aten = torch.ops.aten
-
-
-_ALLOC_PACKETS = {
-    _aten.empty,
-    _aten.empty_strided,
-    _aten.empty_like,
-    _aten.new_empty,
-    _aten.new_empty_strided,
-}
-
-
-_HOST_READ_OPS = {_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default}
-
-
-_HOST_READ_METHODS = {
-    torch.Tensor.item,
-    torch.Tensor.tolist,
-    torch.Tensor.cpu,
-    torch.Tensor.numpy,
-    torch.Tensor.__array__,
-}
 
 
 class _HostReadGuard(TorchFunctionMode):
@@ -57,7 +34,7 @@ class _HostReadGuard(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in _HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
+        if func in HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
             self.session.check_host_read(args[0], func.__name__)
         return func(*args, **kwargs)
 
@@ -73,14 +50,6 @@ class _Recorder(TorchDispatchMode):
         if self.passthrough:
             return func(*args, **kwargs)
         return self.session.record_aten(func, tuple(args), kwargs)
-
-
-def _to_meta(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to("meta")
-    if isinstance(x, torch.device):
-        return torch.device("meta")
-    return x
 
 
 class CaptureSession:
@@ -142,7 +111,7 @@ class CaptureSession:
             self.append(ExtRecordNode(event, self.graph))
 
     def record_aten(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if func in _HOST_READ_OPS:
+        if func in HOST_READ_OPS:
             for a in args:
                 if isinstance(a, torch.Tensor):
                     self.check_host_read(a, str(func.overloadpacket.__name__))
@@ -150,51 +119,25 @@ class CaptureSession:
         if func.is_view:
             return func(*args, **kwargs)  # metadata only: safe to run now
         device = kwargs.get("device")
-        if func.overloadpacket in _ALLOC_PACKETS and device is not None and torch.device(device).type == "meta":
+        if func.overloadpacket in ALLOC_PACKETS and device is not None and torch.device(device).type == "meta":
             return func(*args, **kwargs)  # shapes only: nothing for the device to hold
-        schema = func._schema
         try:
-            meta_out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
-        except Exception as exc:
+            planned = plan_outputs(func, args, kwargs, self.alloc)
+        except ShapeUnknown as exc:
             raise CaptureError(
-                f"cannot capture {func}: its output shape could not be inferred without "
-                f"running it ({type(exc).__name__}: {exc}). Data-dependent shapes cannot be "
+                f"cannot capture {func}: {exc}. Data-dependent shapes and host values cannot be "
                 "captured in a device graph."
             ) from exc
-        returns = schema.returns
-        metas = meta_out if len(returns) > 1 else (meta_out,)
-        if func.overloadpacket in _ALLOC_PACKETS:  # nothing to run at replay
-            return self.alloc(meta_out.shape, meta_out.stride(), meta_out.dtype)
-        named = _bind_args(schema, args, kwargs)
-        outs: list[Any] = []
-        fresh: list[tuple[int, Any]] = []
-        for i, (r, m) in enumerate(zip(returns, metas)):
-            if r.alias_info is not None:
-                outs.append(_aliased(schema, r.alias_info, named))
-            elif isinstance(m, torch.Tensor):
-                buf = self.alloc(m.shape, m.stride(), m.dtype)
-                outs.append(buf)
-                fresh.append((i, buf))
-            elif isinstance(m, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in m):
-                bufs = [self.alloc(x.shape, x.stride(), x.dtype) for x in m]
-                outs.append(bufs)
-                fresh.append((i, bufs))
-            else:
-                raise CaptureError(
-                    f"cannot capture {func}: it returns a host value ({type(m).__name__}) computed from device data"
-                )
-        for arg in schema.arguments:
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                v = named.get(arg.name)
-                for t in v if isinstance(v, (list, tuple)) else (v,):
-                    if isinstance(t, torch.Tensor):
-                        self.pending.add(storage_key(t))
+        if func.overloadpacket in ALLOC_PACKETS:  # nothing to run at replay
+            return planned.result
+        for t in planned.written:
+            self.pending.add(storage_key(t))
         refs: list[ArgRef] = []
         node_args = self.hold("input", args, refs)
         node_kwargs = {k: self.hold(k, v, refs) for k, v in kwargs.items()}
-        node_fresh = [(i, self.hold("output", b, [])) for i, b in fresh]
+        node_fresh = [(i, self.hold("output", b, [])) for i, b in planned.fresh]
         self.append(OpNode(func, node_args, node_kwargs, node_fresh, tuple(refs), self.graph))
-        return outs[0] if len(returns) == 1 else tuple(outs)
+        return planned.result
 
     def record_kernel(self, op: Any, params: dict[str, Any]) -> KernelTask:
         held, refs = hold_params(rt.get_state().memory, op, params)
@@ -233,21 +176,6 @@ class _Suspend:
 
     def __exit__(self, *exc: object) -> None:
         self.recorder.passthrough -= 1
-
-
-def _bind_args(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    named: dict[str, Any] = {}
-    for a, v in zip(schema.arguments, args):
-        named[a.name] = v
-    named.update(kwargs)
-    return named
-
-
-def _aliased(schema: Any, alias: Any, named: dict[str, Any]) -> Any:
-    for arg in schema.arguments:
-        if arg.alias_info is not None and arg.alias_info.before_set == alias.before_set:
-            return named[arg.name]
-    raise CaptureError(f"cannot resolve the aliased output of {schema.name}")
 
 
 def make_host_copy(fn: Callable[[], Any]) -> Any:

@@ -181,10 +181,12 @@ def launch(op: SimOp, params: dict[str, Any]) -> None:
         return
     op.check_workspace(params, f"launch of {op.qualname}", info)
     where = f"{op.qualname} on {stream!r}"
+    for name, value in params.items():  # device memory: eager ops on it are ordered after this kernel
+        if name not in op.host_args:
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and t.dim():
+                    st.memory.owner(t)
     st.enqueue(stream, rt.KernelWork(lambda: op.execute(params, where), where))
-    # Eager torch ops run on the host at once, and the next one may read this kernel's
-    # output: eager launches are not deferred, even in adversarial mode.
-    st.pump(drain=True)
 
 
 def _auto_capture(session: CaptureSession, op: SimOp, params: dict[str, Any]) -> None:

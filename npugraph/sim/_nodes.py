@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from npugraph.sim import _runtime as rt
+from npugraph.sim._aten import run_planned
 from npugraph.sim._memory import ArgRef, check_refs
 from npugraph.sim.errors import ReplayFault
 
@@ -40,17 +41,8 @@ class OpNode:
         if self.refs:
             check_refs(self.refs, f"replay of graph #{self.graph.graph_id}: aten op {self.func}")
         t0 = time.perf_counter()
-        res = self.func(*self.args, **self.kwargs)
+        run_planned(self.func, self.args, self.kwargs, self.fresh)
         rt.get_state().device_clock += time.perf_counter() - t0
-        if not self.fresh:
-            return
-        outs = res if isinstance(res, (tuple, list)) else (res,)
-        for i, buf in self.fresh:
-            if isinstance(buf, list):
-                for b, r in zip(buf, outs[i]):
-                    b.copy_(r)
-            else:
-                buf.copy_(outs[i])
 
     def describe(self) -> str:
         return f"aten op {self.func}"

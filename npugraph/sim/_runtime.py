@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from npugraph.sim._eager import EagerOrdering
 from npugraph.sim._memory import Memory
 from npugraph.sim.errors import CaptureError, DeadlockError, RaceError
 
@@ -191,6 +192,13 @@ class SimState:
 
     def pump(self, drain: bool = False) -> None:
         """Run runnable work: everything (default, or ``drain``) or a random slice."""
+        with self.lock:
+            try:
+                self._pump(drain)
+            finally:
+                self._sync_ordering()
+
+    def _pump(self, drain: bool) -> None:
         if not self.active:
             return
         if self.adversarial and not drain:
@@ -217,6 +225,25 @@ class SimState:
             if finished:
                 self._pop(s)
             budget -= 1
+
+    def _sync_ordering(self) -> None:
+        """Eager ops of this host thread are stream-ordered while work is pending (``_eager``)."""
+        ordering = getattr(self._local, "ordering", None)
+        if self.active:
+            if ordering is None:
+                ordering = self._local.ordering = EagerOrdering(self)
+            if not ordering.installed:
+                ordering.install()
+        elif ordering is not None and ordering.installed:
+            ordering.uninstall()
+
+    def retire(self) -> None:
+        """This device is being replaced: its ordering on this thread leaves or goes inert."""
+        ordering = getattr(self._local, "ordering", None)
+        if ordering is not None:
+            if ordering.installed:
+                ordering.uninstall()
+            ordering.state = None  # passes everything through if it could not leave the stack
 
     def _pop(self, s: Stream) -> None:
         s._queue.popleft()
@@ -284,6 +311,8 @@ def get_state() -> SimState:
 def reset(config: SimConfig | None = None) -> SimState:
     """Replace the simulated device by a fresh one (all queues, counters and config)."""
     global _STATE
+    if _STATE is not None:
+        _STATE.retire()
     _STATE = SimState(config or SimConfig())
     return _STATE
 

@@ -1,0 +1,182 @@
+"""Stream-ordered eager work: aten ops on device memory run in their stream's order.
+
+On a device an eager op (``clone``, ``copy_``, ``fill_``, an index write) issued on a
+stream runs after the work queued on that stream before it — a graph replay waiting
+for its update, a kernel, another graph of the same pool — and the host does not wait
+for it; a host read (``item()``, ``tolist()``, ``torch.equal``) waits for the stream.
+The simulator's device memory is CPU memory, so it tells device tensors from host
+ones by what it knows: memory a graph pool, a kernel or an earlier ordered op used
+(``Memory.owners``).
+
+While any stream has pending work, each host thread that issued work carries two
+modes (:class:`EagerOrdering`):
+
+* an op that touches known device memory while the current stream has work queued
+  (in adversarial mode: while any stream has) is not run: its outputs are shaped on
+  meta tensors and allocated (floats poisoned with NaN), and the op is queued on the
+  stream, to run in order — or, on a stream with no ordering to the work it reads,
+  in whatever order the scheduler picks;
+* a host read of known device memory waits for the current stream's queue (a
+  synchronize; a stream blocked on an event that is never recorded raises
+  :class:`~npugraph.sim.DeadlockError`, where hardware hangs). A read while the current
+  stream is idle reads memory as it is, even if another stream's unordered work has
+  not written it yet — what hardware shows.
+
+With nothing pending the modes leave the stack (at the next device call) and cost
+nothing.  The simulator's own code runs holding the device lock, and the modes let it
+through.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from npugraph.sim._aten import ALLOC_PACKETS, HOST_READ_METHODS, HOST_READ_OPS, ShapeUnknown, plan_outputs, run_planned
+from npugraph.sim._memory import MEMORY
+
+__all__ = ["EagerOrdering", "EagerOp"]
+
+_copy = torch.ops.aten.copy_.default
+
+
+class EagerOp:
+    """One eager aten op queued on a stream: it runs when the stream reaches it."""
+
+    def __init__(self, state: Any, func: Any, args: Any, kwargs: Any, fresh: list[tuple[int, Any]]) -> None:
+        self.state, self.func, self.args, self.kwargs, self.fresh = state, func, args, kwargs, fresh
+
+    def ready(self) -> bool:
+        return True
+
+    def step(self, max_nodes: int) -> bool:
+        t0 = time.perf_counter()
+        run_planned(self.func, self.args, self.kwargs, self.fresh)
+        self.state.device_clock += time.perf_counter() - t0
+        self.args = self.kwargs = None  # the memory it used is free to reuse now
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {"text": f"eager aten op {self.func}"}
+
+
+class _OrderDispatch(TorchDispatchMode):
+    def __init__(self, ordering: EagerOrdering) -> None:
+        super().__init__()
+        self.ordering = ordering
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        st = self.ordering.state
+        if st is None or not st.active or st.capture is not None or st.lock._is_owned():
+            return func(*args, **kwargs)
+        return self.ordering.dispatch_op(func, tuple(args), kwargs)
+
+
+class _OrderFunction(TorchFunctionMode):
+    def __init__(self, ordering: EagerOrdering) -> None:
+        super().__init__()
+        self.ordering = ordering
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
+            self.ordering.host_read(args[0], f"{func.__name__}()")
+        return func(*args, **kwargs)
+
+
+class EagerOrdering:
+    """One host thread's stream ordering of eager ops (installed while work is pending)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state: Any = state  # None once the device it ordered for was reset
+        self.dispatch = _OrderDispatch(self)
+        self.function = _OrderFunction(self)
+        self.installed = False
+
+    # --- the stack -------------------------------------------------------------------
+    def install(self) -> None:
+        self.function.__enter__()
+        self.dispatch.__enter__()
+        self.installed = True
+
+    def uninstall(self) -> None:
+        """Leave the mode stacks if nothing was pushed above (else stay, passing through)."""
+        if _get_current_dispatch_mode() is not self.dispatch or _top_function_mode() is not self.function:
+            return
+        self.dispatch.__exit__(None, None, None)
+        self.function.__exit__(None, None, None)
+        self.installed = False
+
+    # --- ordering --------------------------------------------------------------------
+    def _known(self, t: torch.Tensor) -> bool:
+        if t.device.type == "meta":
+            return False
+        return int(t.untyped_storage()._cdata) in self.state.memory.owners
+
+    def host_read(self, t: torch.Tensor, how: str) -> None:
+        """Wait for the current stream before the host reads device memory (a synchronize)."""
+        st = self.state
+        if st is None or not st.active or st.capture is not None or st.lock._is_owned():
+            return
+        stream = st.current_stream
+        if stream._queue and self._known(t):
+            with st.lock:
+                st.drain(f"{how} on a device tensor (which waits for {stream!r})", stream)
+
+    def dispatch_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        st = self.state
+        if func in HOST_READ_OPS:
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    self.host_read(a, str(func.overloadpacket.__name__))
+            return func(*args, **kwargs)
+        if func.is_view:
+            return func(*args, **kwargs)  # metadata only
+        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        stream = st.current_stream
+        if not (stream._queue or st.adversarial) or not any(self._known(t) for t in tensors):
+            return func(*args, **kwargs)  # nothing queued before it on its stream, or host memory
+        with st.lock:
+            return self._defer(func, args, kwargs, tensors, stream)
+
+    def _defer(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Any], stream: Any) -> Any:
+        st = self.state
+        try:
+            planned = plan_outputs(func, args, kwargs, self._alloc)
+        except ShapeUnknown:
+            # data-dependent shapes (nonzero, masked_select): the host waits for the data
+            st.drain(f"{func} (its output shape depends on device data)", stream)
+            return func(*args, **kwargs)
+        memory = st.memory
+        if func.overloadpacket in ALLOC_PACKETS:
+            return planned.result
+        if func is _copy and not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking"):
+            src = args[1]
+            if isinstance(src, torch.Tensor) and not self._known(src):
+                # a blocking copy from host memory reads it now; later host writes do not reach it
+                args = (args[0], src.clone(), *args[2:])
+        for t in tree_flatten((args, kwargs))[0]:  # what the queued op will touch is device memory now
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                memory.owner(t)
+        st.enqueue(stream, EagerOp(st, func, args, tree_map(lambda x: x, kwargs), planned.fresh))
+        return planned.result
+
+    def _alloc(self, shape: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device=MEMORY)
+        if t.numel():
+            if t.is_floating_point() or t.is_complex():
+                t.fill_(float("nan"))  # a read before the op runs shows
+            self.state.memory.owner(t)
+        return t
+
+
+def _top_function_mode() -> Any:
+    n = torch._C._len_torch_function_stack()
+    return torch._C._get_function_stack_at(n - 1) if n else None

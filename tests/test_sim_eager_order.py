@@ -1,0 +1,176 @@
+"""Eager aten work on device memory runs in stream order (contract §4: streams), on every
+adversarial seed; a read without the ordering sees memory as hardware would.
+
+Each of these tests fails on a simulator that runs eager ops on the host at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import npugraph.sim as torch_npu
+from npugraph.reference import paged_attention_reference
+from npugraph.sim import npu
+
+SEEDS = range(12)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_device():
+    yield
+    torch_npu.configure()
+
+
+def _shared_pool_graphs(x, y):
+    """Two graphs of one pool whose outputs share memory: g2 reuses the block g1's output freed."""
+    pool = npu.graph_pool_handle()
+    g1, g2 = npu.NPUGraph(), npu.NPUGraph()
+    with npu.graph(g1, pool=pool):
+        out1 = x * 2
+    out1 = torch_npu._C._weak_ref_tensor(out1)  # the graph keeps the memory; the block is free again
+    with npu.graph(g2, pool=pool):
+        out2 = y * 3
+    assert out1.data_ptr() == out2.data_ptr(), "the pool must hand g1's block to g2"
+    return g1, g2, out1, out2
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_clone_between_two_replays_of_one_pool_reads_the_first(seed):
+    torch_npu.configure(adversarial_seed=seed)
+    x, y = torch.randn(64), torch.randn(64)
+    g1, g2, out1, out2 = _shared_pool_graphs(x, y)
+    g1.replay()
+    first = out1.clone()  # queued after g1 and before g2 on the same stream
+    g2.replay()
+    npu.synchronize()
+    torch.testing.assert_close(first, x * 2, rtol=0, atol=0)
+    torch.testing.assert_close(out2, y * 3, rtol=0, atol=0)
+
+
+def test_a_clone_on_another_stream_without_ordering_reads_what_hardware_would():
+    """No wait between the replay's stream and the clone's: some seeds read before the replay wrote."""
+    wrong = 0
+    for seed in SEEDS:
+        torch_npu.configure(adversarial_seed=seed)
+        x, y = torch.randn(64), torch.randn(64)
+        g1, g2, out1, _ = _shared_pool_graphs(x, y)
+        g1.replay()
+        side = npu.Stream()
+        with npu.stream(side):
+            first = out1.clone()
+        g2.replay()
+        npu.synchronize()
+        wrong += not torch.equal(first, x * 2)
+    assert wrong > 0, "an unordered read must go wrong on some seed"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_same_clone_is_right_once_the_stream_waits(seed):
+    torch_npu.configure(adversarial_seed=seed)
+    x, y = torch.randn(64), torch.randn(64)
+    g1, g2, out1, _ = _shared_pool_graphs(x, y)
+    main = npu.current_stream()
+    g1.replay()
+    side = npu.Stream()
+    side.wait_stream(main)
+    with npu.stream(side):
+        first = out1.clone()
+    main.wait_stream(side)  # g2 overwrites the block: after the clone read it
+    g2.replay()
+    npu.synchronize()
+    torch.testing.assert_close(first, x * 2, rtol=0, atol=0)
+
+
+def test_eager_work_queues_behind_a_replay_that_waits_for_its_event():
+    """Replay-first order: the graph waits on the device; the host goes on without waiting."""
+    x = torch.ones(8)
+    ev = npu.ExternalEvent()
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        ev.wait(npu.current_stream())
+        x.mul_(3)
+    g.replay()  # blocked until ev is recorded
+    copy = x.clone()  # behind the replay: no host wait, no deadlock
+    x.add_(1)  # an index write after it, also in order
+    us = npu.Stream()
+    ev.record(us)
+    npu.synchronize()
+    assert torch.equal(copy, torch.full((8,), 3.0))
+    assert torch.equal(x, torch.full((8,), 4.0))
+    assert torch._C._len_torch_dispatch_stack() == 0, "with nothing pending the ordering leaves the mode stack"
+
+
+def test_a_host_read_waits_for_its_stream_and_a_blocked_stream_hangs():
+    x = torch.ones(4)
+    ev = npu.ExternalEvent()
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        ev.wait(npu.current_stream())
+        x.mul_(5)
+    g.replay()
+    with pytest.raises(torch_npu.DeadlockError, match=r"tolist\(\) on a device tensor"):
+        x.tolist()  # hardware: the copy to the host waits for the replay, which waits forever
+    ev.record(npu.Stream())
+    assert x.tolist() == [5.0] * 4
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_blocking_copy_from_host_memory_takes_the_value_at_issue(seed):
+    torch_npu.configure(adversarial_seed=seed)
+    dev = torch.zeros(4)
+    ev = npu.ExternalEvent()
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        ev.wait(npu.current_stream())
+        dev.add_(1)
+    g.replay()
+    host = torch.full((4,), 7.0)
+    dev.copy_(host)  # queued behind the replay; a blocking copy stages the host's bytes now
+    host.fill_(-1.0)  # the host reuses its buffer at once
+    ev.record(npu.Stream())
+    npu.synchronize()
+    assert dev.tolist() == [7.0] * 4
+
+
+def _kv_write_setup():
+    blocks, bs, heads, d = 4, 16, 2, 16
+    kc = torch.zeros(blocks, bs, heads, d, dtype=torch.float16)
+    vc = torch.zeros_like(kc)
+    return kc, vc
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_eager_read_after_an_in_graph_kv_write_sees_it(seed):
+    torch_npu.configure(adversarial_seed=seed)
+    kc, vc = _kv_write_setup()
+    k = torch.randn(3, 2, 16, dtype=torch.float16)
+    v = torch.randn(3, 2, 16, dtype=torch.float16)
+    slots = torch.tensor([0, 17, 40], dtype=torch.int32)
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        torch_npu._npu_reshape_and_cache(k, v, kc, vc, slots)
+    g.replay()
+    seen = kc.view(-1, 2, 16)[slots.long()].clone()  # gather + clone, queued after the write
+    kc.zero_()  # and a reset after the read
+    npu.synchronize()
+    torch.testing.assert_close(seen, k, rtol=0, atol=0)
+    assert not kc.any()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_eager_kernel_and_the_ops_after_it_run_in_order(seed):
+    """An eager PA launch is queued like any work; a scale of its output follows it."""
+    torch_npu.configure(adversarial_seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, 16, dtype=torch.float16, generator=g)
+    kc = torch.randn(8, 16, 2, 16, dtype=torch.float16, generator=g)
+    vc = torch.randn(8, 16, 2, 16, dtype=torch.float16, generator=g)
+    bt = torch.randint(0, 8, (2, 4), dtype=torch.int32, generator=g)
+    lens = torch.tensor([5, 33], dtype=torch.int32)
+    out = torch.empty_like(q)
+    torch_npu._npu_paged_attention(q, kc, vc, 2, 4, 0.125, bt, lens, out)
+    doubled = out * 2
+    npu.synchronize()
+    ref = paged_attention_reference(q, kc, vc, bt, [5, 33], scale=0.125)
+    torch.testing.assert_close(doubled.double(), 2 * ref, rtol=2e-2, atol=2e-2)
