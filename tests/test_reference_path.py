@@ -270,3 +270,22 @@ def test_event_groups_count_a_namespace_first_and_fall_back_for_another_task_cou
     q = query_for(h, 4, 0)
     out = h.step(4, {"default": meta}, q)
     h.check(out[:, :3], q, dict.fromkeys(h.names, meta))
+
+
+@pytest.mark.parametrize("order", ["update-first", "replay-first"])
+@pytest.mark.parametrize("seed", [2, 7, 13])
+def test_steps_chained_without_a_synchronize_against_the_reference(order, seed):
+    """Steps issued back to back with a new host block table each, every output copied out
+    of the graph's memory before the next step; one synchronize at the end.  The updater's
+    table copies, the input copies and the output clones are device work in stream order."""
+    sim.configure(adversarial_seed=seed)
+    h = Harness([8], layers=3, order=order)
+    kept = []
+    for step in range(5):
+        meta = h.random_meta(h.rng.randint(1, 8))
+        q = query_for(h, 8, step)
+        out = h.rt.step(8, {"default": meta}, inputs={"query": q})
+        kept.append((out.clone(), q, meta))
+    h.rt.synchronize()
+    for out, q, meta in kept:
+        h.check(out, q, dict.fromkeys(h.names, meta))
