@@ -27,6 +27,8 @@ def fresh_device():
     torch.manual_seed(0)
     yield
     sim.configure()
+    stack = [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
+    assert not stack, f"modes left on the torch dispatch stack after the device was reset: {stack}"
 
 
 @pytest.hookimpl(wrapper=True)
