@@ -206,3 +206,42 @@ def test_an_eager_write_between_two_replays_lands_between_them(name, seed):
     npu.synchronize()
     torch.testing.assert_close(first, old * 2, rtol=0, atol=0)
     torch.testing.assert_close(second, new * 2, rtol=0, atol=0)
+
+
+def test_a_metadata_query_neither_waits_nor_is_refused():
+    """``is_same_size`` answers from shapes: no wait on a blocked stream, none in a capture."""
+    x = torch.ones(4)
+    ev = npu.ExternalEvent()
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        ev.wait(npu.current_stream())
+        x.mul_(2)
+        assert x.is_same_size(torch.empty(4))
+    g.replay()
+    assert x.is_same_size(torch.empty(4)), "a blocked stream does not block a metadata query"
+    with pytest.raises(torch_npu.DeadlockError):
+        torch.allclose(x, torch.ones(4))  # a value read: waits for the stream
+    ev.record(npu.Stream())
+    assert torch.allclose(x, torch.full((4,), 2.0))
+
+
+def test_a_host_table_copied_to_the_device_stays_host_memory():
+    """The engine's host table, copied behind a blocked replay, is still the host's: the host
+    writes and reads it at once (no wait for the stream), and the copy takes what it held
+    when the copy ran (a non-blocking copy from host memory reads it then, as from pinned
+    memory on hardware)."""
+    dev = torch.zeros(2, 4, dtype=torch.int32)
+    ev = npu.ExternalEvent()
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        ev.wait(npu.current_stream())
+        dev.add_(1)
+    g.replay()
+    host = torch.full((2, 4), 7, dtype=torch.int32)
+    dev.copy_(host, non_blocking=True)
+    assert not torch_npu.is_device_memory(host)
+    host[0, 0] = 9  # the host's own memory: written at once
+    assert host.tolist()[0][0] == 9, "a host read of host memory does not wait for the device"
+    ev.record(npu.Stream())
+    npu.synchronize()
+    assert dev.tolist() == [[9, 7, 7, 7], [7, 7, 7, 7]], "the non-blocking copy read the host memory when it ran"

@@ -39,7 +39,9 @@ ALLOC_PACKETS = frozenset(
 )
 
 # ops that hand a device value to the host (``item()``, ``torch.equal``, ``bool(t)``)
-HOST_READ_OPS = frozenset({_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default})
+HOST_READ_OPS = frozenset(
+    {_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default, _aten.allclose.default}
+)
 
 # Tensor methods that read memory on the host without an aten op the dispatcher sees
 HOST_READ_METHODS = frozenset(
@@ -54,7 +56,15 @@ HOST_READ_METHODS = frozenset(
 
 
 class ShapeUnknown(Exception):
-    """An op's outputs cannot be known before it runs (data-dependent shapes, host values)."""
+    """An op's outputs cannot be known before it runs (data-dependent shapes, host values).
+
+    ``host_value``: the op returns a host value (not a tensor); outside :data:`HOST_READ_OPS`
+    such ops answer from metadata (``is_same_size``).
+    """
+
+    def __init__(self, message: str, *, host_value: bool = False) -> None:
+        super().__init__(message)
+        self.host_value = host_value
 
 
 @attrs.define
@@ -116,7 +126,9 @@ def plan_outputs(
             outs.append(bufs)
             fresh.append((i, bufs))
         else:
-            raise ShapeUnknown(f"it returns a host value ({type(m).__name__}) computed from device data")
+            raise ShapeUnknown(
+                f"it returns a host value ({type(m).__name__}) computed from device data", host_value=True
+            )
     written: list[torch.Tensor] = []
     for arg in schema.arguments:
         if arg.alias_info is not None and arg.alias_info.is_write:

@@ -124,9 +124,10 @@ class CaptureSession:
         try:
             planned = plan_outputs(func, args, kwargs, self.alloc)
         except ShapeUnknown as exc:
+            if exc.host_value:
+                return func(*args, **kwargs)  # answered from metadata (is_same_size); reads are HOST_READ_OPS
             raise CaptureError(
-                f"cannot capture {func}: {exc}. Data-dependent shapes and host values cannot be "
-                "captured in a device graph."
+                f"cannot capture {func}: {exc}. Data-dependent shapes cannot be captured in a device graph."
             ) from exc
         if func.overloadpacket in ALLOC_PACKETS:  # nothing to run at replay
             return planned.result

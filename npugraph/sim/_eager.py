@@ -144,26 +144,32 @@ class EagerOrdering:
         if not (stream._queue or st.adversarial) or not any(self._known(t) for t in tensors):
             return func(*args, **kwargs)  # nothing queued before it on its stream, or host memory
         with st.lock:
-            return self._defer(func, args, kwargs, tensors, stream)
+            return self._defer(func, args, kwargs, stream)
 
-    def _defer(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Any], stream: Any) -> Any:
+    def _defer(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], stream: Any) -> Any:
         st = self.state
         try:
             planned = plan_outputs(func, args, kwargs, self._alloc)
-        except ShapeUnknown:
-            # data-dependent shapes (nonzero, masked_select): the host waits for the data
-            st.drain(f"{func} (its output shape depends on device data)", stream)
-            return func(*args, **kwargs)
+        except ShapeUnknown as unknown:
+            if not unknown.host_value:
+                # data-dependent shapes (nonzero, masked_select): the host waits for the data
+                st.drain(f"{func} (its output shape depends on device data)", stream)
+            return func(*args, **kwargs)  # a host value from metadata (is_same_size): now
         memory = st.memory
         if func.overloadpacket in ALLOC_PACKETS:
             return planned.result
-        if func is _copy and not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking"):
+        host: tuple[int, ...] = ()
+        if func is _copy and isinstance(args[1], torch.Tensor) and not self._known(args[1]):
+            # a copy from memory no device work touched: host memory (an input, a block table)
             src = args[1]
-            if isinstance(src, torch.Tensor) and not self._known(src):
-                # a blocking copy from host memory reads it now; later host writes do not reach it
+            if not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking"):
+                # a blocking copy reads it now: later host writes do not reach the device
                 args = (args[0], src.clone(), *args[2:])
-        for t in tree_flatten((args, kwargs))[0]:  # what the queued op will touch is device memory now
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            host = (id(src), id(args[1]))
+        for t in tree_flatten((args, kwargs))[0]:
+            # what the queued op touches is device memory from now on (ops on it are ordered);
+            # not a host source, nor a 0-d tensor (a host scalar), as hardware treats them
+            if isinstance(t, torch.Tensor) and t.dim() and id(t) not in host and t.device.type != "meta":
                 memory.owner(t)
         st.enqueue(stream, EagerOp(st, func, args, tree_map(lambda x: x, kwargs), planned.fresh))
         return planned.result
