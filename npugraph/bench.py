@@ -10,6 +10,8 @@ Measured (:func:`bench_update`): host time of three implementations updating the
 captured graph, interleaved step by step so that machine drift cancels:
 
 * **npugraph** — :meth:`ReplayUpdater.update`;
+* **unchecked** — the same with validation off (``Runtime(validate=False)``): what the
+  framework costs without the checks of lengths and block ids;
 * **baseline** — the older loop of vllm-ascend's runner (``update_*_params``):
   host-synchronize before every replay; walk the metadata dict in capture order; per
   layer unpack a positional argument tuple, convert its lengths to a Python list; the
@@ -135,6 +137,15 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[
     def npugraph(lens: torch.Tensor) -> None:
         rt.updater.update("main", size, {"default": AttentionMetadata(seq_lens=lens, block_table=table)})
 
+    def unchecked(lens: torch.Tensor) -> None:
+        # the same update with validation off (Runtime(validate=False)): the framework alone
+        updater = rt.updater
+        updater.validate = False
+        try:
+            updater.update("main", size, {"default": AttentionMetadata(seq_lens=lens, block_table=table)})
+        finally:
+            updater.validate = True
+
     legacy = _legacy_loop(dev, entry, us)
 
     def baseline(lens: torch.Tensor) -> None:
@@ -161,7 +172,7 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[
                 events[i].record(us)
 
     floor.prepare = prepare_floor  # type: ignore[attr-defined]
-    return {"npugraph": npugraph, "baseline": baseline, "floor": floor}
+    return {"npugraph": npugraph, "unchecked": unchecked, "baseline": baseline, "floor": floor}
 
 
 def _lens(lens: torch.Tensor, size: int) -> Any:
@@ -171,7 +182,7 @@ def _lens(lens: torch.Tensor, size: int) -> Any:
 def bench_update(
     layers: int, size: int, kernel: str, cost: bool, *, repeats: int = 15, warmup: int = 3, seed: int = 0
 ) -> dict[str, Any]:
-    """Median per-step update cost (us) of the three implementations for one configuration."""
+    """Median per-step update cost (us) of each implementation for one configuration."""
     rt, _, table, _query = _setup(layers, size, kernel, cost)
     methods = _methods(rt, size, table)
     rng = random.Random(seed)
@@ -195,7 +206,7 @@ def bench_update(
                 times[name].append(dt * 1e6)
                 calls[name] = {k: counters[k] - before.get(k, 0) for k in counters if counters[k] - before.get(k, 0)}
             # untimed: replay so that the graph consumes this update's events
-            if name == "npugraph":
+            if name in ("npugraph", "unchecked"):
                 rt.updater.replay("main", size)
             else:
                 rt.entry(size).graph.replay()
@@ -225,6 +236,7 @@ def _summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out[cm] = {
             "ratio_vs_baseline_median": statistics.median(r["npugraph_us"] / r["baseline_us"] for r in sel),
             "overhead_vs_floor_median": statistics.median(r["npugraph_us"] / r["floor_us"] for r in sel),
+            "unchecked_vs_floor_median": statistics.median(r["unchecked_us"] / r["floor_us"] for r in sel),
         }
         for k in ("pa", "fia"):
             ks = [r for r in sel if r["kernel"] == k]
