@@ -275,16 +275,20 @@ def test_event_groups_count_a_namespace_first_and_fall_back_for_another_task_cou
 @pytest.mark.parametrize("order", ["update-first", "replay-first"])
 @pytest.mark.parametrize("seed", [2, 7, 13])
 def test_steps_chained_without_a_synchronize_against_the_reference(order, seed):
-    """Steps issued back to back with a new host block table each, every output copied out
-    of the graph's memory before the next step; one synchronize at the end.  The updater's
-    table copies, the input copies and the output clones are device work in stream order."""
+    """Steps of two graphs of one pool issued back to back, a new host block table each,
+    every output copied out of the pool before the next step; one synchronize at the end.
+    The updater's table copies, the input copies and the output clones are device work
+    in stream order, and the two graphs' outputs share memory."""
     sim.configure(adversarial_seed=seed)
-    h = Harness([8], layers=3, order=order)
+    h = Harness([4, 8], layers=3, order=order)
+    a, b = h.rt.entry(4), h.rt.entry(8)
+    assert a.graph.pool() == b.graph.pool(), "one pool: the sizes' outputs may share memory"
     kept = []
-    for step in range(5):
-        meta = h.random_meta(h.rng.randint(1, 8))
-        q = query_for(h, 8, step)
-        out = h.rt.step(8, {"default": meta}, inputs={"query": q})
+    for step in range(6):
+        size = (8, 4)[step % 2]
+        meta = h.random_meta(h.rng.randint(1, size - 1))
+        q = query_for(h, size, step)
+        out = h.rt.step(size, {"default": meta}, inputs={"query": q})
         kept.append((out.clone(), q, meta))
     h.rt.synchronize()
     for out, q, meta in kept:
