@@ -35,6 +35,18 @@ def _shared_pool_graphs(x, y):
     return g1, g2, out1, out2
 
 
+def _replay_blocked(body):
+    """Capture ``body()`` behind a wait on a fresh ExternalEvent and replay it: the replay
+    stays queued on the current stream until the returned event is recorded."""
+    ev = npu.ExternalEvent()
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        ev.wait(npu.current_stream())
+        body()
+    g.replay()
+    return ev
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_clone_between_two_replays_of_one_pool_reads_the_first(seed):
     torch_npu.configure(adversarial_seed=seed)
@@ -87,12 +99,7 @@ def test_the_same_clone_is_right_once_the_stream_waits(seed):
 def test_eager_work_queues_behind_a_replay_that_waits_for_its_event():
     """Replay-first order: the graph waits on the device; the host goes on without waiting."""
     x = torch.ones(8)
-    ev = npu.ExternalEvent()
-    g = npu.NPUGraph()
-    with npu.graph(g):
-        ev.wait(npu.current_stream())
-        x.mul_(3)
-    g.replay()  # blocked until ev is recorded
+    ev = _replay_blocked(lambda: x.mul_(3))  # queued until ev is recorded
     copy = x.clone()  # behind the replay: no host wait, no deadlock
     x.add_(1)  # an index write after it, also in order
     us = npu.Stream()
@@ -105,12 +112,7 @@ def test_eager_work_queues_behind_a_replay_that_waits_for_its_event():
 
 def test_a_host_read_waits_for_its_stream_and_a_blocked_stream_hangs():
     x = torch.ones(4)
-    ev = npu.ExternalEvent()
-    g = npu.NPUGraph()
-    with npu.graph(g):
-        ev.wait(npu.current_stream())
-        x.mul_(5)
-    g.replay()
+    ev = _replay_blocked(lambda: x.mul_(5))
     with pytest.raises(torch_npu.DeadlockError, match=r"tolist\(\) on a device tensor"):
         x.tolist()  # hardware: the copy to the host waits for the replay, which waits forever
     ev.record(npu.Stream())
@@ -121,12 +123,7 @@ def test_a_host_read_waits_for_its_stream_and_a_blocked_stream_hangs():
 def test_a_blocking_copy_from_host_memory_takes_the_value_at_issue(seed):
     torch_npu.configure(adversarial_seed=seed)
     dev = torch.zeros(4)
-    ev = npu.ExternalEvent()
-    g = npu.NPUGraph()
-    with npu.graph(g):
-        ev.wait(npu.current_stream())
-        dev.add_(1)
-    g.replay()
+    ev = _replay_blocked(lambda: dev.add_(1))
     host = torch.full((4,), 7.0)
     dev.copy_(host)  # queued behind the replay; a blocking copy stages the host's bytes now
     host.fill_(-1.0)  # the host reuses its buffer at once
@@ -211,13 +208,12 @@ def test_an_eager_write_between_two_replays_lands_between_them(name, seed):
 def test_a_metadata_query_neither_waits_nor_is_refused():
     """``is_same_size`` answers from shapes: no wait on a blocked stream, none in a capture."""
     x = torch.ones(4)
-    ev = npu.ExternalEvent()
-    g = npu.NPUGraph()
-    with npu.graph(g):
-        ev.wait(npu.current_stream())
+
+    def body():
         x.mul_(2)
-        assert x.is_same_size(torch.empty(4))
-    g.replay()
+        assert x.is_same_size(torch.empty(4)), "a capture answers a metadata query"
+
+    ev = _replay_blocked(body)
     assert x.is_same_size(torch.empty(4)), "a blocked stream does not block a metadata query"
     with pytest.raises(torch_npu.DeadlockError):
         torch.allclose(x, torch.ones(4))  # a value read: waits for the stream
@@ -231,12 +227,7 @@ def test_a_host_table_copied_to_the_device_stays_host_memory():
     when the copy ran (a non-blocking copy from host memory reads it then, as from pinned
     memory on hardware)."""
     dev = torch.zeros(2, 4, dtype=torch.int32)
-    ev = npu.ExternalEvent()
-    g = npu.NPUGraph()
-    with npu.graph(g):
-        ev.wait(npu.current_stream())
-        dev.add_(1)
-    g.replay()
+    ev = _replay_blocked(lambda: dev.add_(1))
     host = torch.full((2, 4), 7, dtype=torch.int32)
     dev.copy_(host, non_blocking=True)
     assert not torch_npu.is_device_memory(host)
