@@ -8,17 +8,19 @@ allocate them before the op runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 __all__ = [
     "ALLOC_PACKETS",
     "HOST_READ_OPS",
     "HOST_READ_METHODS",
+    "HostReadMode",
     "ShapeUnknown",
     "PlannedOp",
     "plan_outputs",
@@ -53,6 +55,20 @@ HOST_READ_METHODS = frozenset(
         torch.Tensor.__array__,
     }
 )
+
+
+class HostReadMode(TorchFunctionMode):
+    """Calls ``on_read(tensor, "tolist()")`` before a Tensor method reads memory on the host."""
+
+    def __init__(self, on_read: Callable[[torch.Tensor, str], None]) -> None:
+        super().__init__()
+        self.on_read = on_read
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
+            self.on_read(args[0], f"{func.__name__}()")
+        return func(*args, **kwargs)
 
 
 class ShapeUnknown(Exception):

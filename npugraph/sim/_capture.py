@@ -15,28 +15,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from npugraph.sim import _runtime as rt
-from npugraph.sim._aten import ALLOC_PACKETS, HOST_READ_METHODS, HOST_READ_OPS, ShapeUnknown, plan_outputs
+from npugraph.sim._aten import ALLOC_PACKETS, HOST_READ_OPS, HostReadMode, ShapeUnknown, plan_outputs
 from npugraph.sim._memory import ArgRef, hold_params, hold_tree
 from npugraph.sim._nodes import ExtRecordNode, ExtWaitNode, KernelTask, OpNode, storage_key
 from npugraph.sim.errors import CaptureError
 
 __all__ = ["CaptureSession", "make_host_copy"]
-
-
-class _HostReadGuard(TorchFunctionMode):
-    def __init__(self, session: CaptureSession) -> None:
-        super().__init__()
-        self.session = session
-
-    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
-            self.session.check_host_read(args[0], func.__name__)
-        return func(*args, **kwargs)
 
 
 class _Recorder(TorchDispatchMode):
@@ -62,7 +49,7 @@ class CaptureSession:
         self.open_group: Any | None = None
         self.pending: set[int] = set()
         self.recorder = _Recorder(self)
-        self.guard = _HostReadGuard(self)
+        self.guard = HostReadMode(self.check_host_read)
         self.last_wait: ExtWaitNode | None = None
         self.last_wait_at = -1  # its node index
 
@@ -70,7 +57,7 @@ class CaptureSession:
     def check_host_read(self, t: torch.Tensor, how: str) -> None:
         if t.device.type != "meta" and storage_key(t) in self.pending:
             raise CaptureError(
-                f"operation not permitted when stream is capturing: {how}() reads a "
+                f"operation not permitted when stream is capturing: {how} reads a "
                 f"{tuple(t.shape)} {t.dtype} tensor produced inside NPU graph capture on the "
                 "host; its value only exists after replay. Move the host read out of the "
                 "captured region."
@@ -114,7 +101,7 @@ class CaptureSession:
         if func in HOST_READ_OPS:
             for a in args:
                 if isinstance(a, torch.Tensor):
-                    self.check_host_read(a, str(func.overloadpacket.__name__))
+                    self.check_host_read(a, f"{func.overloadpacket.__name__}()")
             return func(*args, **kwargs)
         if func.is_view:
             return func(*args, **kwargs)  # metadata only: safe to run now

@@ -34,11 +34,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from npugraph.sim._aten import ALLOC_PACKETS, HOST_READ_METHODS, HOST_READ_OPS, ShapeUnknown, plan_outputs, run_planned
+from npugraph.sim._aten import ALLOC_PACKETS, HOST_READ_OPS, HostReadMode, ShapeUnknown, plan_outputs, run_planned
 from npugraph.sim._memory import MEMORY
 
 __all__ = ["EagerOrdering", "EagerOp"]
@@ -79,25 +78,13 @@ class _OrderDispatch(TorchDispatchMode):
         return self.ordering.dispatch_op(func, tuple(args), kwargs)
 
 
-class _OrderFunction(TorchFunctionMode):
-    def __init__(self, ordering: EagerOrdering) -> None:
-        super().__init__()
-        self.ordering = ordering
-
-    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
-            self.ordering.host_read(args[0], f"{func.__name__}()")
-        return func(*args, **kwargs)
-
-
 class EagerOrdering:
     """One host thread's stream ordering of eager ops (installed while work is pending)."""
 
     def __init__(self, state: Any) -> None:
         self.state: Any = state  # None once the device it ordered for was reset
         self.dispatch = _OrderDispatch(self)
-        self.function = _OrderFunction(self)
+        self.function = HostReadMode(self.host_read)
         self.installed = False
 
     # --- the stack -------------------------------------------------------------------
@@ -135,7 +122,7 @@ class EagerOrdering:
         if func in HOST_READ_OPS:
             for a in args:
                 if isinstance(a, torch.Tensor):
-                    self.host_read(a, str(func.overloadpacket.__name__))
+                    self.host_read(a, f"{func.overloadpacket.__name__}()")
             return func(*args, **kwargs)
         if func.is_view:
             return func(*args, **kwargs)  # metadata only
