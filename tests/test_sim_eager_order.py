@@ -236,3 +236,23 @@ def test_a_host_table_copied_to_the_device_stays_host_memory():
     ev.record(npu.Stream())
     npu.synchronize()
     assert dev.tolist() == [[9, 7, 7, 7], [7, 7, 7, 7]], "the non-blocking copy read the host memory when it ran"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_work_queued_during_a_capture_does_not_outlive_the_capture_recorder(seed):
+    """An event recorded on another stream while capturing (thread-local capture mode)
+    may stay queued; the capture still ends cleanly and eager ordering follows it."""
+    torch_npu.configure(adversarial_seed=seed)
+    x = torch.ones(4)
+    side = npu.Stream()
+    g = npu.NPUGraph()
+    with npu.graph(g, capture_error_mode="thread_local"):
+        for _ in range(4):
+            npu.Event().record(side)  # device work queued while capturing
+        x.mul_(2)
+    kinds = {type(torch._C._get_dispatch_stack_at(i)).__name__ for i in range(torch._C._len_torch_dispatch_stack())}
+    assert kinds <= {"_OrderDispatch"}, f"the capture left {kinds} on the dispatch stack"
+    g.replay()
+    npu.synchronize()
+    assert x.tolist() == [2.0] * 4
+    assert torch._C._len_torch_dispatch_stack() == 0

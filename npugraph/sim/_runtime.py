@@ -230,6 +230,10 @@ class SimState:
         """Eager ops of this host thread are stream-ordered while work is pending (``_eager``)."""
         ordering = getattr(self._local, "ordering", None)
         if self.active:
+            if self.capture is not None:
+                # a capture records every op (and its mode must stay on top, to be popped at
+                # its end): the ordering comes with the next device call after it
+                return
             if ordering is None:
                 ordering = self._local.ordering = EagerOrdering(self)
             if not ordering.installed:
