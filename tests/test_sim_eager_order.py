@@ -331,3 +331,34 @@ def test_one_streams_eager_work_and_replays_run_in_program_order(program, seed):
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w) or (g.isnan().all() and w.isnan().all()), f"read {i} of {program}: {g} != {w}"
+
+
+def test_an_eager_op_that_fails_after_its_call_returned_is_reported_at_the_next_synchronize():
+    """The index is out of range: the gather fails when the stream reaches it, behind a
+    waiting replay.  The call that releases the replay is not the one to blame."""
+    x = torch.ones(4)
+    ev = _replay_blocked(lambda: x.mul_(2))
+    bad = torch.index_select(x, 0, torch.tensor([0, 7]))  # shapes are fine: queued
+    ev.record(npu.Stream())  # runs the replay and the gather, and returns
+    with pytest.raises(torch_npu.ReplayFault, match=r"eager aten op aten.index_select.default failed") as info:
+        npu.synchronize()
+    assert info.value.graph is None and isinstance(info.value.__cause__, IndexError)
+    assert x.tolist() == [2.0] * 4, "the replay before it ran"
+    del bad
+    npu.synchronize()  # reported once
+
+
+def test_the_runtime_names_eager_work_when_it_failed_not_a_graph():
+    from npugraph.errors import ReplayFailed
+    from tests.helpers import Harness, query_for
+
+    h = Harness([4], layers=2, order="replay-first")
+    meta = h.random_meta(3)
+    q = query_for(h, 4, 0)
+    out = h.rt.replay(4)  # waits on the device for its update
+    junk = torch.index_select(out.flatten(), 0, torch.tensor([10**9]))  # queued behind it
+    h.rt.update(4, {"default": meta})
+    with pytest.raises(ReplayFailed, match=r"outside npugraph's graphs \(an eager op or kernel on a stream\)"):
+        h.rt.synchronize()
+    del junk
+    h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))

@@ -710,18 +710,20 @@ class ReplayUpdater:
                     self.replay_faulted(faulted, getattr(fault, "waits_skipped", ()))
             entry = by_graph.get(id(getattr(exc, "graph", None)))
             failed = _failed_task(self.manager, exc, entry) if entry is not None else None
-            where = (
-                f"replay of {entry.namespace}/{entry.key!r} failed"
-                + ("" if failed is None else f" in layer {failed.layer!r} (task {failed.index}, {failed.spec.name})")
-                if entry is not None
-                else "a replay of a graph npugraph did not capture failed"
-            )
+            after = " The rest of that replay was cancelled; the graph's next complete step runs it again."
+            if entry is not None:
+                where = f"replay of {entry.namespace}/{entry.key!r} failed" + (
+                    "" if failed is None else f" in layer {failed.layer!r} (task {failed.index}, {failed.spec.name})"
+                )
+            elif getattr(exc, "graph", None) is not None:
+                where = "a replay of a graph npugraph did not capture failed"
+            else:  # no replay: the engine's own eager work on a stream
+                where, after = "device work outside npugraph's graphs (an eager op or kernel on a stream) failed", ""
             cause = exc.__cause__ if exc.__cause__ is not None else exc
             flagged = self._take_flagged()
             also = f" A device-side block-id check also failed: {flagged}." if flagged else ""
             err: NpuGraphError = ReplayFailed(
-                f"{where}: {type(cause).__name__}: {str(cause).rstrip('.')}. The rest of that replay was "
-                f"cancelled; the graph's next complete step runs it again.{also}"
+                f"{where}: {type(cause).__name__}: {str(cause).rstrip('.')}.{after}{also}"
             )
             self._report(err, entry)
             raise err from exc

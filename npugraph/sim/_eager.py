@@ -56,9 +56,13 @@ class EagerOp:
 
     def step(self, max_nodes: int) -> bool:
         t0 = time.perf_counter()
-        run_planned(self.func, self.args, self.kwargs, self.fresh)
-        self.state.device_clock += time.perf_counter() - t0
-        self.args = self.kwargs = None  # the memory it used is free to reuse now
+        try:
+            self.state.run_eager(
+                self, lambda: run_planned(self.func, self.args, self.kwargs, self.fresh), f"eager aten op {self.func}"
+            )
+        finally:
+            self.state.device_clock += time.perf_counter() - t0
+            self.args = self.kwargs = None  # the memory it used is free to reuse now
         return True
 
     def describe(self) -> dict[str, Any]:

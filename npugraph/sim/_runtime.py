@@ -28,7 +28,7 @@ import attrs
 
 from npugraph.sim._eager import EagerOrdering
 from npugraph.sim._memory import Memory
-from npugraph.sim.errors import CaptureError, DeadlockError, RaceError
+from npugraph.sim.errors import CaptureError, DeadlockError, RaceError, ReplayFault
 
 __all__ = [
     "HostCostModel",
@@ -139,6 +139,7 @@ class SimState:
         # The one task-update session open now (stream, host thread), and the updates
         # each stream has queued that have not landed: CANN allows one updater at a time.
         self.update_session: tuple[Stream, int] | None = None
+        self.issuing: Any = None  # the work whose own enqueue is running the device now
         self.updates_in_flight: collections.Counter[Stream] = collections.Counter()
 
     @property
@@ -188,7 +189,30 @@ class SimState:
         stream._queue.append(work)
         if len(stream._queue) == 1:
             self.active.append(stream)
-        self.pump()
+        self.issuing = work
+        try:
+            self.pump()
+        finally:
+            self.issuing = None
+
+    def run_eager(self, work: Any, body: Callable[[], Any], label: str) -> None:
+        """Run an eager op or kernel queued on a stream.
+
+        Run by the call that issued it, its error is that call's; run later (behind other
+        work), the error is held for the next synchronize, as a device reports the error
+        of asynchronous work, instead of coming out of whichever call happened to run it.
+        """
+        try:
+            body()
+        except Exception as exc:
+            if self.issuing is work:
+                raise
+            fault = ReplayFault(
+                f"{label} failed on the device: {type(exc).__name__}: {str(exc).rstrip('.')}. It ran "
+                "after the call that issued it had returned, so its error comes at this synchronize"
+            )
+            fault.__cause__ = exc
+            self.faults.append(fault)
 
     def pump(self, drain: bool = False) -> None:
         """Run runnable work: everything (default, or ``drain``) or a random slice."""
@@ -581,7 +605,7 @@ class KernelWork:
         return True
 
     def step(self, max_nodes: int) -> bool:
-        self.run()
+        get_state().run_eager(self, self.run, self.label)
         return True
 
     def describe(self) -> dict[str, Any]:

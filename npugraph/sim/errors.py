@@ -86,6 +86,9 @@ class UseAfterFree(SimError):
 class ReplayFault(SimError):
     """A kernel or op of a replay failed on the device; the rest of that replay was cancelled.
 
+    Also the fault of an eager op or kernel queued on a stream that failed after the call
+    that issued it had returned (``graph`` is ``None`` then).
+
     A replay is asynchronous, so (as on hardware, where the error comes back from the
     next ``aclrtSynchronize*``) the fault is raised by the next synchronize, not by the
     call that happened to run the work.  ``graph`` is the simulated graph, ``node`` the
