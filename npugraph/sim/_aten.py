@@ -21,6 +21,7 @@ __all__ = [
     "HOST_READ_OPS",
     "HOST_READ_METHODS",
     "HostReadMode",
+    "is_host_read",
     "ShapeUnknown",
     "PlannedOp",
     "plan_outputs",
@@ -55,6 +56,16 @@ HOST_READ_METHODS = frozenset(
         torch.Tensor.__array__,
     }
 )
+
+
+def is_host_read(func: Any, args: Sequence[Any], on_read: Callable[[torch.Tensor, str], None]) -> bool:
+    """Whether aten op ``func`` hands device values to the host; if so, ``on_read`` each tensor first."""
+    if func not in HOST_READ_OPS:
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            on_read(a, f"{func.overloadpacket.__name__}()")
+    return True
 
 
 class HostReadMode(TorchFunctionMode):

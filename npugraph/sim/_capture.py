@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from npugraph.sim import _runtime as rt
-from npugraph.sim._aten import ALLOC_PACKETS, HOST_READ_OPS, HostReadMode, ShapeUnknown, plan_outputs
+from npugraph.sim._aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, plan_outputs
 from npugraph.sim._memory import ArgRef, hold_params, hold_tree
 from npugraph.sim._nodes import ExtRecordNode, ExtWaitNode, KernelTask, OpNode, storage_key
 from npugraph.sim.errors import CaptureError
@@ -98,13 +98,8 @@ class CaptureSession:
             self.append(ExtRecordNode(event, self.graph))
 
     def record_aten(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if func in HOST_READ_OPS:
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    self.check_host_read(a, f"{func.overloadpacket.__name__}()")
-            return func(*args, **kwargs)
-        if func.is_view:
-            return func(*args, **kwargs)  # metadata only: safe to run now
+        if is_host_read(func, args, self.check_host_read) or func.is_view:
+            return func(*args, **kwargs)  # a read of memory the capture did not write, or metadata only
         device = kwargs.get("device")
         if func.overloadpacket in ALLOC_PACKETS and device is not None and torch.device(device).type == "meta":
             return func(*args, **kwargs)  # shapes only: nothing for the device to hold

@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from npugraph.sim._aten import ALLOC_PACKETS, HOST_READ_OPS, HostReadMode, ShapeUnknown, plan_outputs, run_planned
+from npugraph.sim._aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, plan_outputs, run_planned
 from npugraph.sim._memory import MEMORY
 
 __all__ = ["EagerOrdering", "EagerOp"]
@@ -123,13 +123,8 @@ class EagerOrdering:
 
     def dispatch_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         st = self.state
-        if func in HOST_READ_OPS:
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    self.host_read(a, f"{func.overloadpacket.__name__}()")
-            return func(*args, **kwargs)
-        if func.is_view:
-            return func(*args, **kwargs)  # metadata only
+        if is_host_read(func, args, self.host_read) or func.is_view:
+            return func(*args, **kwargs)  # a read the stream was waited for, or metadata only
         tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         stream = st.current_stream
         if not (stream._queue or st.adversarial) or not any(self._known(t) for t in tensors):
