@@ -6,7 +6,7 @@ npugraph in its default and grouped configurations, vllm-ascend's ``UpdatableGra
 merged in #16798 under the MRV1 (synchronize before each FULL replay, #15125) and MRV2
 runners, and the runner's older loop (#4233, #15579).
 
-Measured (:func:`bench_update`): host time of three implementations updating the same
+Measured (:func:`bench_update`): host time of four implementations updating the same
 captured graph, interleaved step by step so that machine drift cancels:
 
 * **npugraph** — :meth:`ReplayUpdater.update`;
@@ -123,7 +123,7 @@ def _legacy_loop(device: Any, entry: Any, us: Any) -> Callable[[Any], None]:
 
 
 def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[[torch.Tensor], None]]:
-    """The three update implementations, each taking this step's seq_lens."""
+    """The update implementations, each taking this step's seq_lens."""
     entry = rt.entry(size)
     dev = rt.device
     npu = dev.npu

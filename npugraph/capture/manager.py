@@ -524,10 +524,9 @@ class CaptureManager:
 
 
 # What a device's capture error means, by the code or message torch_npu and CANN report
-# (vllm-ascend's issues #1168, #2182 and the torch_npu builds without aclmdlRI*): the
-# advice appended to CaptureFailed.
-# Device error signatures (matched in lower case) and what to do; the stream-resource and
-# old-HDK markers are the ones vllm-ascend's ACLGraphWrapper diagnoses (compilation/acl_graph.py).
+# (matched in lower case; vllm-ascend's issues #1168, #2182, the torch_npu builds without
+# aclmdlRI*, and the stream-resource and old-HDK markers its ACLGraphWrapper diagnoses in
+# compilation/acl_graph.py): the advice appended to CaptureFailed.
 _DEVICE_ADVICE = (
     (
         ("207008", "insufficient_stream_resources", "stream resources are insufficient"),

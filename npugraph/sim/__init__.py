@@ -139,7 +139,7 @@ def is_device_memory(tensor: torch.Tensor) -> bool:
     stream touched.  Code that must not read device memory on the host (a read waits for
     the stream) asks here where hardware code would look at ``tensor.device``.
     """
-    return int(tensor.untyped_storage()._cdata) in get_state().memory.owners
+    return get_state().memory.knows(tensor)
 
 
 def device_seconds() -> float:

@@ -106,18 +106,13 @@ class EagerOrdering:
         self.installed = False
 
     # --- ordering --------------------------------------------------------------------
-    def _known(self, t: torch.Tensor) -> bool:
-        if t.device.type == "meta":
-            return False
-        return int(t.untyped_storage()._cdata) in self.state.memory.owners
-
     def host_read(self, t: torch.Tensor, how: str) -> None:
         """Wait for the current stream before the host reads device memory (a synchronize)."""
         st = self.state
         if st is None or not st.active or st.capture is not None or st.lock._is_owned():
             return
         stream = st.current_stream
-        if stream._queue and self._known(t):
+        if stream._queue and st.memory.knows(t):
             with st.lock:
                 st.drain(f"{how} on a device tensor (which waits for {stream!r})", stream)
 
@@ -127,7 +122,7 @@ class EagerOrdering:
             return func(*args, **kwargs)  # a read the stream was waited for, or metadata only
         tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         stream = st.current_stream
-        if not (stream._queue or st.adversarial) or not any(self._known(t) for t in tensors):
+        if not (stream._queue or st.adversarial) or not any(st.memory.knows(t) for t in tensors):
             return func(*args, **kwargs)  # nothing queued before it on its stream, or host memory
         with st.lock:
             return self._defer(func, args, kwargs, stream)
@@ -144,19 +139,15 @@ class EagerOrdering:
         memory = st.memory
         if func.overloadpacket in ALLOC_PACKETS:
             return planned.result
-        host: tuple[int, ...] = ()
-        if func is _copy and isinstance(args[1], torch.Tensor) and not self._known(args[1]):
-            # a copy from memory no device work touched: host memory (an input, a block table)
-            src = args[1]
+        touched: Any = (args, kwargs)
+        if func is _copy and isinstance(args[1], torch.Tensor) and not memory.knows(args[1]):
+            # a copy from memory no device work touched: host memory (an input, a block table),
+            # which stays the host's
             if not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking"):
                 # a blocking copy reads it now: later host writes do not reach the device
-                args = (args[0], src.clone(), *args[2:])
-            host = (id(src), id(args[1]))
-        for t in tree_flatten((args, kwargs))[0]:
-            # what the queued op touches is device memory from now on (ops on it are ordered);
-            # not a host source, nor a 0-d tensor (a host scalar), as hardware treats them
-            if isinstance(t, torch.Tensor) and t.dim() and id(t) not in host and t.device.type != "meta":
-                memory.owner(t)
+                args = (args[0], args[1].clone(), *args[2:])
+            touched = (args[0], kwargs)  # not the source
+        memory.adopt(touched)  # device memory from now on: ops on it are ordered
         st.enqueue(stream, EagerOp(st, func, args, tree_map(lambda x: x, kwargs), planned.fresh))
         return planned.result
 

@@ -181,11 +181,8 @@ def launch(op: SimOp, params: dict[str, Any]) -> None:
         return
     op.check_workspace(params, f"launch of {op.qualname}", info)
     where = f"{op.qualname} on {stream!r}"
-    for name, value in params.items():  # device memory: eager ops on it are ordered after this kernel
-        if name not in op.host_args:
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, torch.Tensor) and t.dim():
-                    st.memory.owner(t)
+    # device memory from now on: eager ops on it are ordered after this kernel
+    st.memory.adopt([v for k, v in params.items() if k not in op.host_args])
     st.enqueue(stream, rt.KernelWork(lambda: op.execute(params, where), where))
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten
 
 from npugraph.sim.errors import UseAfterFree
 
@@ -181,6 +182,19 @@ class Memory:
         if len(self.owners) > self._prune_at:
             self._prune()
         return owner
+
+    def knows(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory is device memory the simulator has seen (a pool block, a
+        kernel argument, what an ordered eager op touched); the CPU cannot say otherwise."""
+        return t.device.type != "meta" and int(t.untyped_storage()._cdata) in self.owners
+
+    def adopt(self, values: Any) -> None:
+        """Register every tensor in ``values`` (nested lists and tuples) as device memory.
+
+        0-d tensors are host scalars, passed by value, as hardware treats them."""
+        for t in tree_flatten(values)[0]:
+            if isinstance(t, torch.Tensor) and t.dim() and t.device.type != "meta":
+                self.owner(t)
 
     def alias(self, t: torch.Tensor, owner: Owner | None = None) -> torch.Tensor:
         """A tensor over ``t``'s bytes (same pointer, shape, stride, dtype) that owns nothing."""
