@@ -348,17 +348,24 @@ def test_an_eager_op_that_fails_after_its_call_returned_is_reported_at_the_next_
     npu.synchronize()  # reported once
 
 
-def test_the_runtime_names_eager_work_when_it_failed_not_a_graph():
+@pytest.mark.parametrize("order", ["replay-first", "update-first"])
+def test_the_runtime_names_eager_work_when_it_failed_not_a_graph(order):
+    """The engine's own gather fails behind a step on a busy device: the synchronize says
+    the failure was outside npugraph's graphs, and the same runtime serves the next step."""
     from npugraph.errors import ReplayFailed
     from tests.helpers import Harness, query_for
 
-    h = Harness([4], layers=2, order="replay-first")
+    h = Harness([4], layers=2, order=order)
     meta = h.random_meta(3)
     q = query_for(h, 4, 0)
-    out = h.rt.replay(4)  # waits on the device for its update
-    junk = torch.index_select(out.flatten(), 0, torch.tensor([10**9]))  # queued behind it
-    h.rt.update(4, {"default": meta})
+    hold = npu.ExternalEvent()
+    hold.wait(npu.current_stream())  # the device is busy: what follows stays queued
+    out = h.rt.step(4, {"default": meta}, inputs={"query": q})
+    first = out.clone()
+    junk = torch.index_select(out.flatten(), 0, torch.tensor([10**9]))  # queued behind the step
+    hold.record(npu.Stream())  # runs the step and the gather, and returns
     with pytest.raises(ReplayFailed, match=r"outside npugraph's graphs \(an eager op or kernel on a stream\)"):
         h.rt.synchronize()
     del junk
+    h.check(first, q, dict.fromkeys(h.names, meta))  # the step before the gather was right
     h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
