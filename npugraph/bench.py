@@ -44,7 +44,7 @@ from npugraph.models.stack import AttentionStack
 from npugraph.ops import pad_lens
 from npugraph.policy import FixedPolicy
 from npugraph.replay import AttentionMetadata, ReplayUpdater, convert
-from npugraph.replay.lens import bad_block_ids
+from npugraph.replay.lens import BlockIdCheck
 from npugraph.runtime import Runtime
 from npugraph.timeline import Costs, RecordingDevice, ShadowGraph, StepLog, TimelineResult, min_log, model_steps
 
@@ -352,6 +352,7 @@ def bench_validation(
         entry = rt.entry(r)
         rng = random.Random(seed)
         conv, upd, dev_check = [], [], []
+        check = BlockIdCheck.on(dev, r, cols)
         for i in range(repeats + 2):
             lens = [rng.randint(1, max_len) for _ in range(r)]
             host = torch.randint(0, 64, (r, cols), dtype=torch.int32, device="cpu")
@@ -373,7 +374,7 @@ def bench_validation(
             rt.update(r, {"default": meta})  # never replayed: the kernels' math would dominate the run
             t2 = time.perf_counter()
             # a device-resident table (vLLM's) is checked on the device instead: eager ops per step
-            bad_block_ids(table, lens, block, 64)
+            check.flag(table, lens, block, 64, rt.device.staged)
             t3 = time.perf_counter()
             if i >= 2:
                 conv.append(t1 - t0)

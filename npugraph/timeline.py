@@ -153,6 +153,9 @@ class RecordingDevice:
     def is_device_memory(self, t: Any) -> bool:
         return bool(t.device.type != "cpu")  # the recorded steps' tables are host tables
 
+    def staged(self, t: Any) -> Any:
+        return t  # the recorded steps' host tables count as page-locked, as vLLM's CPU tables are
+
     def handle(self, task: int) -> _Tagged:
         return _Tagged(task)
 

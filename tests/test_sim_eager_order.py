@@ -122,16 +122,46 @@ def test_a_host_read_waits_for_its_stream_and_a_blocked_stream_hangs():
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_a_blocking_copy_from_host_memory_takes_the_value_at_issue(seed):
+def test_a_blocking_copy_from_host_memory_waits_for_the_stream(seed):
+    """torch_npu synchronizes the stream before a blocking host-to-device copy: behind a
+    replay that waits for its event the host hangs; behind a runnable one it waits, then copies."""
     torch_npu.configure(adversarial_seed=seed)
     dev = torch.zeros(4)
     ev = _replay_blocked(lambda: dev.add_(1))
     host = torch.full((4,), 7.0)
-    dev.copy_(host)  # queued behind the replay; a blocking copy stages the host's bytes now
-    host.fill_(-1.0)  # the host reuses its buffer at once
+    with pytest.raises(torch_npu.DeadlockError, match=r"a blocking copy into device memory from pageable host"):
+        dev.copy_(host)
     ev.record(npu.Stream())
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        dev.add_(1)
+    g.replay()
+    dev.copy_(host)  # the host waits for the replay: the copy lands after it
+    host.fill_(-1.0)
     npu.synchronize()
     assert dev.tolist() == [7.0] * 4
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_non_blocking_copy_waits_unless_its_host_memory_is_page_locked(pinned):
+    """CANN's aclrtMemcpyAsync from pageable memory returns once the copy has run (the host
+    waits for the stream); from page-locked memory it is queued and returns at once."""
+    dev = torch.zeros(4)
+    ev = _replay_blocked(lambda: dev.add_(1))
+    host = torch.full((4,), 7.0)
+    if pinned:
+        host = torch_npu.pin_memory(host)
+        assert torch_npu.is_pinned(host) and torch_npu.is_pinned(host[1:])
+        dev.copy_(host, non_blocking=True)  # queued behind the blocked replay: no wait
+        ev.record(npu.Stream())
+        npu.synchronize()
+        assert dev.tolist() == [7.0] * 4
+    else:
+        with pytest.raises(torch_npu.DeadlockError, match=r"a non-blocking copy into device memory from pageable"):
+            dev.copy_(host, non_blocking=True)
+        ev.record(npu.Stream())
+        npu.synchronize()
+        assert dev.tolist() == [1.0] * 4
 
 
 def _kv_write_setup():
@@ -224,13 +254,12 @@ def test_a_metadata_query_neither_waits_nor_is_refused():
 
 
 def test_a_host_table_copied_to_the_device_stays_host_memory():
-    """The engine's host table, copied behind a blocked replay, is still the host's: the host
-    writes and reads it at once (no wait for the stream), and the copy takes what it held
-    when the copy ran (a non-blocking copy from host memory reads it then, as from pinned
-    memory on hardware)."""
+    """The engine's host table (page-locked, as vLLM's CPU tables are), copied behind a
+    blocked replay, is still the host's: the host writes and reads it at once (no wait for
+    the stream), and the copy takes what it held when the copy ran."""
     dev = torch.zeros(2, 4, dtype=torch.int32)
     ev = _replay_blocked(lambda: dev.add_(1))
-    host = torch.full((2, 4), 7, dtype=torch.int32)
+    host = torch_npu.pin_memory(torch.full((2, 4), 7, dtype=torch.int32))
     dev.copy_(host, non_blocking=True)
     assert not torch_npu.is_device_memory(host)
     host[0, 0] = 9  # the host's own memory: written at once

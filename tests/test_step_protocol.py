@@ -141,7 +141,9 @@ class System:
         key = self._key(size)
         if self.path == "step":
             return self.rt.step(key, metadata, inputs={"query": q})  # type: ignore[arg-type]
-        self.h.query[:, :size].copy_(q)
+        # as engines do (vLLM's pinned CpuGpuBuffer): a blocking copy, or one from pageable
+        # memory, would wait for the stream, and hang behind a replay that waits for its update
+        self.h.query[:, :size].copy_(self.rt.device.staged(q), non_blocking=True)
         if self.path == "vllm":
             return self._vllm_call(size, metadata)
         if self.order == "replay-first":

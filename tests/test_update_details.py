@@ -16,6 +16,9 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from npugraph import AttentionMetadata, Runtime, sim
 from npugraph.capture import CaptureManager
@@ -36,6 +39,7 @@ from npugraph.ops.pa import _probe_lengths
 from npugraph.policy import FixedPolicy, KernelChoice, StaticPolicy
 from npugraph.reference import paged_attention_reference
 from npugraph.replay import ReplayUpdater, StepPhase, describe_device_error
+from npugraph.replay.lens import BlockIdCheck
 from npugraph.sim import kernels
 from tests.helpers import BLOCKS, MAX_LEN, Harness, query_for
 
@@ -881,3 +885,52 @@ def test_the_simulator_updates_through_the_four_in_one_only_on_request(fused, mo
     q = query_for(h, 4, 0)
     h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
     assert len(calls) == (2 if fused else 0)
+
+
+# --- the device-side block-id check ---------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kv=st.lists(st.integers(1, 64), min_size=1, max_size=6),
+    bad=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7), st.sampled_from([-1, -7, 12, 99])), max_size=4),
+)
+def test_the_device_block_id_check_flags_exactly_the_ids_in_use_outside_the_cache(kv, bad):
+    """Against a host oracle: an id outside [0, num_blocks) counts only in the columns a
+    request reads (ceil(len / block_size)); whatever lies beside them does not."""
+    block_size, num_blocks, rows, cols = 8, 12, 8, 8
+    table = torch.randint(0, num_blocks, (rows, cols), dtype=torch.int32)
+    for i, j, v in bad:
+        table[i, j] = v
+    expected = any(not 0 <= int(table[i, j]) < num_blocks for i, n in enumerate(kv) for j in range(-(-n // block_size)))
+    check = BlockIdCheck.on(torch.device("cpu"), rows, cols)
+    first = check.flag(table, [1] * rows, block_size, num_blocks)  # the scratch is reused: no stale limits
+    assert bool(check.flag(table, kv, block_size, num_blocks)) is expected
+    assert bool(first) is any(not 0 <= int(table[i, 0]) < num_blocks for i in range(rows))
+
+
+def test_the_device_block_id_check_copies_to_the_device_without_blocking():
+    """A blocking host-to-device copy (or one from pageable memory) waits for the update
+    stream, behind the previous replay: the check stages its one copy and never blocks."""
+    staged: list[torch.Tensor] = []
+    copies: list[bool] = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten.copy_.default:
+                copies.append(bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)))
+            return func(*args, **kwargs)
+
+    def stage(t: torch.Tensor) -> torch.Tensor:
+        staged.append(t)
+        return t
+
+    check = BlockIdCheck.on(torch.device("cpu"), 4, 16)
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    table[1, 2] = 40
+    with Copies():
+        flag = check.flag(table, [16, 24], 8, 32, stage)
+    assert copies == [True] and len(staged) == 1
+    assert staged[0].tolist() == [2, 3]
+    assert bool(flag)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 
 from npugraph.errors import MetadataError
 from npugraph.ops.base import StepLens, pad_lens
 
-__all__ = ["AttentionMetadata", "pad_lens", "convert", "bad_block_ids", "real_requests"]
+__all__ = ["AttentionMetadata", "BlockIdCheck", "pad_lens", "convert", "real_requests"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -195,16 +197,48 @@ def _bad_mask(sub: torch.Tensor, used_cols: list[int], num_blocks: int) -> torch
     return ((sub < 0) | (sub >= num_blocks)) & in_use
 
 
-def bad_block_ids(
-    table: torch.Tensor, kv: list[int] | tuple[int, ...], block_size: int, num_blocks: int
-) -> torch.Tensor:
-    """A 0-d bool tensor on ``table``'s device: does a block in use lie outside the cache?
+@attrs.define(eq=False)
+class BlockIdCheck:
+    """The device-side check of the block ids a step uses in a device-resident table.
 
-    ``kv``: the lengths of at least one request.  Device work only (no host read): the
-    updater keeps it until ``Runtime.synchronize`` reads it, once the device is idle anyway.
+    Reading a device table on the host would synchronize, so the check is device work:
+    a few eager ops on the update stream whose 0-d result is read later, once the device
+    is idle.  It owns two device tensors made once, ``limits`` (the blocks each request
+    uses, rewritten by a non-blocking copy each step) and ``columns`` (``0 .. cols - 1``).
     """
-    used_cols = [-(-length // block_size) for length in kv]
-    return _bad_mask(table[: len(kv), : max(used_cols)], used_cols, num_blocks).any()
+
+    limits: torch.Tensor
+    columns: torch.Tensor
+
+    @classmethod
+    def on(cls, memory: torch.device, rows: int, cols: int) -> BlockIdCheck:
+        """A check of tables of up to ``rows`` requests and ``cols`` columns on ``memory``."""
+        return cls(
+            limits=torch.zeros(rows, dtype=torch.int32, device=memory),
+            columns=torch.arange(cols, dtype=torch.int32, device=memory),
+        )
+
+    def flag(
+        self,
+        table: torch.Tensor,
+        kv: list[int] | tuple[int, ...],
+        block_size: int,
+        num_blocks: int,
+        stage: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ) -> torch.Tensor:
+        """A 0-d bool tensor on the device: does a block in use lie outside the cache?
+
+        ``kv``: the lengths of at least one request; ``stage`` puts the host tensor of the
+        blocks in use where a non-blocking copy reads it (page-locked memory on hardware).
+        Device work only: no host read, no blocking copy.
+        """
+        used = [-(-length // block_size) for length in kv]
+        limits = self.limits[: len(used)]
+        limits.copy_(stage(torch.tensor(used, dtype=torch.int32, device="cpu")), non_blocking=True)
+        width = max(used)
+        sub = table[: len(used), :width]
+        in_use = self.columns[:width] < limits.unsqueeze(1)
+        return torch.ne(sub.clamp(0, num_blocks - 1), sub).logical_and_(in_use).any()
 
 
 def _bad_block(where: str, i: int, j: int, block: int, num_blocks: int) -> None:

@@ -33,7 +33,7 @@ from npugraph.errors import (
     UpdateFailed,
 )
 from npugraph.ops import StepLens
-from npugraph.replay.lens import AttentionMetadata, bad_block_ids, convert
+from npugraph.replay.lens import AttentionMetadata, BlockIdCheck, convert
 from npugraph.replay.plan import TaskPlan, UpdatePlan, build_plan
 
 __all__ = ["ORDERS", "ReplayUpdater", "StepMetadata", "StepPhase", "GraphState", "describe_device_error"]
@@ -166,6 +166,8 @@ class ReplayUpdater:
         self.defer_block_check = defer_block_check
         # (where, 0-d bool on the device) of the recent deferred checks, oldest first
         self._flags: deque[tuple[str, torch.Tensor]] = deque(maxlen=_FLAG_SLOTS)
+        # their device scratch, one per table shape (rows, columns), made on first use
+        self._checks: dict[tuple[int, int], BlockIdCheck] = {}
         self.skip_unchanged = skip_unchanged
         if fused_update is None:
             # The 4-in-1 pays off where it is C++ without the GIL (hardware); the
@@ -386,6 +388,7 @@ class ReplayUpdater:
             self._report(err, entry)
             raise err from exc
         state.replays += 1
+        self._updated.discard(entry)  # its update is consumed: no copy can void it now
         if not entry.tasks:
             return
         done = state.done[(state.replays - 1) % 2]
@@ -564,6 +567,7 @@ class ReplayUpdater:
                     kv=lens.kv_lens[: lens.num_reqs],
                     block_size=bs,
                     num_blocks=nblocks,
+                    shape=(batch, geo.table_cols),
                     where=f"step {state.steps + 1} of {where}",
                 )
             )
@@ -620,7 +624,10 @@ class ReplayUpdater:
                     if buf.data_ptr() != src.data_ptr():
                         rows = min(int(src.shape[0]), int(buf.shape[0]))
                         cols = min(int(src.shape[1]), int(buf.shape[1]))
-                        buf[:rows, :cols].copy_(src[:rows, :cols], non_blocking=True)
+                        part = src[:rows, :cols]
+                        if not self.device.is_device_memory(part):  # from pageable memory a copy blocks
+                            part = self.device.staged(part)
+                        buf[:rows, :cols].copy_(part, non_blocking=True)
             except Exception as exc:
                 raise _TaskFailed(-1, exc) from exc
             return self._issue_tasks(us, plan, state, step.host)
@@ -752,7 +759,11 @@ class ReplayUpdater:
 
     def _flag(self, check: _DeferredCheck) -> None:
         """Queue the device-side block-id check of one table (no host read)."""
-        self._flags.append((check.where, bad_block_ids(check.table, check.kv, check.block_size, check.num_blocks)))
+        scratch = self._checks.get(check.shape)
+        if scratch is None:
+            scratch = self._checks[check.shape] = BlockIdCheck.on(self.device.memory, *check.shape)
+        flag = scratch.flag(check.table, check.kv, check.block_size, check.num_blocks, self.device.staged)
+        self._flags.append((check.where, flag))
 
     def check_deferred(self) -> None:
         """Raise :class:`~npugraph.errors.MetadataError` for a bad block id found on the device.
@@ -804,6 +815,7 @@ class _DeferredCheck:
     kv: tuple[int, ...]
     block_size: int
     num_blocks: int
+    shape: tuple[int, int]  # the graph's block-table buffer (rows, columns): bounds the ids checked
     where: str
 
 

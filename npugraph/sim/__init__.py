@@ -62,6 +62,8 @@ __all__ = [
     "pool_bytes",
     "device_seconds",
     "is_device_memory",
+    "pin_memory",
+    "is_pinned",
     "install_torch_npu",
     "uninstall_torch_npu",
     "SimError",
@@ -140,6 +142,22 @@ def is_device_memory(tensor: torch.Tensor) -> bool:
     the stream) asks here where hardware code would look at ``tensor.device``.
     """
     return get_state().memory.knows(tensor)
+
+
+def pin_memory(tensor: torch.Tensor) -> torch.Tensor:
+    """A page-locked copy of host ``tensor``: what ``tensor.pin_memory()`` gives on Ascend.
+
+    A CPU-only torch cannot pin, so the simulator keeps the mark itself.  It matters to a
+    copy into device memory: from page-locked memory a non-blocking copy is queued on the
+    stream; from pageable memory (or blocking) it returns only once it has run, after the
+    stream's earlier work — a host synchronize (CANN's ``aclrtMemcpyAsync``).
+    """
+    return get_state().memory.pin(tensor)
+
+
+def is_pinned(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lies in memory :func:`pin_memory` made (``tensor.is_pinned()``)."""
+    return get_state().memory.is_pinned(tensor)
 
 
 def device_seconds() -> float:

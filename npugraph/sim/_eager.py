@@ -143,9 +143,17 @@ class EagerOrdering:
         if func is _copy and isinstance(args[1], torch.Tensor) and not memory.knows(args[1]):
             # a copy from memory no device work touched: host memory (an input, a block table),
             # which stays the host's
-            if not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking"):
-                # a blocking copy reads it now: later host writes do not reach the device
-                args = (args[0], args[1].clone(), *args[2:])
+            blocking = not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking")
+            if blocking or not memory.is_pinned(args[1]):
+                # torch_npu synchronizes the stream for a blocking copy; CANN's async copy
+                # from pageable memory returns once it has run: either way the host waits
+                st.drain(
+                    f"a {'blocking' if blocking else 'non-blocking'} copy into device memory from "
+                    f"{'' if memory.is_pinned(args[1]) else 'pageable '}host memory (which waits for {stream!r}; "
+                    "copy non-blocking from page-locked memory, tensor.pin_memory(), not to wait)",
+                    stream,
+                )
+                return func(*args, **kwargs)
             touched = (args[0], kwargs)  # not the source
         memory.adopt(touched)  # device memory from now on: ops on it are ordered
         st.enqueue(stream, EagerOp(st, func, args, tree_map(lambda x: x, kwargs), planned.fresh))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -162,6 +163,8 @@ class Memory:
         self.owners: dict[int, Owner] = {}
         self.pools: dict[tuple[int, int], Pool] = {}
         self._prune_at = 1024
+        # storage cdata -> the page-locked host tensor made there (by pin_memory)
+        self.pinned: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def pool(self, pool_id: tuple[int, int]) -> Pool:
         p = self.pools.get(pool_id)
@@ -182,6 +185,23 @@ class Memory:
         if len(self.owners) > self._prune_at:
             self._prune()
         return owner
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """A page-locked copy of host tensor ``t`` (what ``Tensor.pin_memory()`` returns)."""
+        pinned = t.clone(memory_format=torch.contiguous_format)
+        cdata = int(pinned.untyped_storage()._cdata)
+        pinned_map = self.pinned
+
+        def forget(_: object) -> None:
+            pinned_map.pop(cdata, None)
+
+        self.pinned[cdata] = weakref.ref(pinned, forget)
+        return pinned
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in page-locked host memory (see :meth:`pin`)."""
+        ref = self.pinned.get(int(t.untyped_storage()._cdata))
+        return ref is not None and ref() is not None
 
     def knows(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s memory is device memory the simulator has seen (a pool block, a
