@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import npugraph.sim as torch_npu
@@ -291,7 +291,19 @@ def test_work_queued_during_a_capture_does_not_outlive_the_capture_recorder(seed
 
 # One stream's program: replays of two graphs whose outputs share a pool block, eager
 # writes of their input, clones of the shared output and host reads of it.
-_PROGRAM_OPS = ("replay g1", "replay g2", "clone", "host read", "mul_", "add_", "fill_", "index_put_")
+_PROGRAM_OPS = (
+    "replay g1",
+    "replay g2",
+    "clone",
+    "host read",
+    "mul_",
+    "add_",
+    "fill_",
+    "index_put_",
+    "copy pageable",  # blocking, from pageable host memory: the host waits for the stream
+    "copy pageable non-blocking",  # from pageable memory: waits too (CANN)
+    "copy pinned non-blocking",  # queued: reads the page-locked bytes when it runs
+)
 
 
 def _run_program(program, *, adversarial_seed):
@@ -317,13 +329,19 @@ def _run_program(program, *, adversarial_seed):
         elif op == "host read":
             seen.append(torch.tensor(out.tolist()))
         else:
-            _write(buf, op, i)
+            _write(buf, op, i, pin=torch_npu.pin_memory)
     npu.synchronize()
     return seen
 
 
-def _write(buf, op, i):
-    if op == "mul_":
+def _write(buf, op, i, pin=lambda t: t):
+    if op.startswith("copy"):
+        host = torch.arange(16, dtype=torch.float32) * (i + 1)
+        if op == "copy pinned non-blocking":
+            buf.copy_(pin(host), non_blocking=True)
+        else:
+            buf.copy_(host, non_blocking=op.endswith("non-blocking"))
+    elif op == "mul_":
         buf.mul_(3)
     elif op == "add_":
         buf.add_(i)
@@ -352,9 +370,13 @@ def _expected(program):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=st.lists(st.sampled_from(_PROGRAM_OPS), min_size=1, max_size=14), seed=st.integers(0, 10**6))
+@example(program=["replay g1", "copy pageable", "clone"], seed=2)  # the copy must wait for the replay
+@example(program=["replay g1", "copy pageable non-blocking", "host read"], seed=14)
+@example(program=["replay g2", "copy pinned non-blocking", "replay g1", "clone"], seed=5)
 def test_one_streams_eager_work_and_replays_run_in_program_order(program, seed):
-    """Whatever the adversarial schedule, one stream's replays, eager writes, clones and
-    host reads see what running the program in order on plain tensors sees."""
+    """Whatever the adversarial schedule, one stream's replays, eager writes (copies from
+    pageable and page-locked host memory among them), clones and host reads see what
+    running the program in order on plain tensors sees."""
     got = _run_program(program, adversarial_seed=seed)
     want = _expected(program)
     assert len(got) == len(want)
