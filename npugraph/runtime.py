@@ -372,9 +372,7 @@ class Runtime:
             pairs.append((name, src, dst))
         for name, src, dst in pairs:
             n = int(src.shape[0])
-            if not self.device.is_device_memory(src):  # from pageable memory a copy waits for the stream
-                src = self.device.staged(src)
-            dst[:n].copy_(src, non_blocking=True)
+            dst[:n].copy_(self.device.staged(src), non_blocking=True)
             if n < dst.shape[0]:
                 dst[n:].fill_(pads.get(name, 0))
 

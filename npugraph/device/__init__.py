@@ -63,16 +63,17 @@ class Device:
         return t.device.type == self.memory.type
 
     def staged(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (host memory) in page-locked memory, for a copy to the device that does not block.
+        """``t`` ready for a non-blocking copy to the device: device memory as it is, host
+        memory in page-locked memory (a copy if it is pageable).
 
         CANN's ``aclrtMemcpyAsync`` from pageable memory returns only once the copy has
         run, after everything queued before it on the stream: a host synchronize.
         """
+        if self.is_device_memory(t):
+            return t
         if self.is_sim:
             return t if self.ops.is_pinned(t) else self.ops.pin_memory(t)
-        if t.is_pinned():
-            return t
-        return t.pin_memory()  # the caching host allocator keeps it until the copy has run
+        return t if t.is_pinned() else t.pin_memory()  # kept by the caching host allocator until the copy ran
 
     def weak_ref_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """A non-owning alias of ``t`` (same data pointer, shape, stride, dtype).

@@ -166,8 +166,8 @@ class ReplayUpdater:
         self.defer_block_check = defer_block_check
         # (where, 0-d bool on the device) of the recent deferred checks, oldest first
         self._flags: deque[tuple[str, torch.Tensor]] = deque(maxlen=_FLAG_SLOTS)
-        # their device scratch, one per table shape (rows, columns), made on first use
-        self._checks: dict[tuple[int, int], BlockIdCheck] = {}
+        # their scratch, one per table memory and shape (rows, columns), made on first use
+        self._checks: dict[tuple[torch.device, int, int], BlockIdCheck] = {}
         self.skip_unchanged = skip_unchanged
         if fused_update is None:
             # The 4-in-1 pays off where it is C++ without the GIL (hardware); the
@@ -624,10 +624,7 @@ class ReplayUpdater:
                     if buf.data_ptr() != src.data_ptr():
                         rows = min(int(src.shape[0]), int(buf.shape[0]))
                         cols = min(int(src.shape[1]), int(buf.shape[1]))
-                        part = src[:rows, :cols]
-                        if not self.device.is_device_memory(part):  # from pageable memory a copy blocks
-                            part = self.device.staged(part)
-                        buf[:rows, :cols].copy_(part, non_blocking=True)
+                        buf[:rows, :cols].copy_(self.device.staged(src[:rows, :cols]), non_blocking=True)
             except Exception as exc:
                 raise _TaskFailed(-1, exc) from exc
             return self._issue_tasks(us, plan, state, step.host)
@@ -759,9 +756,11 @@ class ReplayUpdater:
 
     def _flag(self, check: _DeferredCheck) -> None:
         """Queue the device-side block-id check of one table (no host read)."""
-        scratch = self._checks.get(check.shape)
+        where = check.table.device  # the table's memory (a host table with defer_block_check=True)
+        key = (where, *check.shape)
+        scratch = self._checks.get(key)
         if scratch is None:
-            scratch = self._checks[check.shape] = BlockIdCheck.on(self.device.memory, *check.shape)
+            scratch = self._checks[key] = BlockIdCheck.on(where, *check.shape)
         flag = scratch.flag(check.table, check.kv, check.block_size, check.num_blocks, self.device.staged)
         self._flags.append((check.where, flag))
 
