@@ -184,17 +184,10 @@ def _check_block_ids(table: torch.Tensor, kv: list[int], block_size: int, num_bl
     lo, hi = torch.aminmax(sub)
     if int(lo) >= 0 and int(hi) < num_blocks:
         return  # the common case: every id in the columns in use (and beside them) is valid
-    bad = _bad_mask(sub, used_cols, num_blocks)
+    bad = BlockIdCheck.on(table.device, len(kv), width).bad_ids(table, kv, block_size, num_blocks)
     if bool(bad.any()):
         i, j = (int(x) for x in bad.nonzero()[0])
         _bad_block(where, i, j, int(sub[i, j]), num_blocks)
-
-
-def _bad_mask(sub: torch.Tensor, used_cols: list[int], num_blocks: int) -> torch.Tensor:
-    """Where ``sub`` (the columns in use of R rows) holds a block id outside the cache."""
-    dev = sub.device
-    in_use = torch.arange(sub.shape[1], device=dev).unsqueeze(0) < torch.tensor(used_cols, device=dev).unsqueeze(1)
-    return ((sub < 0) | (sub >= num_blocks)) & in_use
 
 
 @attrs.define(eq=False)
@@ -232,13 +225,25 @@ class BlockIdCheck:
         blocks in use where a non-blocking copy reads it (page-locked memory on hardware).
         Device work only: no host read, no blocking copy.
         """
+        return self.bad_ids(table, kv, block_size, num_blocks, stage).any()
+
+    def bad_ids(
+        self,
+        table: torch.Tensor,
+        kv: list[int] | tuple[int, ...],
+        block_size: int,
+        num_blocks: int,
+        stage: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ) -> torch.Tensor:
+        """Where the first ``len(kv)`` rows of ``table``, in the columns the longest request
+        uses, hold a block id in use that lies outside the cache (bool, on the device)."""
         used = [-(-length // block_size) for length in kv]
         limits = self.limits[: len(used)]
         limits.copy_(stage(torch.tensor(used, dtype=torch.int32, device="cpu")), non_blocking=True)
         width = max(used)
         sub = table[: len(used), :width]
         in_use = self.columns[:width] < limits.unsqueeze(1)
-        return torch.ne(sub.clamp(0, num_blocks - 1), sub).logical_and_(in_use).any()
+        return torch.ne(sub.clamp(0, num_blocks - 1), sub).logical_and_(in_use)
 
 
 def _bad_block(where: str, i: int, j: int, block: int, num_blocks: int) -> None:

@@ -756,11 +756,11 @@ class ReplayUpdater:
 
     def _flag(self, check: _DeferredCheck) -> None:
         """Queue the device-side block-id check of one table (no host read)."""
-        where = check.table.device  # the table's memory (a host table with defer_block_check=True)
-        key = (where, *check.shape)
+        memory = check.table.device  # the table's (a host table with defer_block_check=True)
+        key = (memory, *check.shape)
         scratch = self._checks.get(key)
         if scratch is None:
-            scratch = self._checks[key] = BlockIdCheck.on(where, *check.shape)
+            scratch = self._checks[key] = BlockIdCheck.on(memory, *check.shape)
         flag = scratch.flag(check.table, check.kv, check.block_size, check.num_blocks, self.device.staged)
         self._flags.append((check.where, flag))
 

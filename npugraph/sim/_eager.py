@@ -144,12 +144,13 @@ class EagerOrdering:
             # a copy from memory no device work touched: host memory (an input, a block table),
             # which stays the host's
             blocking = not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking")
-            if blocking or not memory.is_pinned(args[1]):
+            pinned = memory.is_pinned(args[1])
+            if blocking or not pinned:
                 # torch_npu synchronizes the stream for a blocking copy; CANN's async copy
                 # from pageable memory returns once it has run: either way the host waits
                 st.drain(
                     f"a {'blocking' if blocking else 'non-blocking'} copy into device memory from "
-                    f"{'' if memory.is_pinned(args[1]) else 'pageable '}host memory (which waits for {stream!r}; "
+                    f"{'' if pinned else 'pageable '}host memory (which waits for {stream!r}; "
                     "copy non-blocking from page-locked memory, tensor.pin_memory(), not to wait)",
                     stream,
                 )
