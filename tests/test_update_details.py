@@ -39,7 +39,7 @@ from npugraph.ops.pa import _probe_lengths
 from npugraph.policy import FixedPolicy, KernelChoice, StaticPolicy
 from npugraph.reference import paged_attention_reference
 from npugraph.replay import ReplayUpdater, StepPhase, describe_device_error
-from npugraph.replay.lens import BlockIdCheck
+from npugraph.replay.lens import BlockIdCheck, IdRange
 from npugraph.sim import kernels
 from tests.helpers import BLOCKS, MAX_LEN, Harness, query_for
 
@@ -906,8 +906,9 @@ def test_the_device_block_id_check_flags_exactly_the_ids_in_use_outside_the_cach
     expected = any(not 0 <= int(table[i, j]) < num_blocks for i, n in enumerate(kv) for j in range(-(-n // block_size)))
     check = BlockIdCheck.on(torch.device("cpu"), rows, cols)
     first = check.flag(table, [1] * rows, block_size, num_blocks)  # the scratch is reused: no stale limits
-    assert bool(check.flag(table, kv, block_size, num_blocks)) is expected
-    assert bool(first) is any(not 0 <= int(table[i, 0]) < num_blocks for i in range(rows))
+    assert IdRange.outside([check.flag(table, kv, block_size, num_blocks)]) == [expected]
+    assert IdRange.outside([first]) == [any(not 0 <= int(table[i, 0]) < num_blocks for i in range(rows))]
+    assert bool(check.bad_ids(table, kv, block_size, num_blocks).any()) is expected
 
 
 def test_the_device_block_id_check_copies_to_the_device_without_blocking():
@@ -934,4 +935,4 @@ def test_the_device_block_id_check_copies_to_the_device_without_blocking():
         flag = check.flag(table, [16, 24], 8, 32, stage)
     assert copies == [True] and len(staged) == 1
     assert staged[0].tolist() == [2, 3]
-    assert bool(flag)
+    assert IdRange.outside([flag]) == [True]

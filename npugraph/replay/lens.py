@@ -10,7 +10,7 @@ import torch
 from npugraph.errors import MetadataError
 from npugraph.ops.base import StepLens, pad_lens
 
-__all__ = ["AttentionMetadata", "BlockIdCheck", "pad_lens", "convert", "real_requests"]
+__all__ = ["AttentionMetadata", "BlockIdCheck", "IdRange", "pad_lens", "convert", "real_requests"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -195,8 +195,8 @@ class BlockIdCheck:
     """The device-side check of the block ids a step uses in a device-resident table.
 
     Reading a device table on the host would synchronize, so the check is device work:
-    a few eager ops on the update stream whose 0-d result is read later, once the device
-    is idle.  It owns two device tensors made once, ``limits`` (the blocks each request
+    a few eager ops on the update stream whose result, the range of the ids in use, is
+    read later, once the device is idle.  It owns two device tensors made once, ``limits`` (the blocks each request
     uses, rewritten by a non-blocking copy each step) and ``columns`` (``0 .. cols - 1``).
     """
 
@@ -218,14 +218,19 @@ class BlockIdCheck:
         block_size: int,
         num_blocks: int,
         stage: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-    ) -> torch.Tensor:
-        """A 0-d bool tensor on the device: does a block in use lie outside the cache?
+    ) -> IdRange:
+        """The smallest and largest block id in use, as device tensors (read them later).
 
         ``kv``: the lengths of at least one request; ``stage`` puts the host tensor of the
         blocks in use where a non-blocking copy reads it (page-locked memory on hardware).
-        Device work only: no host read, no blocking copy.
+        Device work only, four calls: the copy, the mask of the columns in use, the ids
+        there (0 elsewhere, a valid id) and their range; no host read, no blocking copy.
         """
-        return self.bad_ids(table, kv, block_size, num_blocks, stage).any()
+        limits = self._limits(kv, block_size, stage)
+        width = -(-max(kv) // block_size)
+        in_use = self.columns[:width] < limits.unsqueeze(1)
+        low, high = torch.aminmax(torch.where(in_use, table[: len(kv), :width], 0))
+        return IdRange(low=low, high=high, num_blocks=num_blocks)
 
     def bad_ids(
         self,
@@ -237,13 +242,38 @@ class BlockIdCheck:
     ) -> torch.Tensor:
         """Where the first ``len(kv)`` rows of ``table``, in the columns the longest request
         uses, hold a block id in use that lies outside the cache (bool, on the device)."""
+        limits = self._limits(kv, block_size, stage)
+        width = -(-max(kv) // block_size)
+        sub = table[: len(kv), :width]
+        in_use = self.columns[:width] < limits.unsqueeze(1)
+        return torch.ne(sub.clamp(0, num_blocks - 1), sub).logical_and_(in_use)
+
+    def _limits(
+        self, kv: list[int] | tuple[int, ...], block_size: int, stage: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The blocks each request uses, copied (non-blocking) into this check's scratch."""
         used = [-(-length // block_size) for length in kv]
         limits = self.limits[: len(used)]
         limits.copy_(stage(torch.tensor(used, dtype=torch.int32, device="cpu")), non_blocking=True)
-        width = max(used)
-        sub = table[: len(used), :width]
-        in_use = self.columns[:width] < limits.unsqueeze(1)
-        return torch.ne(sub.clamp(0, num_blocks - 1), sub).logical_and_(in_use)
+        return limits
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class IdRange:
+    """The range of the block ids one step uses, on the device until the host reads it."""
+
+    low: torch.Tensor
+    high: torch.Tensor
+    num_blocks: int
+
+    @staticmethod
+    def outside(ranges: list[IdRange]) -> list[bool]:
+        """For each range, does it leave the cache ``[0, num_blocks)``?  One host read for
+        all of them (call it once the device is idle: it would synchronize otherwise)."""
+        if not ranges:
+            return []
+        ends = torch.stack([t for r in ranges for t in (r.low, r.high)]).tolist()
+        return [not (0 <= ends[2 * k] and ends[2 * k + 1] < r.num_blocks) for k, r in enumerate(ranges)]
 
 
 def _bad_block(where: str, i: int, j: int, block: int, num_blocks: int) -> None:

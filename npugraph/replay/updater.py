@@ -33,7 +33,7 @@ from npugraph.errors import (
     UpdateFailed,
 )
 from npugraph.ops import StepLens
-from npugraph.replay.lens import AttentionMetadata, BlockIdCheck, convert
+from npugraph.replay.lens import AttentionMetadata, BlockIdCheck, IdRange, convert
 from npugraph.replay.plan import TaskPlan, UpdatePlan, build_plan
 
 __all__ = ["ORDERS", "ReplayUpdater", "StepMetadata", "StepPhase", "GraphState", "describe_device_error"]
@@ -164,8 +164,8 @@ class ReplayUpdater:
         # would synchronize) and reported by check_deferred(); host tables on the host.
         # True treats every table as device memory (the simulator's live on the CPU).
         self.defer_block_check = defer_block_check
-        # (where, 0-d bool on the device) of the recent deferred checks, oldest first
-        self._flags: deque[tuple[str, torch.Tensor]] = deque(maxlen=_FLAG_SLOTS)
+        # (where, the range of the ids in use, on the device) of the recent deferred checks, oldest first
+        self._flags: deque[tuple[str, IdRange]] = deque(maxlen=_FLAG_SLOTS)
         # their scratch, one per table memory and shape (rows, columns), made on first use
         self._checks: dict[tuple[torch.device, int, int], BlockIdCheck] = {}
         self.skip_unchanged = skip_unchanged
@@ -761,8 +761,8 @@ class ReplayUpdater:
         scratch = self._checks.get(key)
         if scratch is None:
             scratch = self._checks[key] = BlockIdCheck.on(memory, *check.shape)
-        flag = scratch.flag(check.table, check.kv, check.block_size, check.num_blocks, self.device.staged)
-        self._flags.append((check.where, flag))
+        ids = scratch.flag(check.table, check.kv, check.block_size, check.num_blocks, self.device.staged)
+        self._flags.append((check.where, ids))
 
     def check_deferred(self) -> None:
         """Raise :class:`~npugraph.errors.MetadataError` for a bad block id found on the device.
@@ -788,7 +788,8 @@ class ReplayUpdater:
             return ""
         checks = list(self._flags)
         self._flags.clear()
-        hits = torch.stack([flag for _, flag in checks]).nonzero().flatten().tolist()  # one host read
+        outside = IdRange.outside([ids for _, ids in checks])  # one host read
+        hits = [k for k, bad in enumerate(outside) if bad]
         if not hits:
             return ""
         more = f" (and {len(hits) - 1} later check(s))" if len(hits) > 1 else ""
