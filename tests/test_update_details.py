@@ -936,3 +936,14 @@ def test_the_device_block_id_check_copies_to_the_device_without_blocking():
     assert copies == [True] and len(staged) == 1
     assert staged[0].tolist() == [2, 3]
     assert IdRange.outside([flag]) == [True]
+
+
+def test_ranges_read_together_are_each_compared_with_their_own_cache():
+    """Flags are read in one host read for every check since the last synchronize; each
+    is compared with the cache of its own layer (KV-cache groups may differ in size)."""
+    table = torch.full((2, 4), 20, dtype=torch.int32)
+    small = BlockIdCheck.on(torch.device("cpu"), 2, 4).flag(table, [8, 8], 8, 12)
+    large = BlockIdCheck.on(torch.device("cpu"), 2, 4).flag(table, [8, 8], 8, 40)
+    negative = BlockIdCheck.on(torch.device("cpu"), 2, 4).flag(table.neg(), [8, 1], 8, 40)
+    assert IdRange.outside([small, large, negative]) == [True, False, True]
+    assert IdRange.outside([]) == []

@@ -273,7 +273,7 @@ class IdRange:
         if not ranges:
             return []
         ends = torch.stack([t for r in ranges for t in (r.low, r.high)]).tolist()
-        return [not (0 <= ends[2 * k] and ends[2 * k + 1] < r.num_blocks) for k, r in enumerate(ranges)]
+        return [ends[2 * k] < 0 or ends[2 * k + 1] >= r.num_blocks for k, r in enumerate(ranges)]
 
 
 def _bad_block(where: str, i: int, j: int, block: int, num_blocks: int) -> None:
