@@ -331,7 +331,10 @@ def bench_validation(
 
     The block table has 256 columns; validation reads only the columns in use, so its
     cost follows the blocks the step uses, not the table's width.  ``device_table_check_us``:
-    the same block-id check for a device-resident table, issued as eager device ops.
+    the same block-id check for a device-resident table, issued as eager device ops, with
+    new random lengths each step (a new copy and mask every step);
+    ``device_table_check_decode_us``: the same as requests decode (each one token longer a
+    step, so the blocks in use change only where a request crosses into a new block).
     """
     rows = []
     max_len, block = 32768, 128
@@ -351,8 +354,10 @@ def bench_validation(
         )
         entry = rt.entry(r)
         rng = random.Random(seed)
-        conv, upd, dev_check = [], [], []
+        conv, upd, dev_check, decode_check = [], [], [], []
         check = BlockIdCheck.on(dev, r, cols)
+        decoding = BlockIdCheck.on(dev, r, cols)
+        decode_lens = [rng.randint(1, max_len - repeats - 2) for _ in range(r)]
         for i in range(repeats + 2):
             lens = [rng.randint(1, max_len) for _ in range(r)]
             host = torch.randint(0, 64, (r, cols), dtype=torch.int32, device="cpu")
@@ -376,10 +381,15 @@ def bench_validation(
             # a device-resident table (vLLM's) is checked on the device instead: eager ops per step
             check.flag(table, lens, block, 64, rt.device.staged)
             t3 = time.perf_counter()
+            decode_lens = [n + 1 for n in decode_lens]
+            t4 = time.perf_counter()
+            decoding.flag(table, decode_lens, block, 64, rt.device.staged)
+            t5 = time.perf_counter()
             if i >= 2:
                 conv.append(t1 - t0)
                 upd.append(t2 - t1)
                 dev_check.append(t3 - t2)
+                decode_check.append(t5 - t4)
         c, u = statistics.median(conv) * 1e6, statistics.median(upd) * 1e6
         rows.append(
             {
@@ -392,6 +402,7 @@ def bench_validation(
                 "update_us": u,
                 "validation_share": c / u,
                 "device_table_check_us": statistics.median(dev_check) * 1e6,
+                "device_table_check_decode_us": statistics.median(decode_check) * 1e6,
                 "tasks": len(entry.tasks),
             }
         )

@@ -376,7 +376,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(
             f"validation at {r['requests']} requests, {r['table_columns']} table columns, {r['layers']} layers: "
             f"{r['validation_us']:.0f} us of a {r['update_us']:.0f} us update ({r['validation_share']:.1%}); "
-            f"a device-resident table's check on the device: {r['device_table_check_us']:.0f} us"
+            f"a device-resident table's check on the device: {r['device_table_check_us']:.0f} us "
+            f"({r['device_table_check_decode_us']:.0f} us as requests decode)"
         )
     if args.extra:
         result["capture"] = bench.bench_capture()

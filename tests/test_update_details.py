@@ -41,7 +41,7 @@ from npugraph.reference import paged_attention_reference
 from npugraph.replay import ReplayUpdater, StepPhase, describe_device_error
 from npugraph.replay.lens import BlockIdCheck, IdRange
 from npugraph.sim import kernels
-from tests.helpers import BLOCKS, MAX_LEN, Harness, query_for
+from tests.helpers import BLOCK, BLOCKS, MAX_LEN, Harness, query_for
 
 # --- layers sharing one captured block-table buffer ---------------------------------------
 
@@ -947,3 +947,92 @@ def test_ranges_read_together_are_each_compared_with_their_own_cache():
     negative = BlockIdCheck.on(torch.device("cpu"), 2, 4).flag(table.neg(), [8, 1], 8, 40)
     assert IdRange.outside([small, large, negative]) == [True, False, True]
     assert IdRange.outside([]) == []
+
+
+# lengths whose blocks in use (block size 8) repeat, change width, or change under the same width
+_CHECK_KVS = ([3], [8], [9], [16, 3], [17, 3], [9, 3], [64, 1, 1], [1, 64], [57, 2, 2, 2])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(_CHECK_KVS),
+            st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7), st.sampled_from([-1, 12, 99])), max_size=3),
+            st.integers(0, 2**31),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_the_device_check_reuses_its_limits_and_mask_only_while_the_blocks_in_use_stay(steps):
+    """One scratch over a sequence of steps (as the updater uses it): each step's flag
+    matches the host oracle, whether it copied new limits or reused the last ones."""
+    block_size, num_blocks, rows, cols = 8, 12, 8, 8
+    check = BlockIdCheck.on(torch.device("cpu"), rows, cols)
+    for kv, bad, seed in steps:
+        gen = torch.Generator().manual_seed(seed)
+        table = torch.randint(0, num_blocks, (rows, cols), dtype=torch.int32, generator=gen)
+        for i, j, v in bad:
+            table[i, j] = v
+        expected = any(
+            not 0 <= int(table[i, j]) < num_blocks for i, n in enumerate(kv) for j in range(-(-n // block_size))
+        )
+        assert IdRange.outside([check.flag(table, kv, block_size, num_blocks)]) == [expected], (kv, bad)
+
+
+def test_a_step_with_the_same_blocks_in_use_makes_no_copy_and_no_mask():
+    """Decode moves a request to a new block once every block_size steps: the other
+    steps check with two ops (the ids in use and their range), no copy."""
+    ops: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    check = BlockIdCheck.on(torch.device("cpu"), 4, 16)
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    with Ops():
+        check.flag(table, [9, 17], 8, 32)
+    assert "copy_" in ops and "lt" in ops
+    ops.clear()
+    with Ops():
+        same = check.flag(table, [10, 24], 8, 32)  # 2 and 3 blocks, as before
+    assert "copy_" not in ops and "lt" not in ops and ops.count("aminmax") == 1
+    ops.clear()
+    table[1, 3] = 40
+    with Ops():
+        grown = check.flag(table, [10, 25], 8, 32)  # request 1 reaches a fourth block
+    assert "copy_" in ops and "lt" in ops
+    assert IdRange.outside([same, grown]) == [False, True]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    start=st.lists(st.integers(1, MAX_LEN - 12), min_size=1, max_size=4),
+    bad_step=st.integers(1, 10),
+    bad_row=st.integers(0, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_decode_steps_name_the_step_whose_table_holds_a_bad_id(start, bad_step, bad_row, seed):
+    """Decode: each request grows by one token a step, so most steps reuse the check's
+    limits and mask. A bad id in a block in use is named by its step, wherever that step
+    falls; the good steps, before and after it, match the reference."""
+    h = Harness([4], order="update-first", defer_block_check=True, seed=seed)
+    base = h.random_meta(len(start), lens=[n + 10 for n in start])  # blocks for every step's length
+    q = query_for(h, 4, 0)
+    bad_row %= len(start)
+    for step in range(1, 11):
+        lens = [n + step for n in start]
+        meta = attrs.evolve(base, seq_lens=torch.tensor(lens, dtype=torch.int32))
+        if step != bad_step:
+            h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, meta))
+            continue
+        table = base.block_table.clone()
+        table[bad_row, (lens[bad_row] - 1) // BLOCK] = 10_000  # its last block in use
+        h.rt.step(4, {"default": attrs.evolve(meta, block_table=table)}, inputs={"query": q})
+        # the kernel read the bad block (the simulator faults where hardware reads garbage):
+        # the replay fails, and the check names the step
+        with pytest.raises(ReplayFailed, match=rf"check also failed: step {bad_step} of main/4 layer 'layer0': a"):
+            h.rt.synchronize()

@@ -196,12 +196,19 @@ class BlockIdCheck:
 
     Reading a device table on the host would synchronize, so the check is device work:
     a few eager ops on the update stream whose result, the range of the ids in use, is
-    read later, once the device is idle.  It owns two device tensors made once, ``limits`` (the blocks each request
-    uses, rewritten by a non-blocking copy each step) and ``columns`` (``0 .. cols - 1``).
+    read later, once the device is idle.  It owns two device tensors made once, ``limits``
+    (the blocks each request uses, rewritten by a non-blocking copy when they change) and
+    ``columns`` (``0 .. cols - 1``), and the mask of the columns in use of the last
+    limits it copied.  In decode a request's block count changes once every
+    ``block_size`` steps, so most steps reuse both: no copy, no mask, two ops.  Use one
+    check from one stream (the updater's): its copies, masks and reads are then in order.
     """
 
     limits: torch.Tensor
     columns: torch.Tensor
+    # the blocks in use that ``limits`` holds (once the copy issued last has run), and their mask
+    _used: list[int] | None = None
+    _mask: torch.Tensor | None = None
 
     @classmethod
     def on(cls, memory: torch.device, rows: int, cols: int) -> BlockIdCheck:
@@ -223,13 +230,12 @@ class BlockIdCheck:
 
         ``kv``: the lengths of at least one request; ``stage`` puts the host tensor of the
         blocks in use where a non-blocking copy reads it (page-locked memory on hardware).
-        Device work only, four calls: the copy, the mask of the columns in use, the ids
-        there (0 elsewhere, a valid id) and their range; no host read, no blocking copy.
+        Device work only: the ids in the columns in use (0 elsewhere, a valid id) and their
+        range, after the copy and the mask when the blocks in use changed; no host read,
+        no blocking copy.
         """
-        limits = self._limits(kv, block_size, stage)
-        width = -(-max(kv) // block_size)
-        in_use = self.columns[:width] < limits.unsqueeze(1)
-        low, high = torch.aminmax(torch.where(in_use, table[: len(kv), :width], 0))
+        in_use = self._in_use(kv, block_size, stage)
+        low, high = torch.aminmax(torch.where(in_use, table[: len(kv), : in_use.shape[1]], 0))
         return IdRange(low=low, high=high, num_blocks=num_blocks)
 
     def bad_ids(
@@ -242,20 +248,29 @@ class BlockIdCheck:
     ) -> torch.Tensor:
         """Where the first ``len(kv)`` rows of ``table``, in the columns the longest request
         uses, hold a block id in use that lies outside the cache (bool, on the device)."""
-        limits = self._limits(kv, block_size, stage)
-        width = -(-max(kv) // block_size)
-        sub = table[: len(kv), :width]
-        in_use = self.columns[:width] < limits.unsqueeze(1)
+        in_use = self._in_use(kv, block_size, stage)
+        sub = table[: len(kv), : in_use.shape[1]]
         return torch.ne(sub.clamp(0, num_blocks - 1), sub).logical_and_(in_use)
 
-    def _limits(
+    def forget(self) -> None:
+        """Copy the limits again at the next check (after an error, device work the
+        mask relies on may not have run)."""
+        self._used = self._mask = None
+
+    def _in_use(
         self, kv: list[int] | tuple[int, ...], block_size: int, stage: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
-        """The blocks each request uses, copied (non-blocking) into this check's scratch."""
+        """The mask of the columns each request uses ([requests, widest]); the limits are
+        copied (non-blocking) and the mask made only when the blocks in use changed."""
         used = [-(-length // block_size) for length in kv]
+        if used == self._used and self._mask is not None:
+            return self._mask
+        self.forget()  # a failure below leaves nothing half-cached
         limits = self.limits[: len(used)]
         limits.copy_(stage(torch.tensor(used, dtype=torch.int32, device="cpu")), non_blocking=True)
-        return limits
+        mask = self.columns[: max(used)] < limits.unsqueeze(1)
+        self._used, self._mask = used, mask
+        return mask
 
 
 @attrs.frozen(kw_only=True, eq=False)

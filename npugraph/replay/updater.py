@@ -800,6 +800,8 @@ class ReplayUpdater:
 
     # --- errors ----------------------------------------------------------------------
     def _report(self, err: NpuGraphError, entry: CapturedGraph | None) -> None:
+        for check in self._checks.values():
+            check.forget()  # the device work its cached limits and mask rely on may not have run
         if self._on_error is not None:
             self._on_error(err, entry)
 
