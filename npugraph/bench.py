@@ -46,7 +46,7 @@ from npugraph.policy import FixedPolicy
 from npugraph.replay import AttentionMetadata, ReplayUpdater, convert
 from npugraph.replay.lens import BlockIdCheck
 from npugraph.runtime import Runtime
-from npugraph.timeline import Costs, RecordingDevice, ShadowGraph, StepLog, TimelineResult, min_log, model_steps
+from npugraph.timeline import Call, Costs, RecordingDevice, ShadowGraph, StepLog, TimelineResult, min_log, model_steps
 
 __all__ = [
     "bench_update",
@@ -662,6 +662,41 @@ SHAPES = (
 )
 
 
+# The background update thread (not built; modeled): the engine's own host work for a step
+# (input preparation, sampling bookkeeping) as Python under the GIL in chunks of
+# ENGINE_CHUNK_US between GIL-releasing calls (torch ops), swept over ENGINE_US (no source:
+# a parameter); HANDOFF_US is the wake of a Python thread blocked on a queue or on the GIL
+# (measured on the development machine: 21 us one way).
+ENGINE_US = (0.0, 250.0, 500.0, 1000.0)
+ENGINE_CHUNK_US = 50.0
+HANDOFF_US = 21.0
+
+
+def engine_step(log: StepLog, engine_us: float, *, background: bool) -> StepLog:
+    """npugraph's recorded step (replay first) plus the engine's host work for the step.
+
+    In line: the replay, the update, then the engine's work, on one thread.  With a
+    background update thread: the main thread replays, hands the update to the thread
+    (which wakes ``HANDOFF_US`` later) and does the engine's work; the step ends when both
+    are done, the main thread woken by the thread's last call.  Every Python segment holds
+    the GIL, so the two overlap only while the thread is in a GIL-free call.
+    """
+    calls = list(log.calls)
+    after_replay = next(i for i, c in enumerate(calls) if c.kind == "replay") + 1
+    chunks = int(engine_us // ENGINE_CHUNK_US)
+    engine = [Call(kind="end", thread=0, python_us=ENGINE_CHUNK_US) for _ in range(chunks)]
+    if engine_us > chunks * ENGINE_CHUNK_US:
+        engine.append(Call(kind="end", thread=0, python_us=engine_us - chunks * ENGINE_CHUNK_US))
+    if not background:
+        return StepLog(calls=(*calls, *engine), fork=log.fork)
+    update = [attrs.evolve(c, thread=1) for c in calls[after_replay:]]
+    if not update:
+        return StepLog(calls=(*calls, *engine), fork=log.fork)
+    update[0] = attrs.evolve(update[0], python_us=update[0].python_us + HANDOFF_US)
+    update[-1] = attrs.evolve(update[-1], python_us=update[-1].python_us + HANDOFF_US)
+    return StepLog(calls=(*calls[:after_replay], *engine, *update), fork=after_replay)
+
+
 def bench_timeline(
     shape: ModeledShape, *, repeats: int = 7, seed: int = 0, host_costs: dict[str, Any] | None = None
 ) -> dict[str, TimelineResult]:
@@ -692,6 +727,17 @@ def bench_timeline(
         if name == HEADLINE:  # its device-API calls alone: the floor for one updater
             bare = StepLog(calls=tuple(attrs.evolve(c, python_us=0.0) for c in best.calls), fork=best.fork)
             results["api_floor"] = model_steps(bare, costs, kernel=shape.kernel, layers=shape.layers, recorded_by=by)
+        if name in ("npugraph", HEADLINE):  # in line vs a background update thread ("name@engine_us[+thread]")
+            threaded = attrs.evolve(costs, gil_handoff=HANDOFF_US)
+            for e in ENGINE_US:
+                for background, c in ((False, costs), (True, threaded)):
+                    results[f"{name}@{e:g}" + ("+thread" if background else "")] = model_steps(
+                        engine_step(best, e, background=background),
+                        c,
+                        kernel=shape.kernel,
+                        layers=shape.layers,
+                        recorded_by=by,
+                    )
     sim.configure()
     return results
 
@@ -733,8 +779,8 @@ def modeled_summary(
             "attention_us": shape.attention_us,
             "other_us": shape.other_us,
             "device_time_source": shape.source,
-            "steps_per_s": {k: round(statistics.median(v), 1) for k, v in sps.items()},
-            "step_latency_us": {k: round(statistics.median(v), 1) for k, v in lat.items()},
+            "steps_per_s": {k: round(statistics.median(v), 1) for k, v in sps.items() if "@" not in k},
+            "step_latency_us": {k: round(statistics.median(v), 1) for k, v in lat.items() if "@" not in k},
             "npugraph_vs_updatable": ratio(HEADLINE, "updatable_mrv2"),
             "npugraph_vs_updatable_mrv1": ratio(HEADLINE, "updatable_mrv1"),
             "npugraph_default_vs_updatable": ratio("npugraph", "updatable_mrv2"),
@@ -743,6 +789,25 @@ def modeled_summary(
             "npugraph_vs_api_floor": ratio(HEADLINE, "api_floor"),
             "npugraph_vs_device_limit": _spread([x / shape.device_limit for x in sps[HEADLINE]]),
             "device_limit_steps_per_s": round(shape.device_limit, 1),
+        }
+
+        def threaded(name: str, lat: dict[str, list[float]] = lat) -> dict[str, Any]:
+            """Per engine_us: steps/s and step latency with a background update thread over in line."""
+            out: dict[str, Any] = {}
+            for e in ENGINE_US:
+                a, b = f"{name}@{e:g}+thread", f"{name}@{e:g}"
+                out[f"{e:g}"] = {
+                    "steps_per_s": ratio(a, b),
+                    "latency": _spread([x / y for x, y in zip(lat[a], lat[b])]),
+                }
+            return out
+
+        row["background_thread"] = {
+            "engine_us": list(ENGINE_US),
+            "engine_chunk_us": ENGINE_CHUNK_US,
+            "handoff_us": HANDOFF_US,
+            "default": threaded("npugraph"),
+            "grouped": threaded(HEADLINE),
         }
         for key in ("npugraph_vs_updatable", "npugraph_vs_updatable_mrv1", "npugraph_default_vs_updatable"):
             r = row[key]

@@ -78,6 +78,9 @@ class Costs:
     pa_update_begin: float = 15.0
     pa_update_end: float = 24.0
     update_lands: float = 3.0  # device time for a task update to land
+    # a thread that waited for the GIL held by another wakes this much after its release
+    # (0 for one thread; the background-thread model sets it)
+    gil_handoff: float = 0.0
     attention_us: float = 60.0  # device time of one layer's attention kernel
     other_us: float = 0.0  # device time of one layer's non-attention work
 
@@ -85,7 +88,7 @@ class Costs:
     def host_costs(cls, measured: dict[str, Any], **device: float) -> Costs:
         """Costs with the host figures of ``measured`` (``npugraph selftest --calibrate``)
         and the device figures given (per layer: ``attention_us``, ``other_us``)."""
-        names = {f.name for f in attrs.fields(cls)} - {"attention_us", "other_us", "update_lands"}
+        names = {f.name for f in attrs.fields(cls)} - {"attention_us", "other_us", "update_lands", "gil_handoff"}
         unknown = [k for k in measured if k not in names and k != "device"]
         if unknown:
             raise ValueError(f"unknown host costs {unknown}; expected some of {sorted(names)}")
@@ -326,12 +329,15 @@ def _host_threads(
 
     Segments of own Python and of ordinary calls hold the GIL (one thread at a time); the
     4-in-1 (``fused``) runs without it.  Workers start when the main thread reaches ``fork``.
+    A thread that waited for the GIL while another held it starts ``gil_handoff`` after
+    the release (the wake of a blocked thread).
     """
     by_thread: dict[int, list[Call]] = {}
     for c in log.calls:
         by_thread.setdefault(c.thread, []).append(c)
     pos = dict.fromkeys(by_thread, 0)
     gil_free_at = t0
+    holder = 0  # the thread that held the GIL last
     events: dict[int, float] = {}
     replay_at = t0
     trace: list[dict[str, Any]] = []
@@ -348,6 +354,9 @@ def _host_threads(
         c = calls[pos[th]]
         # own Python, under the GIL
         start = max(t, gil_free_at)
+        if th != holder and gil_free_at > t:
+            start += costs.gil_handoff  # it waited for another thread: woken after the release
+        holder = th
         py_end = start + c.python_us
         gil_free_at = py_end
         cost = costs.host(c, kernel)

@@ -127,6 +127,14 @@ def test_bench_json_schema(tmp_path):
     assert "median" in sb["npugraph_vs_updatable"] and "median" in db["npugraph_vs_device_limit"]
     assert 0 <= modeled["noise"] < 0.5 and modeled["seeds"] == 2
     assert [r["requests"] for r in doc["validation"]] == [64, 256]
+    assert all("device_table_check_decode_us" in r for r in doc["validation"])
+    threaded = hb["background_thread"]
+    assert threaded["engine_us"] == [0.0, 250.0, 500.0, 1000.0] and threaded["handoff_us"] > 0
+    for config in ("default", "grouped"):
+        assert set(threaded[config]) == {"0", "250", "500", "1000"}
+        assert {"median", "min", "max"} <= set(threaded[config]["500"]["steps_per_s"])
+        assert {"median", "min", "max"} <= set(threaded[config]["500"]["latency"])
+    assert not any("@" in k for k in hb["steps_per_s"]), "the background-thread rows are reported apart"
     events = json.loads(trace.read_text())["traceEvents"]
     processes = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert {f"{shape}: updatable_mrv2" for shape in ("host_bound", "small_batch", "device_bound")} <= processes

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 
+import attrs
 import pytest
 
 from npugraph import bench
@@ -131,3 +132,48 @@ def test_updatable_graph_baselines_follow_the_merged_code():
         assert kinds[name].count("workspace_query") == 1, f"{name}: the PA workspace once per pass (#15579)"
         assert kinds[name].count("event_record") == 4
     assert kinds["legacy"][:2] == ["synchronize", "replay"], "the runner's order: synchronize, replay, update"
+
+
+def test_a_thread_that_waited_for_the_gil_wakes_a_handoff_after_its_release():
+    calls = (
+        Call(kind="replay", thread=0),
+        Call(kind="end", thread=0, python_us=100.0),
+        Call(kind="end", thread=1, python_us=10.0),
+    )
+    log = StepLog(calls=calls, fork=1)
+    costs = Costs(attention_us=1.0)
+    plain = model_steps(log, costs, kernel="fia", layers=1)
+    woken = model_steps(log, attrs.evolve(costs, gil_handoff=21.0), kernel="fia", layers=1)
+    # thread 1 is ready when the replay ends but thread 0's Python holds the GIL
+    assert plain.host_us_per_step == pytest.approx(costs.replay + 100 + 10)
+    assert woken.host_us_per_step == pytest.approx(costs.replay + 100 + 21 + 10)
+
+
+def _pa_log(layers: int) -> StepLog:
+    calls = [Call(kind="replay", thread=0)]
+    for i in range(layers):
+        calls += [
+            Call(kind="update_begin", thread=0, task=i, python_us=1.0),
+            Call(kind="op_launch", thread=0, task=i),
+            Call(kind="update_end", thread=0, task=i),
+            Call(kind="event_record", thread=0, task=i),
+        ]
+    return StepLog(calls=(*calls, Call(kind="end", thread=0, python_us=2.0)))
+
+
+@pytest.mark.parametrize("engine_us", [250.0, 1000.0])
+def test_a_background_update_thread_overlaps_the_engine_only_with_gil_free_updates(engine_us):
+    """The engine's host work (Python) and the update share the GIL: beside GIL-free 4-in-1
+    updates it hides; beside PA's ordinary calls it only adds the hand-offs."""
+    costs = attrs.evolve(COSTS, gil_handoff=bench.HANDOFF_US)
+
+    def sps(log: StepLog, background: bool, kernel: str) -> float:
+        step = bench.engine_step(log, engine_us, background=background)
+        return model_steps(step, costs if background else COSTS, kernel=kernel, layers=20).steps_per_s
+
+    fused = _fused_log(20)
+    assert sps(fused, True, "fia") > sps(fused, False, "fia")
+    in_line = model_steps(bench.engine_step(fused, engine_us, background=False), COSTS, kernel="fia", layers=20)
+    assert in_line.host_us_per_step == pytest.approx(COSTS.replay + 20 * FIA_LAYER + engine_us)
+    pa = _pa_log(20)
+    assert sps(pa, True, "pa") < sps(pa, False, "pa")
