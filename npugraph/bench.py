@@ -684,9 +684,9 @@ def engine_step(log: StepLog, engine_us: float, *, background: bool) -> StepLog:
     calls = list(log.calls)
     after_replay = next(i for i, c in enumerate(calls) if c.kind == "replay") + 1
     chunks = int(engine_us // ENGINE_CHUNK_US)
-    engine = [Call(kind="end", thread=0, python_us=ENGINE_CHUNK_US) for _ in range(chunks)]
+    engine = [Call(kind="engine", thread=0, python_us=ENGINE_CHUNK_US) for _ in range(chunks)]
     if engine_us > chunks * ENGINE_CHUNK_US:
-        engine.append(Call(kind="end", thread=0, python_us=engine_us - chunks * ENGINE_CHUNK_US))
+        engine.append(Call(kind="engine", thread=0, python_us=engine_us - chunks * ENGINE_CHUNK_US))
     if not background:
         return StepLog(calls=(*calls, *engine), fork=log.fork)
     update = [attrs.evolve(c, thread=1) for c in calls[after_replay:]]

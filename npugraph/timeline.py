@@ -44,7 +44,8 @@ class Call:
     """One device-API call as the implementation made it."""
 
     # replay, update_begin, op_launch, update_end, event_record, fused, workspace_query, synchronize,
-    # wait, wait_stream, end (the step's last Python, after its last device call)
+    # wait, wait_stream, end (the step's last Python, after its last device call), engine
+    # (the engine's own host work, no device call: the background-thread model)
     kind: str
     thread: int  # 0: the calling thread; 1..: update workers (told apart by their update streams)
     task: int = -1  # the layer it concerns (-1: none)
@@ -95,7 +96,7 @@ class Costs:
         return cls(**{k: float(v) for k, v in measured.items() if k in names}, **device)
 
     def host(self, call: Call, kernel: str) -> float:
-        if call.kind == "end":
+        if call.kind in ("end", "engine"):
             return 0.0
         if call.kind == "wait_stream":  # records an event on the other stream, then waits on it
             return self.event_record + self.wait

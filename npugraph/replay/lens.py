@@ -283,12 +283,17 @@ class IdRange:
 
     @staticmethod
     def outside(ranges: list[IdRange]) -> list[bool]:
-        """For each range, does it leave the cache ``[0, num_blocks)``?  One host read for
-        all of them (call it once the device is idle: it would synchronize otherwise)."""
-        if not ranges:
-            return []
-        ends = torch.stack([t for r in ranges for t in (r.low, r.high)]).tolist()
-        return [ends[2 * k] < 0 or ends[2 * k + 1] >= r.num_blocks for k, r in enumerate(ranges)]
+        """For each range, does it leave the cache ``[0, num_blocks)``?  One host read per
+        memory they lie in (call it once the device is idle: it would synchronize otherwise;
+        host tables checked with ``defer_block_check=True`` leave theirs in host memory)."""
+        by_memory: dict[torch.device, list[int]] = {}
+        for k, r in enumerate(ranges):
+            by_memory.setdefault(r.low.device, []).append(k)
+        ends: dict[int, tuple[int, int]] = {}
+        for ks in by_memory.values():
+            read = torch.stack([t for k in ks for t in (ranges[k].low, ranges[k].high)]).tolist()
+            ends.update((k, (read[2 * n], read[2 * n + 1])) for n, k in enumerate(ks))
+        return [ends[k][0] < 0 or ends[k][1] >= r.num_blocks for k, r in enumerate(ranges)]
 
 
 def _bad_block(where: str, i: int, j: int, block: int, num_blocks: int) -> None:
