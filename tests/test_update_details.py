@@ -1036,3 +1036,30 @@ def test_decode_steps_name_the_step_whose_table_holds_a_bad_id(start, bad_step, 
         # the replay fails, and the check names the step
         with pytest.raises(ReplayFailed, match=rf"check also failed: step {bad_step} of main/4 layer 'layer0': a"):
             h.rt.synchronize()
+
+
+@settings(max_examples=10, deadline=None)
+@given(adversarial=st.sampled_from([3, 8, 11]), bad_step=st.integers(2, 7), good_after=st.booleans())
+def test_deferred_checks_queued_behind_device_work_name_their_step(adversarial, bad_step, good_after):
+    """Adversarial scheduling defers the check's copy and ops behind queued work; the
+    limits and mask reused from earlier steps are still read in order. No synchronize
+    until the end: the step whose table was bad is named, and serving goes on."""
+    sim.configure(adversarial_seed=adversarial)
+    try:
+        h = Harness([4], order="update-first", defer_block_check=True)
+        base = h.random_meta(3, lens=[20, 40, 60])
+        q = query_for(h, 4, 0)
+        for step in range(1, 9):
+            meta = attrs.evolve(base, seq_lens=torch.tensor([20 + step, 40 + step, 60 + step], dtype=torch.int32))
+            if step == bad_step:
+                table = base.block_table.clone()
+                table[1, (40 + step - 1) // BLOCK] = -3  # request 1's last block in use
+                h.rt.update(4, {"default": attrs.evolve(meta, block_table=table)})  # replaced before any replay
+            else:
+                h.rt.step(4, {"default": meta}, inputs={"query": q})
+        with pytest.raises(MetadataError, match=rf"^step {bad_step} of main/4 layer 'layer0': a block id in use"):
+            h.rt.synchronize()
+        last = attrs.evolve(base, seq_lens=torch.tensor([30, 50, 70], dtype=torch.int32)) if good_after else base
+        h.check(h.step(4, {"default": last}, q), q, dict.fromkeys(h.names, last))
+    finally:
+        sim.configure()
