@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import random
 import threading
 import time
 from pathlib import Path
@@ -1061,5 +1062,64 @@ def test_deferred_checks_queued_behind_device_work_name_their_step(adversarial, 
             h.rt.synchronize()
         last = attrs.evolve(base, seq_lens=torch.tensor([30, 50, 70], dtype=torch.int32)) if good_after else base
         h.check(h.step(4, {"default": last}, q), q, dict.fromkeys(h.names, last))
+    finally:
+        sim.configure()
+
+
+def _device_table(h: Harness, captured: bool) -> torch.Tensor:
+    """A device-resident block table of the engine: the captured buffer itself (vLLM's
+    persistent table), or another tensor of device memory (a kernel argument of a graph)."""
+    if captured:
+        return h.tables["default"][0]
+    table = torch.zeros(4, MAX_LEN // BLOCK, dtype=torch.int32)
+    g, s = sim.npu.NPUGraph(), sim.npu.Stream()
+    with sim.npu.graph(g, stream=s):
+        table.add_(0)  # device memory from now on
+    return table
+
+
+@pytest.mark.parametrize("manual", [False, True])
+@pytest.mark.parametrize("captured", [False, True])
+@pytest.mark.parametrize("order", ["update-first", "replay-first"])
+def test_the_update_reads_the_table_the_engine_wrote_before_the_step(order, captured, manual):
+    """The engine writes its device table on its stream (a non-blocking copy from pinned
+    memory, queued behind earlier work) and then calls step(). The block-id check and the
+    copy into the captured buffer must read what it wrote, not the table before: here the
+    engine pads unused columns with -1, so a stale read flags a good step, and a stale
+    copy runs the step on the previous step's blocks. ``manual``: replay() and update()
+    called by hand, in the runtime's order. Adversarial scheduling runs whichever stream
+    it likes first, so a missing order shows in some seeds of a dozen."""
+    for adversarial in range(12):
+        _engine_writes_then_steps(adversarial, order, captured, manual)
+
+
+def _engine_writes_then_steps(adversarial: int, order: str, captured: bool, manual: bool) -> None:
+    sim.configure(adversarial_seed=adversarial)
+    try:
+        h = Harness([4], order=order)
+        table = _device_table(h, captured)
+        q = query_for(h, 4, 0)
+        rng = random.Random(adversarial)
+        blocks = rng.sample(range(BLOCKS), MAX_LEN // BLOCK)
+        for step in range(1, 7):
+            lens = [16 * step + 1, 8 * step + 1, 5]
+            host = torch.full((4, MAX_LEN // BLOCK), -1, dtype=torch.int32)
+            for i, n in enumerate(lens):
+                used = -(-n // BLOCK)
+                host[i, :used] = torch.tensor(rng.sample(blocks, used), dtype=torch.int32)
+            table.copy_(sim.pin_memory(host), non_blocking=True)  # on the engine's (current) stream
+            meta = AttentionMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table[:3])
+            if not manual:
+                out = h.rt.step(4, {"default": meta}, inputs={"query": q})
+                continue
+            h.rt.copy_inputs(h.rt.entry(4), {"query": q})
+            if order == "replay-first":
+                out = h.rt.replay(4)
+                h.rt.update(4, {"default": meta})
+            else:
+                h.rt.update(4, {"default": meta})
+                out = h.rt.replay(4)
+        h.rt.synchronize()  # no good step is flagged
+        h.check(out, q, dict.fromkeys(h.names, attrs.evolve(meta, block_table=host[:3].clone())))
     finally:
         sim.configure()

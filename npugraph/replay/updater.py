@@ -75,6 +75,9 @@ class GraphState:
     lens_of: list[StepLens | None]
     host_of: list[tuple[StepLens, dict[str, Any]] | None]
     done: tuple[Any, Any]
+    # recorded on the engine's stream before a replay() that waits for its update: the
+    # update reads the engine's device tables after what the engine issued before it
+    ready: Any
     waiting_done: Any = None  # the done event of the replay that waits for its update
     last_lens: dict[str, StepLens] = attrs.field(factory=dict)
     steps: int = 0
@@ -96,10 +99,12 @@ class ReplayUpdater:
 
     1. the engine builds per-layer (or per-KV-cache-group) :class:`AttentionMetadata`;
     2. :meth:`step` validates and pads every distinct metadata object once (a bad one
-       raises :class:`~npugraph.errors.MetadataError` before any device call), then in
-       the runtime's ``order`` replays the graph and updates it — copying block tables
-       into the captured buffers once per buffer, and on the one update stream, ordered
-       after the previous replay by an event (never a host synchronize), re-issuing
+       raises :class:`~npugraph.errors.MetadataError` before any device call), checks
+       the block ids of device-resident tables and copies block tables into the captured
+       buffers once per buffer on the engine's stream (after the engine's own writes of
+       its tables, before the replay that reads them), then in the runtime's ``order``
+       replays the graph and updates it — on the one update stream, ordered after the
+       previous replay by an event (never a host synchronize), re-issuing
        each task whose host arguments changed inside ``graph_task_update_begin/end`` and
        recording each task's ``ExternalEvent``;
     3. :meth:`synchronize` before reading outputs on the host.
@@ -220,6 +225,7 @@ class ReplayUpdater:
             lens_of=[None] * n,
             host_of=[None] * n,
             done=(npu.Event(), npu.Event()),
+            ready=npu.Event(),
         )
         self._plans[entry] = plan
         self._states[entry] = state
@@ -256,12 +262,13 @@ class ReplayUpdater:
             self._replay(entry, plan, state)
             return entry.outputs
         prepared = self._prepare_checked(entry, plan, state, metadata)
+        self._stage_checked(entry, plan, state, prepared)
         if self.order == "update-first":
-            self._write(entry, plan, state, prepared)
+            self._write(entry, plan, state, prepared, staged=True)
             self._replay(entry, plan, state)
         else:
             self._replay(entry, plan, state)
-            self._write(entry, plan, state, prepared)
+            self._write(entry, plan, state, prepared, staged=True)
         return entry.outputs
 
     def update(self, namespace: str, key: Hashable, metadata: StepMetadata) -> None:
@@ -275,7 +282,13 @@ class ReplayUpdater:
         """
         entry, plan, state = self._graph(namespace, key)
         if plan.tasks:
-            self._write(entry, plan, state, self._prepare_checked(entry, plan, state, metadata))
+            prepared = self._prepare_checked(entry, plan, state, metadata)
+            # the replay this update completes is queued already: what it reads must be in
+            # place before it, so the update stream checks and copies (after state.ready)
+            staged = not (state.phase is StepPhase.REPLAY_QUEUED and self.order == "replay-first")
+            if staged:
+                self._stage_checked(entry, plan, state, prepared)
+            self._write(entry, plan, state, prepared, staged=staged)
 
     def replay(self, namespace: str, key: Hashable) -> None:
         """Enqueue the graph of ``(namespace, key)`` on the current stream: half a step.
@@ -284,7 +297,7 @@ class ReplayUpdater:
         waits on the device for the update that follows.
         """
         entry, plan, state = self._graph(namespace, key)
-        self._replay(entry, plan, state)
+        self._replay(entry, plan, state, ready=True)
 
     def _prepare_checked(
         self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata
@@ -298,8 +311,9 @@ class ReplayUpdater:
             self._report(bad, entry)
             raise
 
-    def _write(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: _Step) -> None:
-        """Issue a prepared update and move the graph to its next phase."""
+    def _write(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: _Step, *, staged: bool) -> None:
+        """Issue a prepared update and move the graph to its next phase (``staged``: its
+        block tables were checked and copied already, on the engine's stream)."""
         t0, d0 = time.perf_counter(), self.device.device_seconds()
         self._release_other(entry)
         if state.phase is StepPhase.REPLAY_QUEUED and self.order == "update-first":
@@ -309,10 +323,8 @@ class ReplayUpdater:
             # update's re-issues land (and run the earlier lengths), so consume them first
             self._settle(plan, state)
         waiting = state.phase is StepPhase.REPLAY_QUEUED
-        if step.copies and self._updated:
-            self._invalidate_sharers(entry, plan)
         try:
-            reissued = self._issue(plan, state, step)
+            reissued = self._issue(entry, plan, state, step, staged=staged)
         except _TaskFailed as failed:
             err = self._update_error(entry, plan, failed)
             if waiting:
@@ -333,16 +345,17 @@ class ReplayUpdater:
         if self._on_update is not None:
             self._on_update(entry, state)
 
-    def _replay(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState) -> None:
-        """Enqueue a replay and move the graph to its next phase (see the class table)."""
+    def _replay(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, *, ready: bool = False) -> None:
+        """Enqueue a replay and move the graph to its next phase (see the class table);
+        ``ready``: a replay that waits for its update records ``state.ready`` first."""
         t0, d0 = time.perf_counter(), self.device.device_seconds()
         try:
-            self._enqueue(entry, plan, state)
+            self._enqueue(entry, plan, state, ready)
         finally:
             busy = self.device.device_seconds() - d0
             state.last_replay_s = time.perf_counter() - t0 - busy
 
-    def _enqueue(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState) -> None:
+    def _enqueue(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, ready: bool) -> None:
         where = f"{entry.namespace}/{entry.key!r}"
         self._release_other(entry)
         if not plan.tasks:  # nothing to update: no events to wait for
@@ -370,6 +383,8 @@ class ReplayUpdater:
             # UPDATED: that update belongs to an earlier step (in this order a step's update
             # follows its replay); BROKEN: events left recorded by a failure.
             self._settle(plan, state)
+        if ready:
+            state.ready.record()  # on the engine's stream, after the tables it wrote for this step
         self._launch(entry, state, waits=True)
 
     def _launch(self, entry: CapturedGraph, state: GraphState, *, waits: bool) -> None:
@@ -607,27 +622,51 @@ class ReplayUpdater:
         if self._after is not None:
             us.wait_event(self._after)
 
-    def _issue(self, plan: UpdatePlan, state: GraphState, step: _Step) -> int:
-        """Issue the step's device work; return how many tasks were re-issued.
+    def _issue(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: _Step, *, staged: bool) -> int:
+        """Issue the step's update on the update stream; return how many tasks were re-issued.
 
         A failure is raised as :class:`_TaskFailed` naming the task it happened at
-        (``-1``: before any task, while copying block tables).
+        (``-1``: before any task, while checking or copying block tables).
         """
         us = self.stream
         with self.device.npu.stream(us):
             self._order_update(us)
-            try:
-                for check in step.deferred:
-                    self._flag(check)
-                for buf, meta in step.copies:
-                    src = meta.block_table
-                    if buf.data_ptr() != src.data_ptr():
-                        rows = min(int(src.shape[0]), int(buf.shape[0]))
-                        cols = min(int(src.shape[1]), int(buf.shape[1]))
-                        buf[:rows, :cols].copy_(self.device.staged(src[:rows, :cols]), non_blocking=True)
-            except Exception as exc:
-                raise _TaskFailed(-1, exc) from exc
+            if not staged:
+                us.wait_event(state.ready)  # after the tables the engine wrote before the replay
+                self._stage(entry, plan, step)
             return self._issue_tasks(us, plan, state, step.host)
+
+    def _stage_checked(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: _Step) -> None:
+        """Check and copy the step's block tables on the engine's (current) stream, before
+        this step's replay and update: stream order puts them after the engine's own writes
+        of its tables, and before the replay that reads the captured buffers."""
+        if not (step.copies or step.deferred):
+            return
+        try:
+            self._stage(entry, plan, step)
+        except _TaskFailed as failed:
+            if state.phase is StepPhase.REPLAY_QUEUED:
+                self._release(plan, state)  # a replay abandoned earlier: let it run empty rather than wait
+            state.phase = StepPhase.BROKEN  # a buffer may hold part of this step's table
+            err = self._update_error(entry, plan, failed)
+            self._report(err, entry)
+            raise err from failed.error
+
+    def _stage(self, entry: CapturedGraph, plan: UpdatePlan, step: _Step) -> None:
+        """Queue the step's block-id checks and block-table copies on the current stream."""
+        if step.copies and self._updated:
+            self._invalidate_sharers(entry, plan)
+        try:
+            for check in step.deferred:
+                self._flag(check)
+            for buf, meta in step.copies:
+                src = meta.block_table
+                if buf.data_ptr() != src.data_ptr():
+                    rows = min(int(src.shape[0]), int(buf.shape[0]))
+                    cols = min(int(src.shape[1]), int(buf.shape[1]))
+                    buf[:rows, :cols].copy_(self.device.staged(src[:rows, :cols]), non_blocking=True)
+        except Exception as exc:
+            raise _TaskFailed(-1, exc) from exc
 
     def _issue_tasks(self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]]) -> int:
         """Re-issue every task whose host values changed; record every task's event once."""
