@@ -1123,3 +1123,34 @@ def _engine_writes_then_steps(adversarial: int, order: str, captured: bool, manu
         h.check(out, q, dict.fromkeys(h.names, attrs.evolve(meta, block_table=host[:3].clone())))
     finally:
         sim.configure()
+
+
+@pytest.mark.parametrize("manual", [False, True])
+@pytest.mark.parametrize("order", ["update-first", "replay-first"])
+def test_a_failure_while_checking_block_tables_leaves_the_runtime_serving(order, manual):
+    """The device refuses an op of the block-id check (here: its range): the step fails
+    with a typed error before any task is re-issued, a replay already queued for it is
+    released, and the next good step is right, whichever half came first."""
+
+    class RangeFails(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.aminmax.default:
+                raise RuntimeError("the device refused aminmax")
+            return func(*args, **(kwargs or {}))
+
+    h = Harness([4], order=order)
+    table = _device_table(h, captured=True)
+    q = query_for(h, 4, 0)
+    good = h.random_meta(3)
+    table[:3].copy_(sim.pin_memory(good.block_table), non_blocking=True)
+    meta = attrs.evolve(good, block_table=table[:3])
+    with RangeFails(), pytest.raises(UpdateFailed, match=r"^update of main/4 failed at checking or copying block"):
+        if not manual:
+            h.rt.step(4, {"default": meta}, inputs={"query": q})
+        elif order == "replay-first":
+            h.rt.replay(4)
+            h.rt.update(4, {"default": meta})
+        else:
+            h.rt.update(4, {"default": meta})
+    h.rt.synchronize()
+    h.check(h.step(4, {"default": meta}, q), q, dict.fromkeys(h.names, good))

@@ -718,7 +718,7 @@ class ReplayUpdater:
 
     def _update_error(self, entry: CapturedGraph, plan: UpdatePlan, failed: _TaskFailed) -> NpuGraphError:
         cause, i = failed.error, failed.index
-        where = "copying block tables" if i < 0 else f"layer {plan.tasks[i].layer!r} (task {i})"
+        where = "checking or copying block tables" if i < 0 else f"layer {plan.tasks[i].layer!r} (task {i})"
         name = f"{entry.namespace}/{entry.key!r}"
         if isinstance(cause, self.device.race_errors):
             return GraphRace(f"update of {name} at {where}: " + describe_device_error(self.manager, cause, entry))
