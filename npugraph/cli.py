@@ -315,7 +315,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"modeled on the device timeline ({source}; steps/s over {args.seeds} seeds, higher is better):", flush=True)
 
     def show_model(label: str, res: dict[str, Any]) -> None:
-        cells = "  ".join(f"{k} {r.steps_per_s:7.1f}" for k, r in res.items() if "@" not in k)
+        cells = "  ".join(f"{k} {r.steps_per_s:7.1f}" for k, r in res.items())
         print(f"  {label:<12} {cells}", flush=True)
 
     try:
@@ -334,18 +334,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{row['npugraph_vs_device_limit']['median']:.3f}",
             flush=True,
         )
-        for config, gains in (
-            ("default", row["background_thread"]["default"]),
-            ("grouped", row["background_thread"]["grouped"]),
-        ):
+        for config in ("default", "grouped"):
             cells = ", ".join(
                 f"{e} us {g['steps_per_s']['median']:.3f} (latency {g['latency']['median']:.3f})"
-                for e, g in gains.items()
+                for e, g in row["background_thread"][config].items()
             )
             print(f"    background update thread / in line, {config}, by engine host work: {cells}", flush=True)
     if args.timeline:
-        shown = {shape: {k: r for k, r in res.items() if "@" not in k} for shape, res in traces.items()}
-        write_text(args.timeline, json.dumps(chrome_trace(shown)))
+        write_text(args.timeline, json.dumps(chrome_trace(traces)))
         print(f"  timelines of every modeled shape: {args.timeline} (open in https://ui.perfetto.dev)")
     cms = {"off": [False], "a2": [True], "both": [False, True]}[args.cost_model]
     print(
