@@ -38,9 +38,11 @@ class Device:
     deadlock_errors: tuple[type[BaseException], ...] = ()
     race_errors: tuple[type[BaseException], ...] = ()
     fault_errors: tuple[type[BaseException], ...] = ()
+    # read on every step's path: a field, not a property
+    is_sim: bool = attrs.field(init=False)
 
-    @property
-    def is_sim(self) -> bool:
+    @is_sim.default
+    def _is_sim(self) -> bool:
         return self.name == "sim"
 
     def device_seconds(self) -> float:

@@ -108,7 +108,7 @@ def convert(
         for i in range(r, given):  # trailing padding requests: only their order is checked
             if qsl[i + 1] < qsl[i]:
                 raise MetadataError(f"{where}: query_start_loc must be non-decreasing, got {qsl[:8]}")
-        q_ends = qsl[1 : r + 1]
+        q_ends: tuple[int, ...] | list[int] = qsl[1 : r + 1]
         for i in range(r):
             q_len = qsl[i + 1] - qsl[i]
             if q_len < 0:
@@ -119,8 +119,13 @@ def convert(
                     "length counts this step's tokens too"
                 )
     else:  # uniform: tokens_per_request each (1: decode; more: speculative verification)
-        q_ends = list(range(tokens_per_request, tokens_per_request * r + 1, tokens_per_request))
-        short = next((i for i in range(r) if 0 <= kv[i] < tokens_per_request), None)
+        q_ends = tuple(range(tokens_per_request, tokens_per_request * r + 1, tokens_per_request))
+        # a short request: 0 <= length < tokens_per_request (negative lengths are validate's)
+        short = (
+            next((i for i in range(r) if 0 <= kv[i] < tokens_per_request), None)
+            if kv and min(kv) < tokens_per_request
+            else None
+        )
         if short is not None:
             raise MetadataError(
                 f"{where}: request {short} has {tokens_per_request} query token(s) but seq_lens[{short}] = "

@@ -59,6 +59,7 @@ class TaskPlan:
     block_table: Any
     geometry: Geometry
     null_host: dict[str, Any]
+    where: str  # "namespace/key layer name", for errors (made once, not per step)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -117,6 +118,7 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
                 block_table=buffers.setdefault((bt.data_ptr(), tuple(bt.shape), tuple(bt.stride())), bt),
                 geometry=geometry,
                 null_host=t.spec.host_values(pad_lens([], None, geometry.batch, geometry.tokens)),
+                where=f"{entry.namespace}/{entry.key!r} layer {t.layer!r}",
             )
         )
     specs = {t.spec.name for t in tasks}

@@ -16,6 +16,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from itertools import repeat
 from typing import Any
 
 import attrs
@@ -169,8 +170,9 @@ class ReplayUpdater:
         # would synchronize) and reported by check_deferred(); host tables on the host.
         # True treats every table as device memory (the simulator's live on the CPU).
         self.defer_block_check = defer_block_check
-        # (where, the range of the ids in use, on the device) of the recent deferred checks, oldest first
-        self._flags: deque[tuple[str, IdRange]] = deque(maxlen=_FLAG_SLOTS)
+        # (step, graph and layer, the range of the ids in use, on the device) of the recent
+        # deferred checks, oldest first (the message is made only if one fails)
+        self._flags: deque[tuple[int, str, IdRange]] = deque(maxlen=_FLAG_SLOTS)
         # their scratch, one per table memory and shape (rows, columns), made on first use
         self._checks: dict[tuple[torch.device, int, int], BlockIdCheck] = {}
         self.skip_unchanged = skip_unchanged
@@ -191,8 +193,7 @@ class ReplayUpdater:
         self._updated: weakref.WeakSet[CapturedGraph] = weakref.WeakSet()
         # dropped with the graph: a plan holds task-group handles, which must not
         # outlive the graph the manager released
-        self._plans: weakref.WeakKeyDictionary[CapturedGraph, UpdatePlan] = weakref.WeakKeyDictionary()
-        self._states: weakref.WeakKeyDictionary[CapturedGraph, GraphState] = weakref.WeakKeyDictionary()
+        self._registered: weakref.WeakKeyDictionary[CapturedGraph, _Registered] = weakref.WeakKeyDictionary()
         self._on_error = on_error
         self._on_update = on_update
 
@@ -227,28 +228,27 @@ class ReplayUpdater:
             done=(npu.Event(), npu.Event()),
             ready=npu.Event(),
         )
-        self._plans[entry] = plan
-        self._states[entry] = state
+        self._registered[entry] = _Registered(plan=plan, state=state)
+
+    def _lookup(self, entry: CapturedGraph) -> _Registered:
+        found = self._registered.get(entry)
+        if found is None:
+            self.register(entry)  # a graph captured by a bare CaptureManager
+            found = self._registered[entry]
+        return found
 
     def state(self, entry: CapturedGraph) -> GraphState:
         """The per-step state of ``entry``."""
-        st = self._states.get(entry)
-        if st is None:
-            self.register(entry)  # a graph captured by a bare CaptureManager
-            st = self._states[entry]
-        return st
+        return self._lookup(entry).state
 
     def plan(self, entry: CapturedGraph) -> UpdatePlan:
         """The update plan of ``entry`` (built when its capture ended)."""
-        plan = self._plans.get(entry)
-        if plan is None:
-            self.register(entry)
-            plan = self._plans[entry]
-        return plan
+        return self._lookup(entry).plan
 
     def _graph(self, namespace: str, key: Hashable) -> tuple[CapturedGraph, UpdatePlan, GraphState]:
         entry = self.manager.entry(namespace, key)
-        return entry, self.plan(entry), self.state(entry)
+        found = self._lookup(entry)
+        return entry, found.plan, found.state
 
     # --- the step --------------------------------------------------------------------
     def step(self, namespace: str, key: Hashable, metadata: StepMetadata) -> Any:
@@ -559,7 +559,7 @@ class ReplayUpdater:
         t = plan.tasks[i]
         geo = t.geometry
         bs, nblocks, batch, tokens = geo.block_size, geo.num_blocks, geo.batch, geo.tokens
-        where = f"{entry.namespace}/{entry.key!r} layer {t.layer!r}"
+        where = t.where
         defer = self.validate and self._resident(meta)
         lens = convert(
             meta,
@@ -583,7 +583,8 @@ class ReplayUpdater:
                     block_size=bs,
                     num_blocks=nblocks,
                     shape=(batch, geo.table_cols),
-                    where=f"step {state.steps + 1} of {where}",
+                    step=state.steps + 1,
+                    where=where,
                 )
             )
         prev = state.lens_of[i]
@@ -613,7 +614,7 @@ class ReplayUpdater:
         for slot in plan.slots:
             state.last_lens[slot] = lens
         return _Step(
-            host=[hv] * len(plan.tasks), copies=tuple((b, meta) for b in plan.buffers), deferred=tuple(deferred)
+            host=[hv] * len(plan.tasks), copies=tuple(zip(plan.buffers, repeat(meta))), deferred=tuple(deferred)
         )
 
     def _order_update(self, us: Any) -> None:
@@ -801,7 +802,7 @@ class ReplayUpdater:
         if scratch is None:
             scratch = self._checks[key] = BlockIdCheck.on(memory, *check.shape)
         ids = scratch.flag(check.table, check.kv, check.block_size, check.num_blocks, self.device.staged)
-        self._flags.append((check.where, ids))
+        self._flags.append((check.step, check.where, ids))
 
     def check_deferred(self) -> None:
         """Raise :class:`~npugraph.errors.MetadataError` for a bad block id found on the device.
@@ -827,13 +828,14 @@ class ReplayUpdater:
             return ""
         checks = list(self._flags)
         self._flags.clear()
-        outside = IdRange.outside([ids for _, ids in checks])  # one host read
+        outside = IdRange.outside([ids for _, _, ids in checks])  # one host read
         hits = [k for k, bad in enumerate(outside) if bad]
         if not hits:
             return ""
         more = f" (and {len(hits) - 1} later check(s))" if len(hits) > 1 else ""
+        step, where, _ = checks[hits[0]]
         return (
-            f"{checks[hits[0]][0]}: a block id in use in its device-resident block table is not a block of "
+            f"step {step} of {where}: a block id in use in its device-resident block table is not a block of "
             f"the KV cache{more}"
         )
 
@@ -857,7 +859,16 @@ class _DeferredCheck:
     block_size: int
     num_blocks: int
     shape: tuple[int, int]  # the graph's block-table buffer (rows, columns): bounds the ids checked
-    where: str
+    step: int  # the graph's step it checks
+    where: str  # the graph and layer
+
+
+@attrs.frozen(kw_only=True)
+class _Registered:
+    """A registered graph's plan and step state (one lookup per step)."""
+
+    plan: UpdatePlan
+    state: GraphState
 
 
 @attrs.frozen(kw_only=True)
@@ -937,7 +948,7 @@ def describe_device_error(manager: CaptureManager, exc: BaseException, entry: Ca
 
 def _resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> list[AttentionMetadata]:
     """The metadata of every task: by layer name, then by KV-cache group, per micro-batch."""
-    if isinstance(metadata, Mapping):
+    if type(metadata) is dict or isinstance(metadata, Mapping):  # a dict: no ABC check per step
         first = plan.tasks[0]
         one = plan.uniform and len(metadata) == 1 and first.layer not in metadata
         if one and metadata.get(first.group) is not None:  # the common step: one group's metadata
