@@ -107,13 +107,17 @@ def test_bench_json_schema(tmp_path):
     assert len(doc["rows"]) == 4  # 2 layer counts x 1 size x 2 kernels
     for row in doc["rows"]:
         keys = {"layers", "size", "kernel", "cost_model", "npugraph_us", "unchecked_us", "baseline_us", "floor_us"}
-        assert keys | {"calls"} <= set(row)
-        assert row["cost_model"] == "off" and set(row["calls"]) == {"npugraph", "unchecked", "baseline", "floor"}
-        assert row["calls"]["npugraph"] == row["calls"]["unchecked"] == row["calls"]["floor"] == 5 * row["layers"]
+        assert keys | {"calls", "minimal_us"} <= set(row)
+        impls = {"npugraph", "unchecked", "baseline", "floor", "minimal"}
+        assert row["cost_model"] == "off" and set(row["calls"]) == impls
+        calls = row["calls"]
+        assert calls["npugraph"] == calls["unchecked"] == calls["floor"] == calls["minimal"] == 5 * row["layers"]
     s = doc["summary"]["measured"]["off"]
     assert {"ratio_vs_baseline_median", "overhead_vs_floor_median"} <= set(s)
     assert doc["summary"]["measured_off"]["npugraph_vs_floor"] == s["overhead_vs_floor_median"]
     assert doc["summary"]["measured_off"]["unchecked_vs_floor"] == s["unchecked_vs_floor_median"]
+    assert doc["summary"]["measured_off"]["minimal_vs_floor"] == s["minimal_vs_floor_median"]
+    assert doc["summary"]["measured_off"]["npugraph_vs_minimal"] == s["npugraph_vs_minimal_median"]
     modeled = doc["summary"]["modeled"]
     hb, sb, db = modeled["host_bound"], modeled["small_batch"], modeled["device_bound"]
     impls = {"npugraph", "npugraph_grouped", "api_floor", "updatable_mrv2", "updatable_mrv1", "legacy"}
