@@ -179,7 +179,7 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[
     floor.prepare = prepare_floor  # type: ignore[attr-defined]
 
     geometry = rt.updater.plan(entry).tasks[0].geometry
-    check = BlockIdCheck.on(dev.memory, size, int(table.shape[1]))
+    check = BlockIdCheck.on(dev.memory, int(table.shape[1]))
     minimal_args = [t.kwargs() for t in entry.tasks]
 
     def minimal(lens: torch.Tensor) -> None:
@@ -189,7 +189,7 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[
             raise ValueError("the bench drew lengths outside [1, max_model_len]")
         host = spec.host_values(pad_lens(kv, None, size, size))
         if kv:
-            check.flag(table, kv, geometry.block_size, geometry.num_blocks, dev.staged)
+            check.flag(table, kv, geometry.block_size, geometry.num_blocks)
         begin, end = npu.graph_task_update_begin, npu.graph_task_update_end
         with npu.stream(us):
             for i in range(len(minimal_args)):
@@ -362,9 +362,9 @@ def bench_validation(
     The block table has 256 columns; validation reads only the columns in use, so its
     cost follows the blocks the step uses, not the table's width.  ``device_table_check_us``:
     the same block-id check for a device-resident table, issued as eager device ops, with
-    new random lengths each step (a new copy and mask every step);
-    ``device_table_check_decode_us``: the same as requests decode (each one token longer a
-    step, so the blocks in use change only where a request crosses into a new block).
+    new random lengths each step; ``device_table_check_decode_us``: the same as requests
+    decode (each one token longer a step).  The check keeps nothing between steps, so the
+    two differ only by the columns the longest request reaches.
     """
     rows = []
     max_len, block = 32768, 128
@@ -385,8 +385,8 @@ def bench_validation(
         entry = rt.entry(r)
         rng = random.Random(seed)
         conv, upd, dev_check, decode_check = [], [], [], []
-        check = BlockIdCheck.on(dev, r, cols)
-        decoding = BlockIdCheck.on(dev, r, cols)
+        check = BlockIdCheck.on(dev, cols)
+        decoding = BlockIdCheck.on(dev, cols)
         decode_lens = [rng.randint(1, max_len - repeats - 2) for _ in range(r)]
         for i in range(repeats + 2):
             lens = [rng.randint(1, max_len) for _ in range(r)]
@@ -409,11 +409,11 @@ def bench_validation(
             rt.update(r, {"default": meta})  # never replayed: the kernels' math would dominate the run
             t2 = time.perf_counter()
             # a device-resident table (vLLM's) is checked on the device instead: eager ops per step
-            check.flag(table, lens, block, 64, rt.device.staged)
+            check.flag(table, lens, block, 64)
             t3 = time.perf_counter()
             decode_lens = [n + 1 for n in decode_lens]
             t4 = time.perf_counter()
-            decoding.flag(table, decode_lens, block, 64, rt.device.staged)
+            decoding.flag(table, decode_lens, block, 64)
             t5 = time.perf_counter()
             if i >= 2:
                 conv.append(t1 - t0)

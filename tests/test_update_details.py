@@ -40,7 +40,7 @@ from npugraph.ops.pa import _probe_lengths
 from npugraph.policy import FixedPolicy, KernelChoice, StaticPolicy
 from npugraph.reference import paged_attention_reference
 from npugraph.replay import ReplayUpdater, StepPhase, describe_device_error
-from npugraph.replay.lens import BlockIdCheck, IdRange
+from npugraph.replay.lens import BadColumns, BlockIdCheck
 from npugraph.sim import kernels
 from tests.helpers import BLOCK, BLOCKS, MAX_LEN, Harness, query_for
 
@@ -156,7 +156,7 @@ def test_a_single_bad_device_table_is_named_alone():
     with pytest.raises(
         MetadataError,
         match=r"^step 1 of main/4 layer 'layer0': a block id in use in its device-resident block table is not "
-        r"a block of the KV cache\. That step has already run",
+        r"a block of the KV cache \(block_table\[0, 0\]: request 0's block 0\)\. That step has already run",
     ):
         h.rt.synchronize()
 
@@ -891,63 +891,81 @@ def test_the_simulator_updates_through_the_four_in_one_only_on_request(fused, mo
 # --- the device-side block-id check ---------------------------------------------------------
 
 
+def _first_bad_in_use(table: torch.Tensor, kv: list[int], block_size: int, num_blocks: int) -> tuple[int, int] | None:
+    """The host oracle: the first (request, column), row by row, that a request reads and
+    that holds an id outside [0, num_blocks)."""
+    for i, n in enumerate(kv):
+        for j in range(-(-n // block_size)):
+            if not 0 <= int(table[i, j]) < num_blocks:
+                return i, j
+    return None
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     kv=st.lists(st.integers(1, 64), min_size=1, max_size=6),
     bad=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7), st.sampled_from([-1, -7, 12, 99])), max_size=4),
     seed=st.integers(0, 2**31),
 )
-def test_the_device_block_id_check_flags_exactly_the_ids_in_use_outside_the_cache(kv, bad, seed):
+def test_the_device_block_id_check_finds_exactly_the_first_id_in_use_outside_the_cache(kv, bad, seed):
     """Against a host oracle: an id outside [0, num_blocks) counts only in the columns a
-    request reads (ceil(len / block_size)); whatever lies beside them does not."""
+    request reads (ceil(len / block_size)); whatever lies beside them does not, and the
+    first request and column reading one are named."""
     block_size, num_blocks, rows, cols = 8, 12, 8, 8
     table = torch.randint(0, num_blocks, (rows, cols), dtype=torch.int32, generator=torch.Generator().manual_seed(seed))
     for i, j, v in bad:
         table[i, j] = v
-    expected = any(not 0 <= int(table[i, j]) < num_blocks for i, n in enumerate(kv) for j in range(-(-n // block_size)))
-    check = BlockIdCheck.on(torch.device("cpu"), rows, cols)
-    first = check.flag(table, [1] * rows, block_size, num_blocks)  # the scratch is reused: no stale limits
-    assert IdRange.outside([check.flag(table, kv, block_size, num_blocks)]) == [expected]
-    assert IdRange.outside([first]) == [any(not 0 <= int(table[i, 0]) < num_blocks for i in range(rows))]
-    assert bool(check.bad_ids(table, kv, block_size, num_blocks).any()) is expected
+    check = BlockIdCheck.on(torch.device("cpu"), cols)
+    one_block = check.flag(table, [1] * rows, block_size, num_blocks)
+    assert BadColumns.locate([check.flag(table, kv, block_size, num_blocks)]) == [
+        _first_bad_in_use(table, kv, block_size, num_blocks)
+    ]
+    assert BadColumns.locate([one_block]) == [_first_bad_in_use(table, [1] * rows, block_size, num_blocks)]
 
 
-def test_the_device_block_id_check_copies_to_the_device_without_blocking():
-    """A blocking host-to-device copy (or one from pageable memory) waits for the update
-    stream, behind the previous replay: the check stages its one copy and never blocks."""
-    staged: list[torch.Tensor] = []
-    copies: list[bool] = []
+def test_the_device_block_id_check_sends_nothing_from_the_host():
+    """Four device ops on the table, whatever the lengths: no copy from the host (which
+    would need page-locked memory not to wait for the stream, behind the previous replay),
+    no host tensor, nothing kept from the step before."""
+    ops: list[str] = []
 
-    class Copies(TorchDispatchMode):
+    class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is torch.ops.aten.copy_.default:
-                copies.append(bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)))
-            return func(*args, **kwargs)
+            ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
 
-    def stage(t: torch.Tensor) -> torch.Tensor:
-        staged.append(t)
-        return t
-
-    check = BlockIdCheck.on(torch.device("cpu"), 4, 16)
+    check = BlockIdCheck.on(torch.device("cpu"), 16)
     table = torch.zeros(4, 16, dtype=torch.int32)
     table[1, 2] = 40
-    with Copies():
-        flag = check.flag(table, [16, 24], 8, 32, stage)
-    assert copies == [True] and len(staged) == 1
-    assert staged[0].tolist() == [2, 3]
-    assert IdRange.outside([flag]) == [True]
+    found = []
+    for kv in ([9, 16], [10, 24], [10, 9], [3, 100]):
+        ops.clear()
+        with Ops():
+            found.append(check.flag(table, kv, 8, 32))
+        assert [op for op in ops if op not in ("slice", "alias")] == ["clamp", "ne", "where", "amax"], kv
+    assert BadColumns.locate(found) == [None, (1, 2), None, (1, 2)]
 
 
-def test_ranges_read_together_are_each_compared_with_their_own_cache():
+@pytest.mark.parametrize(("length", "expected"), [(1, None), (8, None), (9, (0, 1)), (16, (0, 1)), (17, (0, 1))])
+def test_a_request_reads_the_block_its_last_token_lies_in_and_none_after(length, expected):
+    """Block size 8: a request of 8 tokens reads column 0 only; of 9 to 16, column 1 too
+    (the other request reads four columns, so the check looks at all four in each row)."""
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    table[0, 1] = -1
+    found = BlockIdCheck.on(torch.device("cpu"), 4).flag(table, [length, 32], 8, 12)
+    assert BadColumns.locate([found]) == [expected]
+
+
+def test_checks_read_together_are_each_compared_with_their_own_cache():
     """Flags are read in one host read for every check since the last synchronize; each
     is compared with the cache of its own layer (KV-cache groups may differ in size)."""
     table = torch.full((2, 4), 20, dtype=torch.int32)
-    small = BlockIdCheck.on(torch.device("cpu"), 2, 4).flag(table, [8, 8], 8, 12)
-    large = BlockIdCheck.on(torch.device("cpu"), 2, 4).flag(table, [8, 8], 8, 40)
-    negative = BlockIdCheck.on(torch.device("cpu"), 2, 4).flag(table.neg(), [8, 1], 8, 40)
-    assert IdRange.outside([small, large, negative]) == [True, False, True]
-    assert IdRange.outside([]) == []
+    small = BlockIdCheck.on(torch.device("cpu"), 4).flag(table, [8, 8], 8, 12)
+    large = BlockIdCheck.on(torch.device("cpu"), 4).flag(table, [8, 8], 8, 40)
+    negative = BlockIdCheck.on(torch.device("cpu"), 4).flag(table.neg(), [8, 1], 8, 40)
+    beside = BlockIdCheck.on(torch.device("cpu"), 4).flag(table, [8, 8], 8, 21)  # 20 < 21: fine
+    assert BadColumns.locate([small, large, negative, beside]) == [(0, 0), None, (0, 0), None]
+    assert BadColumns.locate([]) == []
 
 
 # lengths whose blocks in use (block size 8) repeat, change width, or change under the same width
@@ -966,47 +984,20 @@ _CHECK_KVS = ([3], [8], [9], [16, 3], [17, 3], [9, 3], [64, 1, 1], [1, 64], [57,
         max_size=8,
     )
 )
-def test_the_device_check_reuses_its_limits_and_mask_only_while_the_blocks_in_use_stay(steps):
-    """One scratch over a sequence of steps (as the updater uses it): each step's flag
-    matches the host oracle, whether it copied new limits or reused the last ones."""
+def test_one_check_over_a_sequence_of_steps_matches_the_oracle_at_each(steps):
+    """One check over a sequence of steps (as the updater uses it), read together as at a
+    synchronize: each step's finding matches the host oracle on that step's table."""
     block_size, num_blocks, rows, cols = 8, 12, 8, 8
-    check = BlockIdCheck.on(torch.device("cpu"), rows, cols)
+    check = BlockIdCheck.on(torch.device("cpu"), cols)
+    found, expected = [], []
     for kv, bad, seed in steps:
         gen = torch.Generator().manual_seed(seed)
         table = torch.randint(0, num_blocks, (rows, cols), dtype=torch.int32, generator=gen)
         for i, j, v in bad:
             table[i, j] = v
-        expected = any(
-            not 0 <= int(table[i, j]) < num_blocks for i, n in enumerate(kv) for j in range(-(-n // block_size))
-        )
-        assert IdRange.outside([check.flag(table, kv, block_size, num_blocks)]) == [expected], (kv, bad)
-
-
-def test_a_step_with_the_same_blocks_in_use_makes_no_copy_and_no_mask():
-    """Decode moves a request to a new block once every block_size steps: the other
-    steps check with two ops (the ids in use and their range), no copy."""
-    ops: list[str] = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
-    check = BlockIdCheck.on(torch.device("cpu"), 4, 16)
-    table = torch.zeros(4, 16, dtype=torch.int32)
-    with Ops():
-        check.flag(table, [9, 17], 8, 32)
-    assert "copy_" in ops and "lt" in ops
-    ops.clear()
-    with Ops():
-        same = check.flag(table, [10, 24], 8, 32)  # 2 and 3 blocks, as before
-    assert "copy_" not in ops and "lt" not in ops and ops.count("aminmax") == 1
-    ops.clear()
-    table[1, 3] = 40
-    with Ops():
-        grown = check.flag(table, [10, 25], 8, 32)  # request 1 reaches a fourth block
-    assert "copy_" in ops and "lt" in ops
-    assert IdRange.outside([same, grown]) == [False, True]
+        found.append(check.flag(table, kv, block_size, num_blocks))
+        expected.append(_first_bad_in_use(table, list(kv), block_size, num_blocks))
+    assert BadColumns.locate(found) == expected
 
 
 @settings(max_examples=12, deadline=None)
@@ -1128,14 +1119,14 @@ def _engine_writes_then_steps(adversarial: int, order: str, captured: bool, manu
 @pytest.mark.parametrize("manual", [False, True])
 @pytest.mark.parametrize("order", ["update-first", "replay-first"])
 def test_a_failure_while_checking_block_tables_leaves_the_runtime_serving(order, manual):
-    """The device refuses an op of the block-id check (here: its range): the step fails
+    """The device refuses an op of the block-id check (here: its reduction): the step fails
     with a typed error before any task is re-issued, a replay already queued for it is
     released, and the next good step is right, whichever half came first."""
 
     class RangeFails(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.aminmax.default:
-                raise RuntimeError("the device refused aminmax")
+            if func is torch.ops.aten.amax.default:
+                raise RuntimeError("the device refused amax")
             return func(*args, **(kwargs or {}))
 
     h = Harness([4], order=order)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import attrs
 import torch
@@ -10,7 +10,7 @@ import torch
 from npugraph.errors import MetadataError
 from npugraph.ops.base import StepLens, pad_lens
 
-__all__ = ["AttentionMetadata", "BlockIdCheck", "IdRange", "pad_lens", "convert", "real_requests"]
+__all__ = ["AttentionMetadata", "BadColumns", "BlockIdCheck", "pad_lens", "convert", "real_requests"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -189,116 +189,93 @@ def _check_block_ids(table: torch.Tensor, kv: list[int], block_size: int, num_bl
     lo, hi = torch.aminmax(sub)
     if int(lo) >= 0 and int(hi) < num_blocks:
         return  # the common case: every id in the columns in use (and beside them) is valid
-    bad = BlockIdCheck.on(table.device, len(kv), width).bad_ids(table, kv, block_size, num_blocks)
-    if bool(bad.any()):
-        i, j = (int(x) for x in bad.nonzero()[0])
+    found = BlockIdCheck.on(table.device, width).flag(table, kv, block_size, num_blocks)
+    hit = found.first_in_use(found.scores.tolist())
+    if hit is not None:
+        i, j = hit
         _bad_block(where, i, j, int(sub[i, j]), num_blocks)
 
 
-@attrs.define(eq=False)
+@attrs.frozen(kw_only=True, eq=False)
 class BlockIdCheck:
     """The device-side check of the block ids a step uses in a device-resident table.
 
-    Reading a device table on the host would synchronize, so the check is device work:
-    a few eager ops on the update stream whose result, the range of the ids in use, is
-    read later, once the device is idle.  It owns two device tensors made once, ``limits``
-    (the blocks each request uses, rewritten by a non-blocking copy when they change) and
-    ``columns`` (``0 .. cols - 1``), and the mask of the columns in use of the last
-    limits it copied.  In decode a request's block count changes once every
-    ``block_size`` steps, so most steps reuse both: no copy, no mask, two ops.  Use one
-    check from one stream (the updater's): its copies, masks and reads are then in order.
+    Reading a device table on the host would synchronize, so the check is device work
+    whose result the host reads later, once the device is idle.  It sends nothing from the
+    host: per request it finds the first column of the table's row that holds an id
+    outside the cache (four ops: ``clamp``, ``ne``, ``where`` of a descending weight per
+    column, ``amax`` over the row), and the host, when it reads that column, compares it
+    with the blocks the request uses.  Nothing is cached between steps; ``weights``
+    (``columns - j`` at column ``j``) and ``zeros`` are made once per table width, so that
+    every operand is device memory (a Python 0 would be made a scalar tensor per step).
     """
 
-    limits: torch.Tensor
-    columns: torch.Tensor
-    # the blocks in use that ``limits`` holds (once the copy issued last has run), and their mask
-    _used: list[int] | None = None
-    _mask: torch.Tensor | None = None
+    weights: torch.Tensor
+    zeros: torch.Tensor
 
     @classmethod
-    def on(cls, memory: torch.device, rows: int, cols: int) -> BlockIdCheck:
-        """A check of tables of up to ``rows`` requests and ``cols`` columns on ``memory``."""
+    def on(cls, memory: torch.device, cols: int) -> BlockIdCheck:
+        """A check of tables of up to ``cols`` columns on ``memory``."""
         return cls(
-            limits=torch.zeros(rows, dtype=torch.int32, device=memory),
-            columns=torch.arange(cols, dtype=torch.int32, device=memory),
+            weights=torch.arange(cols, 0, -1, dtype=torch.int32, device=memory),
+            zeros=torch.zeros(cols, dtype=torch.int32, device=memory),
         )
 
-    def flag(
-        self,
-        table: torch.Tensor,
-        kv: list[int] | tuple[int, ...],
-        block_size: int,
-        num_blocks: int,
-        stage: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-    ) -> IdRange:
-        """The smallest and largest block id in use, as device tensors (read them later).
+    def flag(self, table: torch.Tensor, kv: Sequence[int], block_size: int, num_blocks: int) -> BadColumns:
+        """Where the first ``len(kv)`` rows of ``table`` first hold an id outside
+        ``[0, num_blocks)``, on the device (read it later with :meth:`BadColumns.locate`).
 
-        ``kv``: the lengths of at least one request; ``stage`` puts the host tensor of the
-        blocks in use where a non-blocking copy reads it (page-locked memory on hardware).
-        Device work only: the ids in the columns in use (0 elsewhere, a valid id) and their
-        range, after the copy and the mask when the blocks in use changed; no host read,
-        no blocking copy.
+        ``kv``: the key lengths of at least one request, each within the table's columns.
+        Device work only: no host read, no copy.
         """
-        in_use = self._in_use(kv, block_size, stage)
-        low, high = torch.aminmax(torch.where(in_use, table[: len(kv), : in_use.shape[1]], 0))
-        return IdRange(low=low, high=high, num_blocks=num_blocks)
-
-    def bad_ids(
-        self,
-        table: torch.Tensor,
-        kv: list[int] | tuple[int, ...],
-        block_size: int,
-        num_blocks: int,
-        stage: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-    ) -> torch.Tensor:
-        """Where the first ``len(kv)`` rows of ``table``, in the columns the longest request
-        uses, hold a block id in use that lies outside the cache (bool, on the device)."""
-        in_use = self._in_use(kv, block_size, stage)
-        sub = table[: len(kv), : in_use.shape[1]]
-        return torch.ne(sub.clamp(0, num_blocks - 1), sub).logical_and_(in_use)
-
-    def forget(self) -> None:
-        """Copy the limits again at the next check (after an error, device work the
-        mask relies on may not have run)."""
-        self._used = self._mask = None
-
-    def _in_use(
-        self, kv: list[int] | tuple[int, ...], block_size: int, stage: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
-        """The mask of the columns each request uses ([requests, widest]); the limits are
-        copied (non-blocking) and the mask made only when the blocks in use changed."""
-        used = [-(-length // block_size) for length in kv]
-        if used == self._used and self._mask is not None:
-            return self._mask
-        self.forget()  # a failure below leaves nothing half-cached
-        limits = self.limits[: len(used)]
-        limits.copy_(stage(torch.tensor(used, dtype=torch.int32, device="cpu")), non_blocking=True)
-        mask = self.columns[: max(used)] < limits.unsqueeze(1)
-        self._used, self._mask = used, mask
-        return mask
+        width = -(-max(kv) // block_size)
+        ids = table[: len(kv), :width]
+        outside = ids.clamp(0, num_blocks - 1).ne(ids)
+        scores = torch.where(outside, self.weights[:width], self.zeros[:width]).amax(dim=1)
+        return BadColumns(scores=scores, kv=kv, block_size=block_size, columns=int(self.weights.shape[0]))
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class IdRange:
-    """The range of the block ids one step uses, on the device until the host reads it."""
+class BadColumns:
+    """Per request of one step, the first column of its table row that holds an id outside
+    the cache, on the device until the host reads it: ``scores[i]`` is ``columns - j`` for
+    that column ``j``, 0 where the row has none.  A column counts only if the request reads
+    it (``j * block_size < kv[i]``): what lies beside the blocks in use is never read."""
 
-    low: torch.Tensor
-    high: torch.Tensor
-    num_blocks: int
+    scores: torch.Tensor
+    kv: Sequence[int]
+    block_size: int
+    columns: int
+
+    def first_in_use(self, scores: list[int]) -> tuple[int, int] | None:
+        """The first ``(request, column)`` that reads an id outside the cache, from the
+        read ``scores`` (a row's first bad column is its only candidate: any earlier
+        column of the row is good)."""
+        for i, score in enumerate(scores):
+            if score and (self.columns - score) * self.block_size < self.kv[i]:
+                return i, self.columns - score
+        return None
 
     @staticmethod
-    def outside(ranges: list[IdRange]) -> list[bool]:
-        """For each range, does it leave the cache ``[0, num_blocks)``?  One host read per
-        memory they lie in (call it once the device is idle: it would synchronize otherwise;
-        host tables checked with ``defer_block_check=True`` leave theirs in host memory)."""
+    def locate(checks: list[BadColumns]) -> list[tuple[int, int] | None]:
+        """For each check, its first ``(request, column)`` in use holding an id outside
+        the cache, or None.  One host read per memory they lie in (call it once the device
+        is idle: it would synchronize otherwise; host tables checked with
+        ``defer_block_check=True`` leave theirs in host memory)."""
         by_memory: dict[torch.device, list[int]] = {}
-        for k, r in enumerate(ranges):
-            by_memory.setdefault(r.low.device, []).append(k)
-        ends: dict[int, tuple[int, int]] = {}
+        for k, check in enumerate(checks):
+            by_memory.setdefault(check.scores.device, []).append(k)
+        found: list[tuple[int, int] | None] = [None] * len(checks)
         for ks in by_memory.values():
-            read = torch.stack([t for k in ks for t in (ranges[k].low, ranges[k].high)]).tolist()
-            ends.update((k, (read[2 * n], read[2 * n + 1])) for n, k in enumerate(ks))
-        return [ends[k][0] < 0 or ends[k][1] >= r.num_blocks for k, r in enumerate(ranges)]
+            read = torch.cat([checks[k].scores for k in ks]).tolist()
+            at = 0
+            for k in ks:
+                n = int(checks[k].scores.shape[0])
+                scores = read[at : at + n]
+                at += n
+                if any(scores):
+                    found[k] = checks[k].first_in_use(scores)
+        return found
 
 
 def _bad_block(where: str, i: int, j: int, block: int, num_blocks: int) -> None:

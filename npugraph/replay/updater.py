@@ -34,7 +34,7 @@ from npugraph.errors import (
     UpdateFailed,
 )
 from npugraph.ops import StepLens
-from npugraph.replay.lens import AttentionMetadata, BlockIdCheck, IdRange, convert
+from npugraph.replay.lens import AttentionMetadata, BadColumns, BlockIdCheck, convert
 from npugraph.replay.plan import TaskPlan, UpdatePlan, build_plan
 
 __all__ = ["ORDERS", "ReplayUpdater", "StepMetadata", "StepPhase", "GraphState", "describe_device_error"]
@@ -170,11 +170,11 @@ class ReplayUpdater:
         # would synchronize) and reported by check_deferred(); host tables on the host.
         # True treats every table as device memory (the simulator's live on the CPU).
         self.defer_block_check = defer_block_check
-        # (step, graph and layer, the range of the ids in use, on the device) of the recent
-        # deferred checks, oldest first (the message is made only if one fails)
-        self._flags: deque[tuple[int, str, IdRange]] = deque(maxlen=_FLAG_SLOTS)
-        # their scratch, one per table memory and shape (rows, columns), made on first use
-        self._checks: dict[tuple[torch.device, int, int], BlockIdCheck] = {}
+        # (step, graph and layer, each request's first bad column, on the device) of the
+        # recent deferred checks, oldest first (the message is made only if one fails)
+        self._flags: deque[tuple[int, str, BadColumns]] = deque(maxlen=_FLAG_SLOTS)
+        # their constants, one per table memory and width, made on first use
+        self._checks: dict[tuple[torch.device, int], BlockIdCheck] = {}
         self.skip_unchanged = skip_unchanged
         if fused_update is None:
             # The 4-in-1 pays off where it is C++ without the GIL (hardware); the
@@ -582,7 +582,7 @@ class ReplayUpdater:
                     kv=lens.kv_lens[: lens.num_reqs],
                     block_size=bs,
                     num_blocks=nblocks,
-                    shape=(batch, geo.table_cols),
+                    columns=geo.table_cols,
                     step=state.steps + 1,
                     where=where,
                 )
@@ -797,12 +797,12 @@ class ReplayUpdater:
     def _flag(self, check: _DeferredCheck) -> None:
         """Queue the device-side block-id check of one table (no host read)."""
         memory = check.table.device  # the table's (a host table with defer_block_check=True)
-        key = (memory, *check.shape)
-        scratch = self._checks.get(key)
-        if scratch is None:
-            scratch = self._checks[key] = BlockIdCheck.on(memory, *check.shape)
-        ids = scratch.flag(check.table, check.kv, check.block_size, check.num_blocks, self.device.staged)
-        self._flags.append((check.step, check.where, ids))
+        key = (memory, check.columns)
+        found = self._checks.get(key)
+        if found is None:
+            found = self._checks[key] = BlockIdCheck.on(memory, check.columns)
+        bad = found.flag(check.table, check.kv, check.block_size, check.num_blocks)
+        self._flags.append((check.step, check.where, bad))
 
     def check_deferred(self) -> None:
         """Raise :class:`~npugraph.errors.MetadataError` for a bad block id found on the device.
@@ -828,21 +828,22 @@ class ReplayUpdater:
             return ""
         checks = list(self._flags)
         self._flags.clear()
-        outside = IdRange.outside([ids for _, _, ids in checks])  # one host read
-        hits = [k for k, bad in enumerate(outside) if bad]
+        found = BadColumns.locate([bad for _, _, bad in checks])  # one host read
+        hits = [k for k, at in enumerate(found) if at is not None]
         if not hits:
             return ""
         more = f" (and {len(hits) - 1} later check(s))" if len(hits) > 1 else ""
         step, where, _ = checks[hits[0]]
+        at = found[hits[0]]
+        assert at is not None
+        i, j = at
         return (
             f"step {step} of {where}: a block id in use in its device-resident block table is not a block of "
-            f"the KV cache{more}"
+            f"the KV cache (block_table[{i}, {j}]: request {i}'s block {j}){more}"
         )
 
     # --- errors ----------------------------------------------------------------------
     def _report(self, err: NpuGraphError, entry: CapturedGraph | None) -> None:
-        for check in self._checks.values():
-            check.forget()  # the device work its cached limits and mask rely on may not have run
         if self._on_error is not None:
             self._on_error(err, entry)
 
@@ -858,7 +859,7 @@ class _DeferredCheck:
     kv: tuple[int, ...]
     block_size: int
     num_blocks: int
-    shape: tuple[int, int]  # the graph's block-table buffer (rows, columns): bounds the ids checked
+    columns: int  # the graph's block-table buffer's: bounds the columns checked
     step: int  # the graph's step it checks
     where: str  # the graph and layer
 
