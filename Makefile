@@ -40,7 +40,7 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(MAKE) lint
 	NPUGRAPH_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q
 
-# The step protocol's property test with many more sequences (about 13 minutes).
+# The step protocol's property test with many more sequences (about 10 minutes).
 test-long: $(STAMP) $(VLLM_STAMP)
 	NPUGRAPH_LONG=1 $(BIN)/python -m pytest -q tests/test_step_protocol.py
 

@@ -312,7 +312,7 @@ def test_a_bad_step_never_stops_serving_with_event_groups(order):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("NPUGRAPH_LONG"), reason="the long run: make test-long (about 13 minutes)")
+@pytest.mark.skipif(not os.environ.get("NPUGRAPH_LONG"), reason="the long run: make test-long (about 10 minutes)")
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("path", ["step", "manual"])
 @pytest.mark.parametrize("event_group", [1, 2])
