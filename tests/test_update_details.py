@@ -345,6 +345,37 @@ def test_capture_all_captures_largest_first_and_lists_sizes_in_order():
     assert sorted(rt.manager.keys("named")) == ["a", "b"] and "a" not in rt.manager.keys("main")
 
 
+def test_capture_all_keeps_the_heap_out_of_each_captures_collect_and_restores_the_collector():
+    """Each capture starts with gc.collect(): while capture_all runs, what existed before
+    is frozen (the walks see only new objects) and thawed after, even when a capture fails;
+    a process that froze objects itself keeps its freeze."""
+    rt = Runtime("sim", max_model_len=64)
+    frozen_during = []
+
+    def make(k):
+        frozen_during.append(gc.get_freeze_count())
+        if k == 3:
+            raise ValueError("the model refuses size 3")
+        return (lambda: torch.zeros(k), (), {"require_attention": False, "tokens": k})
+
+    own = gc.get_freeze_count()  # the test session froze its imports (conftest)
+    gc.unfreeze()
+    try:
+        rt.manager.capture_all([2, 1], make)
+        assert all(n > 0 for n in frozen_during) and gc.get_freeze_count() == 0
+        with pytest.raises(ValueError, match="refuses size 3"):
+            rt.manager.capture_all([3], make)
+        assert gc.get_freeze_count() == 0, "thawed after a failed capture too"
+        gc.freeze()
+        mine = gc.get_freeze_count()
+        rt.manager.capture_all([4], make, namespace="other")
+        assert gc.get_freeze_count() == mine, "the process's own freeze is left as it was"
+    finally:
+        gc.unfreeze()
+        if own:
+            gc.freeze()
+
+
 # --- placement whatever the process default ---------------------------------------------------
 
 

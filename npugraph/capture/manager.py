@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
+import gc
 import logging
 import os
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -448,9 +450,10 @@ class CaptureManager:
         if self.progress:
             it = tqdm(order, desc=f"capturing {namespace}", unit="graph", leave=False)
         t0 = time.perf_counter()
-        for k in it:
-            fn, args, kwargs = make(k)
-            self.capture(fn, *args, key=k, namespace=namespace, **kwargs)
+        with _collector_walks_only_new():
+            for k in it:
+                fn, args, kwargs = make(k)
+                self.capture(fn, *args, key=k, namespace=namespace, **kwargs)
         logger.info("npugraph: %s", self.capture_report(namespace, time.perf_counter() - t0))
 
     def capture_report(self, namespace: str | None = None, seconds: float | None = None) -> str:
@@ -579,3 +582,21 @@ def _raised_at(exc: BaseException, skip: tuple[str, ...]) -> str:
     mine = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
     f = mine[-1]
     return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+@contextlib.contextmanager
+def _collector_walks_only_new() -> Iterator[None]:
+    """Every capture starts with ``gc.collect()`` (the graph context does, as torch's
+    does); in a serving process that walks the whole heap once per graph.  While many
+    graphs are captured, what existed before is frozen out of those walks (vLLM's model
+    runner does the same) and thawed after.  A process that froze objects itself is left
+    as it is: thawing would undo its freeze."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
