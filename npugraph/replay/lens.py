@@ -225,8 +225,9 @@ class BlockIdCheck:
         """Where the first ``len(kv)`` rows of ``table`` first hold an id outside
         ``[0, num_blocks)``, on the device (read it later with :meth:`BadColumns.locate`).
 
-        ``kv``: the key lengths of at least one request, each within the table's columns.
-        Device work only: no host read, no copy.
+        ``kv``: the key lengths of at least one request, each within the table's columns
+        (kept until the result is read, not copied: pass a tuple).  Device work only: no
+        host read, no copy.
         """
         width = -(-max(kv) // block_size)
         ids = table[: len(kv), :width]
