@@ -300,14 +300,14 @@ def test_a_bad_step_never_stops_serving(order, path):
     if path == "vllm" and not os.environ.get("NPUGRAPH_REQUIRE_VLLM"):
         pytest.importorskip("vllm")
     machine = _machine(order, path)
-    machine.TestCase.settings = settings(max_examples=6, stateful_step_count=14, **_SETTINGS)
+    machine.TestCase.settings = settings(max_examples=15, stateful_step_count=14, **_SETTINGS)
     machine.TestCase().runTest()
 
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_a_bad_step_never_stops_serving_with_event_groups(order):
     machine = _machine(order, "manual" if order == "update-first" else "step", event_group=2)
-    machine.TestCase.settings = settings(max_examples=4, stateful_step_count=14, **_SETTINGS)
+    machine.TestCase.settings = settings(max_examples=10, stateful_step_count=14, **_SETTINGS)
     machine.TestCase().runTest()
 
 
