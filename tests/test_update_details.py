@@ -1111,7 +1111,7 @@ def test_the_update_reads_the_table_the_engine_wrote_before_the_step(order, capt
     copy runs the step on the previous step's blocks. ``manual``: replay() and update()
     called by hand, in the runtime's order. Adversarial scheduling runs whichever stream
     it likes first, so a missing order shows in some of the seeds."""
-    for adversarial in range(8):
+    for adversarial in range(16):
         _engine_writes_then_steps(adversarial, order, captured, manual)
 
 
