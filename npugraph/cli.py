@@ -165,6 +165,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             )
         rt.set_policy(policy)
     engine = DecodeEngine(rt, _MODELS[args.model](cfg, rt), args.sizes)
+    # made before the capture, so that a workload this config cannot run is refused first
+    wl = Workload(cfg, engine.sizes, seed=args.seed, adversarial=args.adversarial is not None, device=rt.device.memory)
     t0 = time.perf_counter()
     engine.capture()
     capture_s = time.perf_counter() - t0
@@ -177,7 +179,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     mismatches = 0
     first_bad = None
     ref_checks, ref_failures, ref_worst = 0, 0, 0.0
-    wl = Workload(cfg, engine.sizes, seed=args.seed, adversarial=args.adversarial is not None, device=rt.device.memory)
     steps = tqdm(wl.steps(args.steps), total=args.steps, desc="decoding", unit="step", disable=args.no_progress)
     for i, batch in enumerate(steps):
         ref = engine.eager(batch).clone()

@@ -45,6 +45,21 @@ def test_bad_arguments_are_refused_by_the_parser(argv, match, capsys):
     assert match in err and "Traceback" not in err
 
 
+SHAPE_CASES = [
+    (["--heads", "3", "--kv-heads", "2"], "layer 'main.layers.0.attn': num_heads (3) must be a positive multiple"),
+    (["--head-size", "3"], "head_size must be even"),
+    (["--max-model-len", "2"], "max_model_len must be at least 3"),
+]
+
+
+@pytest.mark.parametrize(("argv", "match"), SHAPE_CASES, ids=[" ".join(a) for a, _ in SHAPE_CASES])
+def test_demo_refuses_shapes_it_cannot_run_before_capturing(argv, match, capsys):
+    # refused when the model and workload are built, not by a kernel at capture nor mid-run
+    code = main(["demo", "--no-progress", "--steps", "1", *argv])
+    err = _one_line_error(capsys, code, match)
+    assert "capture" not in err
+
+
 def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
     target = tmp_path / "victim"
     target.write_text("keep")

@@ -8,6 +8,7 @@ orders and under adversarial scheduling.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 from npugraph import AttentionMetadata, MLAAttention, Runtime, sim
 from npugraph.cli import main
 from npugraph.dump.cli import inspect
+from npugraph.errors import ConfigError
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.policy import StaticPolicy
@@ -192,3 +194,29 @@ def test_padding_tokens_write_no_kv_slot_not_even_in_block_0(kind):
         untouched = torch.ones(flat.shape[0], dtype=torch.bool)
         untouched[sorted(written)] = False
         assert (flat[untouched] == 7.0).all(), "a padding token wrote a slot no real token owns"
+
+
+@pytest.mark.parametrize(
+    ("model", "cfg", "says"),
+    [
+        (Decoder, DecoderConfig(head_size=3), "head_size must be even"),
+        (MLADecoder, DecoderConfig(rope_dim=5), "rope_dim must be even"),
+        (Decoder, DecoderConfig(heads=4, kv_heads=3), "num_heads (4) must be a positive multiple of num_kv_heads (3)"),
+    ],
+)
+def test_models_refuse_shapes_they_cannot_run_when_built(model, cfg, says):
+    rt = Runtime("sim", max_model_len=cfg.max_model_len)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        model(cfg, rt)
+    assert not rt.manager.entries(), "nothing captured"
+
+
+def test_mla_keeps_any_head_size():
+    # MLA's rotary part is rope_dim wide; head_size plays no part in it
+    MLADecoder(DecoderConfig(layers=1, head_size=3), Runtime("sim", max_model_len=512))
+
+
+def test_workload_refuses_a_max_model_len_no_request_fits():
+    with pytest.raises(ConfigError, match="max_model_len must be at least 3"):
+        Workload(DecoderConfig(max_model_len=2), [1])
+    Workload(DecoderConfig(max_model_len=3), [1])  # the least it runs

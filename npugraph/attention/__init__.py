@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from npugraph.errors import ConfigError
 from npugraph.ops import AttentionCall
 from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
@@ -60,7 +61,13 @@ class DecodeAttention(_Client):
         window: int | None = None,
     ) -> None:
         if window is not None and window < 1:
-            raise ValueError(f"layer {layer_name!r}: window must be >= 1, got {window}")
+            raise ConfigError(f"layer {layer_name!r}: window must be >= 1, got {window}")
+        if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
+            # refused here, not at capture: PA and FIA share each KV head among num_heads / num_kv_heads
+            raise ConfigError(
+                f"layer {layer_name!r}: num_heads ({num_heads}) must be a positive multiple of "
+                f"num_kv_heads ({num_kv_heads})"
+            )
         super().__init__(
             runtime,
             layer_name,

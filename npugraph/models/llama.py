@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from npugraph.attention import DecodeAttention, MLAAttention
+from npugraph.errors import ConfigError
 from npugraph.reference import paged_attention_reference
 from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
@@ -251,6 +252,11 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, runtime: Runtime, namespace: str = "main") -> None:
         super().__init__()
+        width = int(getattr(cfg, self.rope_width))
+        if width < 2 or width % 2:
+            raise ConfigError(
+                f"{self.rope_width} must be even (the rotary embedding turns pairs of dimensions), got {width}"
+            )
         self.cfg = cfg
         dev = runtime.device.memory
         gen = torch.Generator().manual_seed(cfg.seed)  # weights drawn on the host: the same on every device
@@ -264,7 +270,6 @@ class Decoder(nn.Module):
             for p in self.parameters():
                 if p.dim() > 1:
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device="cpu") * 0.05)
-        width = int(getattr(cfg, self.rope_width))
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, width, 2, device=dev).float() / width))
         ang = torch.arange(cfg.max_model_len, device=dev).float().unsqueeze(1) * inv.unsqueeze(0)
         self.cos = ang.cos()

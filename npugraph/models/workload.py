@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import attrs
 import torch
 
+from npugraph.errors import ConfigError
 from npugraph.models.llama import DecoderConfig
 from npugraph.replay.lens import AttentionMetadata
 from npugraph.runtime import PAD_SLOT_ID
@@ -59,6 +60,9 @@ class Workload:
         adversarial: bool = False,
         device: torch.device | str = "cpu",
     ) -> None:
+        if cfg.max_model_len < 3:
+            # a prompt token and up to two output tokens: the least a request of this workload asks
+            raise ConfigError(f"max_model_len must be at least 3 for this workload, got {cfg.max_model_len}")
         self.cfg = cfg
         self.device = torch.device(device)  # where token inputs live (the model's device)
         self.sizes = sorted(sizes)
