@@ -61,6 +61,7 @@ __all__ = [
     "bench_validation",
     "bench_timeline",
     "modeled_summary",
+    "python_loop_ns",
 ]
 
 _MAX_MODEL_LEN = 2048
@@ -437,6 +438,21 @@ def bench_validation(
         )
     sim.configure()
     return rows
+
+
+def python_loop_ns(iterations: int = 200_000, repeats: int = 5) -> float:
+    """How fast this machine runs Python: ns per iteration of a plain summing loop (best of
+    ``repeats``).  The modeled timeline takes each implementation's Python from the machine
+    it runs on, so its ratios move with this figure: a slower host leaves a lever that
+    saves device-API calls a smaller share of the step."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(iterations):
+            total += i
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e9 / iterations
 
 
 # --- the modeled timeline: npugraph vs UpdatableGraph vs the older loop ---------------------

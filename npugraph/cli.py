@@ -313,7 +313,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not isinstance(host_costs, dict):
             raise NpuGraphError(f"{args.costs}: a calibration is a JSON object (npugraph selftest --calibrate FILE)")
     source = f"host costs from {args.costs}" if args.costs else "A2 host costs"
-    print(f"modeled on the device timeline ({source}; steps/s over {args.seeds} seeds, higher is better):", flush=True)
+    loop_ns = bench.python_loop_ns()
+    print(
+        f"modeled on the device timeline ({source}; steps/s over {args.seeds} seeds, higher is better; each "
+        f"implementation's Python as this machine runs it: {loop_ns:.0f} ns a loop iteration):",
+        flush=True,
+    )
 
     def show_model(label: str, res: dict[str, Any]) -> None:
         cells = "  ".join(f"{k} {r.steps_per_s:7.1f}" for k, r in res.items())
@@ -403,6 +408,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(),
+        "python_loop_ns": loop_ns,  # the modeled ratios depend on it (bench.python_loop_ns)
     }
     if args.json:
         write_text(args.json, json.dumps(result, indent=1))
