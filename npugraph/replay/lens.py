@@ -181,11 +181,11 @@ def _check_block_ids(table: torch.Tensor, kv: list[int], block_size: int, num_bl
     Only the columns in use are read: the cost follows the blocks the step uses, not
     the table's width (max_model_len / block_size columns).
     """
-    used_cols = [-(-length // block_size) for length in kv]
-    width = max(used_cols)
+    width = -(-max(kv) // block_size)  # the widest request's blocks
     if width == 0:
         return
-    sub = table[: len(kv), :width]
+    # whole rows when the widest request spans the table: a contiguous read, faster to reduce
+    sub = table[: len(kv)] if width >= table.shape[1] else table[: len(kv), :width]
     lo, hi = torch.aminmax(sub)
     if int(lo) >= 0 and int(hi) < num_blocks:
         return  # the common case: every id in the columns in use (and beside them) is valid
