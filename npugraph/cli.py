@@ -146,6 +146,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"{cfg.block_size} tokens (--max-model-len {cfg.max_model_len}); give at least {need}, and about "
             f"{need * max(args.sizes)} to fill the largest size"
         )
+    if max(args.sizes) > cfg.num_blocks:
+        # the demo decodes one token per request, and every request holds a block at least
+        raise NpuGraphError(
+            f"--sizes {max(args.sizes)} exceeds --num-blocks {cfg.num_blocks}: each request of this demo takes "
+            f"a token of the graph and at least one block, so at most {cfg.num_blocks} of its rows could ever "
+            f"hold a request; give sizes up to {cfg.num_blocks}, or more blocks"
+        )
     rt = Runtime(
         args.device,
         max_model_len=cfg.max_model_len,

@@ -49,6 +49,7 @@ SHAPE_CASES = [
     (["--heads", "3", "--kv-heads", "2"], "layer 'main.layers.0.attn': num_heads (3) must be a positive multiple"),
     (["--head-size", "3"], "head_size must be even"),
     (["--max-model-len", "2"], "max_model_len must be at least 3"),
+    (["--sizes", "1,100000"], "--sizes 100000 exceeds --num-blocks 512"),
 ]
 
 
