@@ -6,8 +6,10 @@ npugraph in its default and grouped configurations, vllm-ascend's ``UpdatableGra
 merged in #16798 under the MRV1 (synchronize before each FULL replay, #15125) and MRV2
 runners, and the runner's older loop (#4233, #15579).
 
-Measured (:func:`bench_update`): host time of four implementations updating the same
-captured graph, interleaved step by step so that machine drift cancels:
+Measured (:func:`bench_update`): host time of five implementations updating the same
+captured graph, interleaved step by step so that machine drift cancels.  Each is timed
+from its input as an engine hands it over: the metadata objects are built untimed,
+because building them is the engine's work, whichever update then reads them.
 
 * **npugraph** — :meth:`ReplayUpdater.update`;
 * **unchecked** — the same with validation off (``Runtime(validate=False)``): what the
@@ -128,8 +130,17 @@ def _legacy_loop(device: Any, entry: Any, us: Any) -> Callable[[Any], None]:
     return update
 
 
-def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[[torch.Tensor], None]]:
-    """The update implementations, each taking this step's seq_lens."""
+@attrs.frozen(kw_only=True)
+class _Method:
+    """One measured update: ``prepare`` makes its input from the step's lengths (untimed:
+    the engine's work, such as building the metadata objects), ``run`` is the timed update."""
+
+    prepare: Callable[[torch.Tensor], Any]
+    run: Callable[[Any], None]
+
+
+def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, _Method]:
+    """The update implementations, each from this step's seq_lens."""
     entry = rt.entry(size)
     dev = rt.device
     npu = dev.npu
@@ -140,44 +151,47 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[
     events = [t.event for t in entry.tasks]
     kernel = spec.kernel_fn(dev)
 
-    def npugraph(lens: torch.Tensor) -> None:
-        rt.updater.update("main", size, {"default": AttentionMetadata(seq_lens=lens, block_table=table)})
+    def step_metadata(lens: torch.Tensor) -> dict[str, AttentionMetadata]:
+        return {"default": AttentionMetadata(seq_lens=lens, block_table=table)}
 
-    def unchecked(lens: torch.Tensor) -> None:
+    def npugraph(metadata: dict[str, AttentionMetadata]) -> None:
+        rt.updater.update("main", size, metadata)
+
+    def unchecked(metadata: dict[str, AttentionMetadata]) -> None:
         # the same update with validation off (Runtime(validate=False)): the framework alone
         updater = rt.updater
         updater.validate = False
         try:
-            updater.update("main", size, {"default": AttentionMetadata(seq_lens=lens, block_table=table)})
+            updater.update("main", size, metadata)
         finally:
             updater.validate = True
 
     legacy = _legacy_loop(dev, entry, us)
 
-    def baseline(lens: torch.Tensor) -> None:
+    def per_layer(lens: torch.Tensor) -> dict[str, AttentionMetadata]:
+        return {name: AttentionMetadata(seq_lens=lens, block_table=table) for name in layers}
+
+    def baseline(metadata: dict[str, AttentionMetadata]) -> None:
         npu.synchronize()  # before every replay (vllm-ascend PR #4233)
-        legacy({name: AttentionMetadata(seq_lens=lens, block_table=table) for name in layers})
+        legacy(metadata)
 
-    floor_args: list[dict[str, Any]] = []
-
-    def prepare_floor(lens: torch.Tensor) -> None:
-        floor_args.clear()
+    def prepare_floor(lens: torch.Tensor) -> list[dict[str, Any]]:
         host = spec.host_values(_lens(lens, size))
+        args = []
         for t in entry.tasks:
             kw = t.kwargs()
             kw.update(host)
-            floor_args.append(kw)
+            args.append(kw)
+        return args
 
-    def floor(lens: torch.Tensor) -> None:
+    def floor(args: list[dict[str, Any]]) -> None:
         begin, end = npu.graph_task_update_begin, npu.graph_task_update_end
         with npu.stream(us):
-            for i in range(len(floor_args)):
+            for i in range(len(args)):
                 begin(us, handles[i])
-                kernel(**floor_args[i])
+                kernel(**args[i])
                 end(us)
                 events[i].record(us)
-
-    floor.prepare = prepare_floor  # type: ignore[attr-defined]
 
     geometry = rt.updater.plan(entry).tasks[0].geometry
     check = BlockIdCheck.on(dev.memory, int(table.shape[1]))
@@ -201,7 +215,13 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, Callable[
                 end(us)
                 events[i].record(us)
 
-    return {"npugraph": npugraph, "unchecked": unchecked, "baseline": baseline, "floor": floor, "minimal": minimal}
+    return {
+        "npugraph": _Method(prepare=step_metadata, run=npugraph),
+        "unchecked": _Method(prepare=step_metadata, run=unchecked),
+        "baseline": _Method(prepare=per_layer, run=baseline),
+        "floor": _Method(prepare=prepare_floor, run=floor),
+        "minimal": _Method(prepare=lambda lens: lens, run=minimal),
+    }
 
 
 def _lens(lens: torch.Tensor, size: int) -> Any:
@@ -223,13 +243,11 @@ def bench_update(
         rng.shuffle(order)  # interleaved, in a fresh order each round
         for name in order:
             lens = torch.tensor([rng.randint(1, _MAX_MODEL_LEN) for _ in range(size)], dtype=torch.int32, device="cpu")
-            fn = methods[name]
-            prep = getattr(fn, "prepare", None)
-            if prep is not None:
-                prep(lens)
+            method = methods[name]
+            step_input = method.prepare(lens)  # the engine's part: untimed for every method
             before = dict(counters)
             t0 = time.perf_counter()
-            fn(lens)
+            method.run(step_input)
             dt = time.perf_counter() - t0
             if i >= warmup:
                 times[name].append(dt * 1e6)
