@@ -13,7 +13,7 @@ import attrs
 import pytest
 
 from npugraph import bench
-from npugraph.timeline import Call, Costs, RecordingDevice, StepLog, chrome_trace, model_steps
+from npugraph.timeline import Call, Costs, RecordingDevice, StepLog, chrome_trace, min_log, model_steps
 
 COSTS = Costs(attention_us=60.0)
 FIA_LAYER = 22 + 120 + 30 + 12  # begin + op + end + record, the fused call's total
@@ -101,11 +101,15 @@ def test_the_recorder_does_not_count_itself_and_counts_the_python_after_the_last
     dev = RecordingDevice("fia")
     overhead = dev.calibrate()
     assert overhead > 0
-    with dev.recording() as logs:
-        for _ in range(80):
-            dev.log("event_record", 0)
-    (log,) = logs
-    own = sum(c.python_us for c in log.calls[:-1])
+    # the least gap per position over repeats, as the bench reads its logs (min_log): a
+    # moment of machine slowness in one recording is not the recorder counting itself
+    recorded = []
+    for _ in range(5):
+        with dev.recording() as logs:
+            for _ in range(80):
+                dev.log("event_record", 0)
+        recorded += logs
+    own = sum(c.python_us for c in min_log(recorded).calls[:-1])
     assert own < 0.25 * 80 * overhead, "80 back-to-back calls are not 80 calls' worth of Python"
     with dev.recording() as logs:
         dev.log("replay")
