@@ -70,10 +70,18 @@ _MAX_MODEL_LEN = 2048
 
 
 def _setup(
-    layers: int, size: int, kernel: str, cost: bool, *, event_group: int = 1, configure: bool = True
+    layers: int,
+    size: int,
+    kernel: str,
+    cost: bool,
+    *,
+    event_group: int = 1,
+    configure: bool = True,
+    table: torch.Tensor | None = None,
 ) -> tuple[Runtime, Any, torch.Tensor, torch.Tensor]:
     """A captured attention stack; returns the runtime, the stack, and the graph's block-table
-    and query buffers (the caller keeps them alive: the graph reads them)."""
+    and query buffers (the caller keeps them alive: the graph reads them).  ``table``: capture
+    with this block-table buffer (another graph's), as an engine's graphs share its one buffer."""
     if configure:
         sim.configure(cost_model=sim.HostCostModel.atlas_a2() if cost else None)
     rt = Runtime(
@@ -82,7 +90,8 @@ def _setup(
     stack = AttentionStack(rt, layers=layers)
     cols = _MAX_MODEL_LEN // stack.block_size
     dev = rt.device.memory
-    table = torch.randint(0, stack.num_blocks, (size, cols), dtype=torch.int32, device="cpu").to(dev)
+    if table is None:
+        table = torch.randint(0, stack.num_blocks, (size, cols), dtype=torch.int32, device="cpu").to(dev)
     q = torch.randn(size, stack.heads, stack.head_size, device="cpu").to(dtype=stack.dtype, device=dev)
     meta = AttentionMetadata(seq_lens=torch.ones(size, dtype=torch.int32, device="cpu"), block_table=table)
     rt.capture(stack, q, meta, key=size)
@@ -760,6 +769,18 @@ def engine_step(log: StepLog, engine_us: float, *, background: bool) -> StepLog:
     return StepLog(calls=(*calls[:after_replay], *engine, *update), fork=after_replay)
 
 
+def _modeled_runtimes(shape: ModeledShape) -> tuple[Runtime, Runtime, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The shape captured by default and with event grouping, both reading one block-table
+    buffer, as an engine's graphs read its one buffer (each step's table is that buffer, so
+    neither copies it in: with a buffer each, the grouped graph alone would copy every step).
+    Returns both runtimes, the table and the query buffers (keep them alive)."""
+    rt, _, table, query = _setup(shape.layers, shape.size, shape.kernel, cost=False)
+    grouped, _, _, g_query = _setup(
+        shape.layers, shape.size, shape.kernel, cost=False, event_group=shape.event_group, configure=False, table=table
+    )
+    return rt, grouped, table, (query, g_query)
+
+
 def bench_timeline(
     shape: ModeledShape, *, repeats: int = 7, seed: int = 0, host_costs: dict[str, Any] | None = None
 ) -> dict[str, TimelineResult]:
@@ -767,10 +788,7 @@ def bench_timeline(
     plus ``api_floor``: the headline's device-API calls with none of its Python.
     ``host_costs``: measured host µs per call (``npugraph selftest --calibrate``) instead of A2's."""
     sim.configure()
-    rt, _, table, _query = _setup(shape.layers, shape.size, shape.kernel, cost=False)
-    grouped, _, _g_table, _g_query = _setup(
-        shape.layers, shape.size, shape.kernel, cost=False, event_group=shape.event_group, configure=False
-    )
+    rt, grouped, table, _queries = _modeled_runtimes(shape)
     rng = random.Random(seed)
     device_us = {"attention_us": shape.attention_us, "other_us": shape.other_us}
     costs = Costs.host_costs(host_costs, **device_us) if host_costs else Costs(**device_us)

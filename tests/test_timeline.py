@@ -103,14 +103,16 @@ def test_the_recorder_does_not_count_itself_and_counts_the_python_after_the_last
     assert overhead > 0
     # the least gap per position over repeats, as the bench reads its logs (min_log): a
     # moment of machine slowness in one recording is not the recorder counting itself
+    # (a recorder that does not subtract itself reads about 80 calls' worth; half of that is
+    # the limit, so that only a machine slower by half through every recording could fail it)
     recorded = []
-    for _ in range(5):
+    for _ in range(9):
         with dev.recording() as logs:
             for _ in range(80):
                 dev.log("event_record", 0)
         recorded += logs
     own = sum(c.python_us for c in min_log(recorded).calls[:-1])
-    assert own < 0.25 * 80 * overhead, "80 back-to-back calls are not 80 calls' worth of Python"
+    assert own < 0.5 * 80 * overhead, "80 back-to-back calls are not 80 calls' worth of Python"
     with dev.recording() as logs:
         dev.log("replay")
         end = time.thread_time() + 0.002
@@ -136,6 +138,22 @@ def test_updatable_graph_baselines_follow_the_merged_code():
         assert kinds[name].count("workspace_query") == 1, f"{name}: the PA workspace once per pass (#15579)"
         assert kinds[name].count("event_record") == 4
     assert kinds["legacy"][:2] == ["synchronize", "replay"], "the runner's order: synchronize, replay, update"
+
+
+@pytest.mark.parametrize("kernel", ["pa", "fia"])
+def test_both_modeled_npugraph_graphs_read_the_steps_table_in_place(kernel):
+    # an engine's graphs read its one block-table buffer: a graph with a buffer of its own
+    # would copy the table in every step and be charged for it, the other not
+    bench.sim.configure()
+    shape = bench.ModeledShape(
+        label="t", layers=4, size=4, kernel=kernel, attention_us=1.0, other_us=1.0, source="test", event_group=2
+    )
+    rt, grouped, table, _queries = bench._modeled_runtimes(shape)
+    for runtime in (rt, grouped):
+        for task in runtime.entry(4).tasks:
+            (name,) = task.spec.refreshed_buffers
+            assert task.args[name].data_ptr() == table.data_ptr(), "the step's own table, read in place"
+    assert sum(t.records for t in grouped.entry(4).tasks) < 4 == sum(t.records for t in rt.entry(4).tasks)
 
 
 def test_a_thread_that_waited_for_the_gil_wakes_a_handoff_after_its_release():
