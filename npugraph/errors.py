@@ -18,6 +18,7 @@ __all__ = [
     "GraphDeadlock",
     "GraphRace",
     "PolicyError",
+    "StepOrderWarning",
 ]
 
 
@@ -78,3 +79,10 @@ class GraphRace(NpuGraphError):
 
 class PolicyError(NpuGraphError, ValueError):
     """A kernel-policy file does not match this model or device."""
+
+
+class StepOrderWarning(UserWarning):
+    """A half step discarded work nobody ran: an update no replay ran, or a replay that was
+    waiting for its update.  The runtime goes on (the step protocol's table says how);
+    the warning names the graph and the order at the call that made the mistake, once per
+    graph and kind.  ``warnings.simplefilter("error", StepOrderWarning)`` makes it raise."""

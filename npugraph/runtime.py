@@ -145,6 +145,11 @@ class Runtime:
                 q_ends: list[int] | None = meta.query_start_loc.tolist()[1:]
             else:
                 q_ends = None if tpr == 1 else [tpr * (i + 1) for i in range(r)]
+            longest = max((b - a for a, b in itertools.pairwise([0, *(q_ends or ())])), default=1)
+            if tokens > rows * tpr or longest > tpr:
+                # a graph with more query tokens than rows x tokens_per_request (vLLM's mixed
+                # FULL batches) runs requests of several tokens: capture it causal
+                call = attrs.evolve(call, tokens_per_request=max(longest, -(-tokens // max(1, rows))))
             lens = pad_lens(meta.seq_lens.tolist(), q_ends, rows, tokens)
             self.manager.attention(layer, group, call, lens, ubatch)
             return
@@ -249,19 +254,39 @@ class Runtime:
         return self.manager.has(namespace, key)
 
     def key_for(self, num_tokens: int, num_reqs: int | None = None, *, namespace: str = "main") -> Hashable:
-        """The captured key to run a batch of ``num_tokens`` tokens (and ``num_reqs``
-        requests) with: the smallest graph that holds it.  :meth:`step` then pads the
-        inputs and the metadata to that graph.  Raises
-        :class:`~npugraph.errors.UnknownKeyError` when no captured graph is large enough."""
+        """The smallest captured key whose graph :meth:`step` runs for a batch of
+        ``num_reqs`` real requests (default: ``num_tokens``, plain decode) with
+        ``num_tokens`` real query tokens (the last entry of its ``query_start_loc``, or
+        tokens per request times requests); :meth:`step` then pads the inputs and the
+        metadata to that graph.
+
+        It applies the rule the step's update applies (:func:`npugraph.ops.batch_refusal`):
+        the graph must hold the requests and the tokens, and spare tokens need a padding
+        row, so a graph whose request rows are all real takes no spare token.  Raises
+        :class:`~npugraph.errors.UnknownKeyError` when no captured graph runs the batch.
+        """
         reqs = num_tokens if num_reqs is None else num_reqs
-        fits = [e for e in self.manager.entries(namespace) if e.tokens >= num_tokens and (e.batch or e.tokens) >= reqs]
-        if not fits:
-            have = sorted(e.tokens for e in self.manager.entries(namespace))
-            raise UnknownKeyError(
-                f"no graph in namespace {namespace!r} holds {num_tokens} tokens and {reqs} requests (captured token "
-                f"counts: {have}); run this batch eagerly (Runtime(eager_fallback=...)) or capture a larger size"
-            )
-        return min(fits, key=lambda e: (e.tokens, e.batch)).key
+        entries = sorted(self.manager.entries(namespace), key=lambda e: (e.tokens, e.batch))
+        for e in entries:
+            if self.updater.plan(e).refusal(num_tokens, reqs) is None:
+                return e.key
+        have = [e.tokens for e in entries]
+        why = ""
+        if entries:
+            why = f"; the largest, {entries[-1].key!r}: {self.updater.plan(entries[-1]).refusal(num_tokens, reqs)}"
+        raise UnknownKeyError(
+            f"no graph in namespace {namespace!r} holds {num_tokens} tokens and {reqs} requests (captured token "
+            f"counts: {have}{why}); run this batch eagerly (Runtime(eager_fallback=...)) or "
+            "capture a larger size, with a spare request row if the batch's tokens do not fill it"
+        )
+
+    def refusal(self, key: Hashable, metadata: StepMetadata, *, namespace: str = "main") -> str | None:
+        """Why the graph of ``key`` cannot run the batch ``metadata`` holds, by the rule
+        :meth:`key_for` applies (too many requests or tokens, or spare tokens with no
+        padding row), or ``None``.  An engine whose batch was padded to a key it did not
+        choose (vLLM's dispatcher) asks this before :meth:`step`, and runs the batch eagerly
+        when it gets a reason; nothing else is checked (:meth:`step` validates the rest)."""
+        return self.updater.refusal(namespace, key, metadata)
 
     def graph_state(self, key: Hashable, *, namespace: str = "main") -> GraphState:
         """The step state of the graph of ``key``: its phase, replays, steps, last lengths."""

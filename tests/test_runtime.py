@@ -459,7 +459,8 @@ def test_key_for_picks_the_smallest_graph_that_holds_the_batch_and_step_pads_to_
     assert [rt.key_for(n) for n in (1, 2, 3, 5, 8)] == [2, 2, 4, 8, 8]
     with pytest.raises(
         UnknownKeyError,
-        match=r"no graph in namespace 'main' holds 9 tokens and 9 requests \(captured token counts: \[2, 4, 8\]\)",
+        match=r"no graph in namespace 'main' holds 9 tokens and 9 requests \(captured token counts: \[2, 4, 8\]; "
+        r"the largest, 8: 9 requests do not fit the captured batch of 8",
     ):
         rt.key_for(9)
     b = _batch(cfg, 8, steps=5)

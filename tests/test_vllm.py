@@ -84,6 +84,7 @@ class Runner:
         check_addresses=False,
         dtype=torch.bfloat16,
         event_group=1,
+        max_num_seqs=8,
     ):
         self.cfg = DecoderConfig(layers=3, num_blocks=96, max_model_len=128, dtype=dtype)
         vc = VllmConfig()
@@ -95,7 +96,7 @@ class Runner:
             cc.splitting_ops = list(cc._attention_ops)
         cc.cudagraph_capture_sizes = list(SIZES)
         cc.max_cudagraph_capture_size = max(SIZES)
-        vc.scheduler_config.max_num_seqs = max(SIZES)
+        vc.scheduler_config.max_num_seqs = max_num_seqs
         self.vllm_config = vc
         rt = Runtime("sim", max_model_len=self.cfg.max_model_len, event_group=event_group)
         self.rt = integ.attach_runtime(vc, rt)
@@ -127,8 +128,14 @@ class Runner:
     def capture(self):
         for mode, descs in self.dispatcher.get_capture_descs():
             for bd in descs:  # largest first
-                t = bd.num_tokens
-                dummy = AttentionMetadata(seq_lens=torch.ones(t, dtype=torch.int32), block_table=self.table[:t])
+                t, r = bd.num_tokens, bd.num_reqs or bd.num_tokens
+                # as vLLM's dummy run: the descriptor's requests, its tokens spread over them
+                ends = [t * (i + 1) // r for i in range(r)]
+                dummy = AttentionMetadata(
+                    seq_lens=torch.tensor([b - a for a, b in zip([0, *ends], ends)], dtype=torch.int32),
+                    block_table=self.table[:r],
+                    query_start_loc=None if r == t else torch.tensor([0, *ends], dtype=torch.int32),
+                )
                 self._forward(mode, bd, dummy)
 
     def step(self, batch, metadata_cls=None):
@@ -681,3 +688,46 @@ def test_padded_metadata_gets_the_same_answer_in_full_and_eager(convention):
         runner.rt.synchronize()
         assert torch.equal(full, eager), f"{convention}: FULL and eager differ on the same metadata"
         assert torch.equal(full, runner.eager(batch, t)), "and equal the unpadded step"
+
+
+def test_a_batch_its_graph_cannot_pad_runs_eagerly(caplog):
+    """vLLM pads a mixed batch to a descriptor of min(tokens, max_num_seqs) requests: with
+    max_num_seqs 4, 6 tokens of 4 requests go to the 8-token graph of 4 rows, whose rows are
+    then all real and whose 2 spare tokens have no padding row; and a prefill of 3 tokens
+    goes to the 4-token graph, captured with PA (one token per request).  The wrapper asks
+    the runtime's rule (the one key_for and the update apply) and runs such batches
+    eagerly, warning once per key; the others replay.  Every step is checked against the
+    float64 reference."""
+    runner = Runner(mode=CUDAGraphMode.FULL, max_num_seqs=4, dtype=torch.float16)
+    runner.capture()
+    entry = runner.rt.entry(BatchDescriptor(num_tokens=8, num_reqs=4), namespace="main")
+    assert entry.batch == 4 and entry.tokens == 8
+    set_cudagraph_capturing_enabled(False)
+    eager_steps = replays = spare_eager = 0
+    try:
+        with caplog.at_level(logging.WARNING, logger="npugraph"):
+            for i, step in enumerate(_serving_steps(runner.cfg, 40, seed=5)):
+                before = sum(runner.rt.updater.state(e).replays for e in runner.rt.entries("main"))
+                mode, bd, meta, out = _serve(runner, step)
+                replayed = sum(runner.rt.updater.state(e).replays for e in runner.rt.entries("main")) - before
+                n, r = len(step.ids), len(step.seq_lens)
+                kernel = runner.rt.entry(bd, namespace="main").choice.kernel
+                # the padding rule, stated independently: PA takes one token per request; a
+                # graph whose rows are all real takes no spare token
+                eager = (kernel == "pa" and n != r) or (r == bd.num_reqs and n < bd.num_tokens)
+                assert replayed == (not eager), f"step {i}: replayed {replayed}, {kernel} {bd}, {r} reqs {n} tokens"
+                eager_steps += eager
+                spare_eager += eager and kernel != "pa"
+                replays += replayed
+                ind = runner.decoder.reference_logits(
+                    runner.ids, runner.pos, runner.slots, step.seq_lens, step.query_lens, step.table
+                )
+                err = (out[:n] - ind).abs().max().item()
+                assert err < 0.02 * max(1.0, ind.abs().max().item()), f"step {i}: {err} from the float64 reference"
+    finally:
+        set_cudagraph_capturing_enabled(True)
+    assert spare_eager >= 2 and eager_steps > spare_eager and replays >= 10, (spare_eager, eager_steps, replays)
+    warned = [rec.getMessage() for rec in caplog.records if "eagerly" in rec.getMessage()]
+    assert 2 <= len(warned) <= len(SIZES), "once per key"
+    assert any("all 4 captured request rows are real" in w for w in warned), warned
+    assert any("runs one query token per request (PA" in w for w in warned), warned

@@ -273,6 +273,7 @@ class NpuGraphWrapper:
         self._addresses: dict[Any, list[tuple[str, int]]] = {}
         self._strong: dict[Any, Any] = {}
         self._captured: set[Any] = set()
+        self._eager_keys: set[Any] = set()  # keys that ran a batch eagerly (warned once each)
 
     def __getattr__(self, key: str) -> Any:
         runnable = self.__dict__.get("runnable")
@@ -309,6 +310,16 @@ class NpuGraphWrapper:
             if self._full and self.runtime.entry(key, namespace=self.namespace).tasks
             else {}
         )
+        if metadata:
+            # vLLM padded the batch to this descriptor; the graph's padding rule may still
+            # refuse it (all request rows real, fewer tokens): then it runs eagerly, as a
+            # batch with no graph does
+            refused = self.runtime.refusal(key, metadata, namespace=self.namespace)
+            if refused is not None:
+                if key not in self._eager_keys:
+                    self._eager_keys.add(key)
+                    logger.warning("npugraph: running a batch of %s eagerly (said once per key): %s", key, refused)
+                return self.runnable(*args, **kwargs)
         # the runtime's one step protocol, in its order (replay-first by default: the
         # device starts the graph while the host updates layer by layer)
         return self.runtime.step(key, metadata, namespace=self.namespace)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -10,7 +10,7 @@ import torch
 
 from npugraph.errors import ConfigError
 
-__all__ = ["AttentionCall", "StepLens", "OpSpec", "pad_lens"]
+__all__ = ["AttentionCall", "StepLens", "OpSpec", "pad_lens", "batch_refusal"]
 
 
 @attrs.frozen(kw_only=True)
@@ -99,6 +99,41 @@ def pad_lens(
     return StepLens(kv_lens=kv, q_ends=q, num_reqs=r)
 
 
+def batch_refusal(
+    rows: int, tokens: int, num_reqs: int, num_tokens: int, *, one_query_token: bool = False
+) -> str | None:
+    """Why a graph of ``rows`` request rows and ``tokens`` query tokens cannot run a step of
+    ``num_reqs`` real requests with ``num_tokens`` real query tokens, or ``None`` if it can.
+
+    The one statement of the padding rule's limits (:func:`pad_lens` pads what passes):
+    the step's update refuses what this refuses, and ``Runtime.key_for`` picks the
+    smallest graph this accepts.  Spare query tokens belong to padding rows, so a graph
+    whose rows are all real must have no spare token.  ``one_query_token``: the graph's
+    kernel takes one query token per request (:attr:`OpSpec.one_query_token`).
+    """
+    if num_reqs > rows:
+        return f"{num_reqs} requests do not fit the captured batch of {rows}; pick a key whose size covers the batch"
+    if num_tokens > tokens:
+        return f"{num_tokens} query tokens do not fit the captured {tokens}"
+    if one_query_token and num_tokens != num_reqs:
+        return (
+            f"the captured kernel runs one query token per request (PA, or FIA captured without a causal "
+            f"mask), but the step's {num_reqs} requests have {num_tokens} query tokens; run it on a graph "
+            "captured for several tokens per request"
+        )
+    if num_reqs == rows and num_tokens < tokens:
+        return (
+            f"all {rows} captured request rows are real but the step has {num_tokens} of "
+            f"{tokens} query tokens; the spare tokens need a padding row (giving them to the last "
+            "request would shift its causal window). Use a graph with more request rows than requests."
+        )
+    return None
+
+
+def _never(args: Mapping[str, Any]) -> bool:
+    return False
+
+
 def _no_constants(memory: torch.device) -> None:
     """Most kernels share no constant between graphs."""
 
@@ -119,6 +154,10 @@ class OpSpec:
       up to ``max_model_len`` (queried at capture only, never per step);
     * ``unsupported(call)``: why this kernel cannot run ``call`` (or ``None``);
     * ``fused_update``: the device's 4-in-1 update entry point may be used;
+    * ``one_query_token(args)``: whether the task, as captured with ``args``, runs one query
+      token per request (PA, whose query rows are the requests; FIA captured without a
+      causal mask); a step whose requests have more is refused, as the kernel would compute
+      them wrongly;
     * ``prepare(memory)``: make the per-device constants its arguments share across
       graphs (FIA's causal mask) — called before every capture, since a tensor made
       inside one comes from that graph's pool and is written only by its replay.
@@ -136,6 +175,7 @@ class OpSpec:
     unsupported: Callable[[AttentionCall], str | None]
     fused_update: bool = False
     prepare: Callable[[torch.device], object] = _no_constants
+    one_query_token: Callable[[Mapping[str, Any]], bool] = _never
 
     def kernel_fn(self, device: Any) -> Callable[..., Any]:
         """Resolve the entry point on ``device`` (once per capture, not per step)."""

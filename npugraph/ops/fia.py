@@ -7,13 +7,14 @@ speculative verification (``sparse_mode=3``: causal within each request).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
 
 from npugraph.ops.base import AttentionCall, OpSpec, StepLens
 
-__all__ = ["FIA", "causal_mask", "fia_arguments", "fia_workspace_bytes"]
+__all__ = ["FIA", "causal_mask", "fia_arguments", "fia_one_query_token", "fia_workspace_bytes"]
 
 
 @functools.cache
@@ -67,6 +68,12 @@ def fia_arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor |
     return kwargs
 
 
+def fia_one_query_token(args: Mapping[str, Any]) -> bool:
+    """Captured without a mask (``sparse_mode=0``), a request's query tokens all see all its
+    keys: right for one token, not causal for several."""
+    return bool(args.get("sparse_mode") == 0)
+
+
 def _host_values(lens: StepLens) -> dict[str, Any]:
     return {"actual_seq_lengths": lens.q_ends, "actual_seq_lengths_kv": lens.kv_lens}
 
@@ -103,4 +110,5 @@ FIA = OpSpec(
     unsupported=_unsupported,
     prepare=causal_mask,
     fused_update=True,
+    one_query_token=fia_one_query_token,
 )

@@ -8,9 +8,9 @@ import attrs
 import torch
 
 from npugraph.errors import MetadataError
-from npugraph.ops.base import StepLens, pad_lens
+from npugraph.ops.base import StepLens, batch_refusal, pad_lens
 
-__all__ = ["AttentionMetadata", "BadColumns", "BlockIdCheck", "pad_lens", "convert", "real_requests"]
+__all__ = ["AttentionMetadata", "BadColumns", "BlockIdCheck", "pad_lens", "convert", "real_requests", "real_batch"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -63,6 +63,7 @@ def convert(
     tokens_per_request: int,
     check_block_ids: bool | None = None,
     table_device: torch.device | None = None,
+    one_query_token: bool = False,
 ) -> StepLens:
     """Validate ``meta`` against a captured graph and pad it to that graph's size.
 
@@ -73,7 +74,9 @@ def convert(
     checks those on the device instead (the cost grows with the blocks in use).
     Without ``query_start_loc`` every request has ``tokens_per_request`` query tokens
     (1: decode; more: speculative verification).  ``table_device``: the device's memory;
-    a block table must be there or on the host.
+    a block table must be there or on the host.  ``one_query_token``: the kernel takes one
+    query token per request (PA, FIA without a causal mask), so every real request must have
+    exactly one.
     """
     if not isinstance(meta, AttentionMetadata):
         raise MetadataError(
@@ -84,10 +87,8 @@ def convert(
     given = len(kv)
     r = real_requests(kv)
     kv = kv[:r]
-    if r > batch:
-        raise MetadataError(
-            f"{where}: {r} requests do not fit the captured batch of {batch}; pick a key whose size covers the batch"
-        )
+    if r > batch:  # before the table's rows are checked against r (batch_refusal says it)
+        raise MetadataError(f"{where}: {batch_refusal(batch, tokens, r, 0)}")
     table = meta.block_table
     if not isinstance(table, torch.Tensor) or table.dim() != 2 or int(table.shape[0]) < r:
         shape = list(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
@@ -132,14 +133,17 @@ def convert(
                 f"{kv[short]}; the key length counts this step's tokens too (only trailing requests of "
                 "length 0 are padding)"
             )
-    if q_ends and q_ends[-1] > tokens:
-        raise MetadataError(f"{where}: {q_ends[-1]} query tokens do not fit the captured {tokens}")
-    real_tokens = q_ends[-1] if q_ends else 0
-    if r == batch and real_tokens < tokens:
+    refused = batch_refusal(batch, tokens, r, q_ends[-1] if q_ends else 0)
+    if refused is not None:
+        raise MetadataError(f"{where}: {refused}")
+    # batch_refusal's one-token rule, naming the request (without query_start_loc the graph's
+    # own tokens per request apply: one, for a kernel that runs one)
+    if one_query_token and meta.query_start_loc is not None and list(q_ends) != list(range(1, r + 1)):
+        many = next(i for i in range(r) if q_ends[i] - (q_ends[i - 1] if i else 0) != 1)
         raise MetadataError(
-            f"{where}: all {batch} captured request rows are real but the step has {real_tokens} of "
-            f"{tokens} query tokens; the spare tokens need a padding row (giving them to the last "
-            "request would shift its causal window). Use a graph with more request rows than requests."
+            f"{where}: request {many} has {q_ends[many] - (q_ends[many - 1] if many else 0)} query tokens, but "
+            "the captured kernel runs one query token per request (PA, or FIA captured without a causal mask); "
+            "run this batch on a graph captured for several tokens per request"
         )
     if validate and r:
         longest = max(kv)
@@ -173,6 +177,22 @@ def real_requests(kv_lens: list[int]) -> int:
     while r and kv_lens[r - 1] == 0:
         r -= 1
     return r
+
+
+def real_batch(meta: AttentionMetadata, tokens_per_request: int) -> tuple[int, int] | None:
+    """``(real requests, real query tokens)`` of a step's metadata, as :func:`convert`
+    counts them (trailing requests of length 0 are padding; without ``query_start_loc``
+    each request has ``tokens_per_request`` tokens), or ``None`` for metadata
+    :func:`convert` would refuse for its form (it says why)."""
+    lens, qsl = getattr(meta, "seq_lens", None), getattr(meta, "query_start_loc", None)
+    if not isinstance(lens, torch.Tensor) or lens.dim() != 1 or lens.device.type != "cpu":
+        return None
+    r = real_requests(lens.tolist())
+    if qsl is None:
+        return r, r * tokens_per_request
+    if not isinstance(qsl, torch.Tensor) or qsl.dim() != 1 or qsl.device.type != "cpu" or qsl.shape[0] <= r:
+        return None
+    return r, int(qsl[r])
 
 
 def _check_block_ids(table: torch.Tensor, kv: list[int], block_size: int, num_blocks: int, where: str) -> None:

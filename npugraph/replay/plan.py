@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from npugraph.capture import CapturedGraph
-from npugraph.ops import OpSpec, pad_lens
+from npugraph.ops import OpSpec, batch_refusal, pad_lens
 
 __all__ = ["Geometry", "TaskPlan", "UpdatePlan", "build_plan"]
 
@@ -60,6 +60,7 @@ class TaskPlan:
     geometry: Geometry
     null_host: dict[str, Any]
     where: str  # "namespace/key layer name", for errors (made once, not per step)
+    one_query_token: bool  # as captured, it runs one query token per request (OpSpec.one_query_token)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -75,6 +76,21 @@ class UpdatePlan:
     spans: tuple[tuple[int, int], ...]  # their device byte ranges [start, end)
     slots: tuple[str, ...]  # the distinct length slots
     uniform: bool
+    shapes: tuple[tuple[int, int, bool], ...]  # distinct (request rows, query tokens, one query token each)
+    tokens: int  # the graph's token count (what a graph without attention takes)
+
+    def refusal(self, num_tokens: int, num_reqs: int) -> str | None:
+        """Why a step of ``num_reqs`` real requests and ``num_tokens`` real query tokens
+        cannot run on this graph (:func:`~npugraph.ops.batch_refusal` for each task's
+        shape), or ``None`` if its update accepts it.  A graph without attention takes
+        any batch of up to its tokens."""
+        if not self.shapes:
+            return None if num_tokens <= self.tokens else f"{num_tokens} tokens do not fit the captured {self.tokens}"
+        for rows, tokens, one in self.shapes:
+            refused = batch_refusal(rows, tokens, num_reqs, num_tokens, one_query_token=one)
+            if refused is not None:
+                return refused
+        return None
 
     def shares_buffer_with(self, other: UpdatePlan) -> bool:
         """Whether a block-table copy into one graph's buffers changes the other's."""
@@ -119,6 +135,7 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
                 geometry=geometry,
                 null_host=t.spec.host_values(pad_lens([], None, geometry.batch, geometry.tokens)),
                 where=f"{entry.namespace}/{entry.key!r} layer {t.layer!r}",
+                one_query_token=t.spec.one_query_token(t.args),
             )
         )
     specs = {t.spec.name for t in tasks}
@@ -129,6 +146,8 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
         spans=tuple(_span(b) for b in distinct),
         slots=tuple(dict.fromkeys(t.slot for t in tasks)),
         uniform=len(specs) == 1 and len({t.geometry for t in tasks}) == 1,
+        shapes=tuple(dict.fromkeys((t.geometry.batch, t.geometry.tokens, t.one_query_token) for t in tasks)),
+        tokens=entry.tokens,
     )
 
 

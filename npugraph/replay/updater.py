@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
+import sys
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -31,11 +34,12 @@ from npugraph.errors import (
     NotReplayableError,
     NpuGraphError,
     ReplayFailed,
+    StepOrderWarning,
     UpdateFailed,
 )
-from npugraph.ops import StepLens
-from npugraph.replay.lens import AttentionMetadata, BadColumns, BlockIdCheck, convert
-from npugraph.replay.plan import TaskPlan, UpdatePlan, build_plan
+from npugraph.ops import StepLens, batch_refusal
+from npugraph.replay.lens import AttentionMetadata, BadColumns, BlockIdCheck, convert, real_batch
+from npugraph.replay.plan import Geometry, TaskPlan, UpdatePlan, build_plan
 
 __all__ = ["ORDERS", "ReplayUpdater", "StepMetadata", "StepPhase", "GraphState", "describe_device_error"]
 
@@ -86,6 +90,7 @@ class GraphState:
     last_reissued: int = 0
     last_update_s: float = 0.0
     last_replay_s: float = 0.0
+    warned: set[str] = attrs.field(factory=set)  # the StepOrderWarning kinds said for this graph
 
     @property
     def replayable(self) -> bool:
@@ -196,6 +201,8 @@ class ReplayUpdater:
         self._registered: weakref.WeakKeyDictionary[CapturedGraph, _Registered] = weakref.WeakKeyDictionary()
         self._on_error = on_error
         self._on_update = on_update
+        # misordered halves found by the current call, warned of when it returns
+        self._order_notes: list[tuple[CapturedGraph, str, str]] = []
 
     @property
     def order(self) -> str:
@@ -257,9 +264,11 @@ class ReplayUpdater:
         Bad metadata is refused before any device call.  Returns the graph's outputs
         (non-owning aliases: valid until another graph of the pool replays).
         """
+        self._order_notes.clear()
         entry, plan, state = self._graph(namespace, key)
         if not plan.tasks:  # nothing to update (a PIECEWISE piece)
             self._replay(entry, plan, state)
+            self._said()
             return entry.outputs
         prepared = self._prepare_checked(entry, plan, state, metadata)
         self._stage_checked(entry, plan, state, prepared)
@@ -269,6 +278,7 @@ class ReplayUpdater:
         else:
             self._replay(entry, plan, state)
             self._write(entry, plan, state, prepared, staged=True)
+        self._said()
         return entry.outputs
 
     def update(self, namespace: str, key: Hashable, metadata: StepMetadata) -> None:
@@ -280,6 +290,7 @@ class ReplayUpdater:
         by its group; never by iteration order.  Bad metadata raises
         :class:`~npugraph.errors.MetadataError` before any device call.
         """
+        self._order_notes.clear()
         entry, plan, state = self._graph(namespace, key)
         if plan.tasks:
             prepared = self._prepare_checked(entry, plan, state, metadata)
@@ -289,6 +300,7 @@ class ReplayUpdater:
             if staged:
                 self._stage_checked(entry, plan, state, prepared)
             self._write(entry, plan, state, prepared, staged=staged)
+        self._said()
 
     def replay(self, namespace: str, key: Hashable) -> None:
         """Enqueue the graph of ``(namespace, key)`` on the current stream: half a step.
@@ -296,8 +308,39 @@ class ReplayUpdater:
         After :meth:`update` it runs that update's lengths; in replay-first order it
         waits on the device for the update that follows.
         """
+        self._order_notes.clear()
         entry, plan, state = self._graph(namespace, key)
         self._replay(entry, plan, state, ready=True)
+        self._said()
+
+    def refusal(self, namespace: str, key: Hashable, metadata: StepMetadata) -> str | None:
+        """Why the graph of ``(namespace, key)`` cannot run the batch ``metadata`` holds
+        (:func:`~npugraph.ops.batch_refusal`: too many requests or tokens, spare tokens with
+        no padding row, or several query tokens per request for PA), or ``None``: what an
+        engine asks before it replays rather than runs a batch eagerly.  Nothing else is
+        checked: malformed metadata gives ``None``, and :meth:`step` refuses it with the
+        reason.  Plain decode metadata (no ``query_start_loc``) on a graph of one token per
+        row always fits, and is not read."""
+        entry, plan, _ = self._graph(namespace, key)
+        if not plan.tasks:
+            return None
+        try:
+            metas = _resolve(entry, plan, metadata)
+        except MetadataError:
+            return None
+        seen: set[tuple[int, Geometry, bool]] = set()
+        for t, meta in zip(plan.tasks, metas):
+            geo, one = t.geometry, t.one_query_token
+            if (id(meta), geo, one) in seen:
+                continue
+            seen.add((id(meta), geo, one))
+            if geo.batch >= geo.tokens and getattr(meta, "query_start_loc", None) is None:
+                continue  # one token per request, as many rows as tokens: it always fits
+            found = real_batch(meta, max(1, geo.tokens // max(1, geo.batch)))
+            refused = None if found is None else batch_refusal(geo.batch, geo.tokens, *found, one_query_token=one)
+            if refused is not None:
+                return f"{t.where}: {refused}"
+        return None
 
     def _prepare_checked(
         self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata
@@ -315,6 +358,7 @@ class ReplayUpdater:
         """Issue a prepared update and move the graph to its next phase (``staged``: its
         block tables were checked and copied already, on the engine's stream)."""
         t0, d0 = time.perf_counter(), self.device.device_seconds()
+        misordered = _DISCARDED_UPDATE if state.phase is StepPhase.UPDATED else None
         self._release_other(entry)
         if state.phase is StepPhase.REPLAY_QUEUED and self.order == "update-first":
             self._release(plan, state)  # a replay of an earlier step: it must not take this update
@@ -344,6 +388,8 @@ class ReplayUpdater:
         state.last_update_s = time.perf_counter() - t0 - busy
         if self._on_update is not None:
             self._on_update(entry, state)
+        if misordered is not None:
+            self._warn_order(entry, state, misordered, "update")
 
     def _replay(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, *, ready: bool = False) -> None:
         """Enqueue a replay and move the graph to its next phase (see the class table);
@@ -361,9 +407,13 @@ class ReplayUpdater:
         if not plan.tasks:  # nothing to update: no events to wait for
             self._launch(entry, state, waits=False)
             return
+        misordered = None
         if state.phase is StepPhase.REPLAY_QUEUED:
+            misordered = _SECOND_REPLAY
             self._release(plan, state)  # abandoned by the caller: let it run empty
         update_first = self.order == "update-first"
+        if state.phase is StepPhase.UPDATED and not update_first:
+            misordered = _DISCARDED_UPDATE
         if state.phase is StepPhase.UPDATED and update_first:
             self._launch(entry, state, waits=False)
             return
@@ -386,6 +436,8 @@ class ReplayUpdater:
         if ready:
             state.ready.record()  # on the engine's stream, after the tables it wrote for this step
         self._launch(entry, state, waits=True)
+        if misordered is not None:
+            self._warn_order(entry, state, misordered, "replay")
 
     def _launch(self, entry: CapturedGraph, state: GraphState, *, waits: bool) -> None:
         """Enqueue the graph; ``waits``: it waits on the device for the update that follows."""
@@ -441,7 +493,44 @@ class ReplayUpdater:
         """Another graph's replay still waits: its step was abandoned; let it run empty."""
         other = self._waiting
         if other is not None and other is not entry:
-            self._release(self.plan(other), self.state(other))
+            state = self.state(other)
+            self._release(self.plan(other), state)
+            self._warn_order(other, state, _ABANDONED_REPLAY, f"call on {entry.namespace}/{entry.key!r}")
+
+    def _warn_order(self, entry: CapturedGraph, state: GraphState, kind: str, call: str) -> None:
+        """Note, once per graph and kind, that a half step discarded work nobody ran; the
+        public call that found it warns at the caller's line when it returns."""
+        if kind in state.warned:
+            return
+        state.warned.add(kind)
+        self._order_notes.append((entry, kind, call))
+
+    def _said(self) -> None:
+        """Warn of the misordered halves this call found, once it has done all it does (a
+        warning turned into an error then interrupts nothing)."""
+        notes, self._order_notes = self._order_notes, []
+        for entry, kind, call in notes:
+            self._say_order(entry, kind, call)
+
+    def _say_order(self, entry: CapturedGraph, kind: str, call: str) -> None:
+        what = {
+            _DISCARDED_UPDATE: "discarded the update made before it, which no replay ran",
+            _SECOND_REPLAY: "came while its previous replay still waited for an update; that replay was "
+            "released and ran with no request (zeros)",
+            _ABANDONED_REPLAY: "released this graph's replay, which waited for an update that never came; "
+            "it ran with no request (zeros)",
+        }[kind]
+        order = (
+            "replay() then update() (the replay waits on the device for its update)"
+            if self.order == "replay-first"
+            else "update() then replay()"
+        )
+        warnings.warn(
+            f"{entry.namespace}/{entry.key!r}: this {call} {what}. In {self.order} order a step is {order}; "
+            "call the two halves in that order for one graph at a time, or use step(). (Said once per graph.)",
+            StepOrderWarning,
+            stacklevel=_caller_level(),
+        )
 
     def _release(self, plan: UpdatePlan, state: GraphState, keep: list[dict[str, Any]] | None = None) -> None:
         """Let the replay that waits for this graph's update run with no request (zeros).
@@ -574,6 +663,7 @@ class ReplayUpdater:
             validate=self.validate,
             check_block_ids=not defer,
             tokens_per_request=max(1, tokens // max(1, batch)),
+            one_query_token=t.one_query_token,
         )
         if defer and lens.num_reqs:
             deferred.append(
@@ -945,6 +1035,21 @@ def describe_device_error(manager: CaptureManager, exc: BaseException, entry: Ca
         f"namespace {e.namespace!r}, key {e.key!r}, layer {t.layer!r} (task {t.index}, {t.spec.name})" for e, t in found
     )
     return f"{where or 'no captured task matched'}: {exc}"
+
+
+# the kinds of misordered half steps StepOrderWarning names
+_DISCARDED_UPDATE = "discarded update"
+_SECOND_REPLAY = "second replay"
+_ABANDONED_REPLAY = "abandoned replay"
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside npugraph: the line that made the call."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
 
 
 def _resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> list[AttentionMetadata]:
