@@ -5,7 +5,7 @@ events are recorded but not yet consumed).  :meth:`ReplayUpdater.step` is the on
 that orders a step's update and replay; :meth:`~ReplayUpdater.update` and
 :meth:`~ReplayUpdater.replay` are its halves, for engines that call them apart, and
 follow the same table.  After any error the graph is left in a phase from which the
-next good step succeeds, in either order (see the README's "Errors and recovery").
+next good step succeeds, in either order (see docs/step-protocol.md).
 """
 
 from __future__ import annotations

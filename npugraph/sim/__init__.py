@@ -2,7 +2,7 @@
 
 Shaped like ``torch_npu`` (the ops below, ``_C``) with ``npugraph.sim.npu`` shaped like
 ``torch.npu``, so code written for torch_npu runs on it with only the module swapped.
-See the README's "The simulator" section for what it models and what it does not.
+See docs/simulator.md for what it models and what it does not.
 
 Simulator-only controls: :func:`configure` (adversarial scheduling, host-cost model),
 :func:`counters` (device calls made so far), :func:`pool_bytes`.
