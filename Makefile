@@ -12,9 +12,12 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch==2.13.0 is the CPU build on local disk; an unpinned torch pulls a CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml
+# The simulator's npu device is a C++ extension torch builds once (about 15 s on two
+# cores) into its extension cache; building it here fails early where no compiler is.
+$(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/pip install -q torch==2.13.0 numpy
 	$(BIN)/pip install -q -e '.[test,dev]'
+	$(BIN)/python -c "from npugraph.sim import _device; _device.build()"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,9 +35,9 @@ demo: $(STAMP)
 	$(BIN)/npugraph demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check npugraph tests examples
-	$(BIN)/ruff format --check npugraph tests examples
-	$(BIN)/mypy npugraph
+	$(BIN)/ruff check npugraph tests examples npugraph_hook.py setup.py
+	$(BIN)/ruff format --check npugraph tests examples npugraph_hook.py setup.py
+	$(BIN)/mypy npugraph npugraph_hook.py
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(MAKE) lint

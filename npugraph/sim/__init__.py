@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import npu
+from npugraph.sim import _device, _hccl, _torch_npu, npu
 from npugraph.sim._cache import PAD_SLOT_ID, _npu_reshape_and_cache, npu_scatter_pa_kv_cache
 from npugraph.sim._fia import _npu_fused_infer_attention_score_get_max_workspace, npu_fused_infer_attention_score
 from npugraph.sim._fia_v2 import (
@@ -93,10 +93,16 @@ def _weak_ref_tensor(tensor: Any) -> Any:
     return st.memory.alias(tensor)
 
 
+def _npu_setStream(stream: Any) -> None:
+    """``torch_npu._C._npu_setStream``: make ``stream`` current."""
+    npu.set_stream(stream)
+
+
 _C = types.SimpleNamespace(
     _npu_fused_infer_attention_score_out_graph=_npu_fused_infer_attention_score_out_graph,
     _weak_ref_tensor=_weak_ref_tensor,
     _NPUTaskGroupHandle=NPUTaskGroupHandle,
+    _npu_setStream=_npu_setStream,
 )
 
 
@@ -174,16 +180,19 @@ _MISSING = object()
 _INSTALLED: dict[str, Any] = {}
 
 
-def install_torch_npu() -> None:
+def install_torch_npu(*, device: bool = False) -> None:
     """Make ``import torch_npu`` (with ``torch_npu.npu`` and ``torch_npu._C``) and ``torch.npu``
     resolve to the simulator, for code that imports torch_npu at module level (vllm-ascend):
     its graph code then runs on a CPU with real kernel math instead of mocks.
 
-    Idempotent; :func:`uninstall_torch_npu` restores what was there.  Refused where a real
+    ``device``: also give the process the ``npu`` torch device (:mod:`npugraph.sim._device`:
+    ``torch.ones(4, device="npu")``, ``.npu()``, pinned memory) and the ``hccl``
+    distributed backend.  That part is process-wide and stays (torch allows one
+    PrivateUse1 backend per process); what ``NPUGRAPH_SIM_TORCH_NPU=1`` does in every process.
+
+    Idempotent; :func:`uninstall_torch_npu` restores the modules.  Refused where a real
     torch_npu is already imported (two NPU backends in one process would mix).
     """
-    if _INSTALLED:
-        return
     me = sys.modules[__name__]
     real = sys.modules.get("torch_npu")
     if real is not None and real is not me:
@@ -191,7 +200,12 @@ def install_torch_npu() -> None:
             "install_torch_npu: a real torch_npu is already imported in this process; the simulator "
             "cannot stand in for it"
         )
-    stand_ins = {"torch_npu": me, "torch_npu.npu": npu, "torch_npu._C": _C}
+    if device:
+        _device.install(npu)
+        _hccl.register()
+    if _INSTALLED:
+        return
+    stand_ins = {"torch_npu": me, "torch_npu.npu": npu, "torch_npu._C": _C, **_torch_npu.submodules(_C)}
     for name, module in stand_ins.items():
         _INSTALLED[name] = sys.modules.get(name, _MISSING)
         sys.modules[name] = module  # type: ignore[assignment]
@@ -203,6 +217,8 @@ def uninstall_torch_npu() -> None:
     """Undo :func:`install_torch_npu` (a no-op when it is not installed)."""
     for name, old in _INSTALLED.items():
         if name == "torch.npu":
+            if _device.installed():
+                continue  # torch's npu device module: the npu device stays (see install_torch_npu)
             if old is _MISSING:
                 if hasattr(torch, "npu"):
                     delattr(torch, "npu")

@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from npugraph.sim import _device
 from npugraph.sim.errors import UseAfterFree
 
 # The simulated device's memory. Named on every allocation: the simulator, like a device,
@@ -179,7 +180,7 @@ class Memory:
         found = self.owners.get(cdata)
         if found is not None:
             return found
-        keeper = torch.empty(0, dtype=torch.uint8, device=MEMORY).set_(storage)
+        keeper = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         owner = Owner(keeper, None, f"eager {t.dtype} tensor of shape {list(t.shape)}")
         self.owners[cdata] = owner
         if len(self.owners) > self._prune_at:
@@ -221,14 +222,17 @@ class Memory:
         owner = owner or self.owner(t)
         base = owner.base(self)
         if t.numel() == 0 or not owner.nbytes:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=MEMORY)
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
         offset = t.data_ptr() - owner.ptr
         key = (offset, t.shape, t.stride(), t.dtype)
         alias = owner._aliases.get(key)
         if alias is None:
-            alias = owner._aliases[key] = torch.empty(0, dtype=t.dtype, device=MEMORY).set_(
+            alias = torch.empty(0, dtype=t.dtype, device=MEMORY).set_(
                 base.untyped_storage(), offset // t.element_size(), t.shape, t.stride()
             )
+            if t.device.type == "npu":  # the same alias, labelled as the device's memory it is
+                alias = _device.device_view(alias, t.device.index or 0)
+            owner._aliases[key] = alias
         return alias
 
     def hold(self, name: str, t: torch.Tensor, *, checked: bool = True) -> tuple[torch.Tensor, ArgRef]:

@@ -1,0 +1,121 @@
+"""The simulator's ``npu`` torch device: PrivateUse1 renamed ``npu``, over host memory.
+
+:func:`install` builds (once, cached by torch's extension cache) and loads
+``csrc/npu_device.cpp``, renames PrivateUse1 ``npu``, generates the ``Tensor.npu()`` family
+and registers :mod:`npugraph.sim.npu` as ``torch.npu``.  Then ``torch.ones(4,
+device="npu")``, ``.npu()``, ``.to("npu:1")``, ``.cpu()``, ``pin_memory()`` and every aten op
+on npu tensors behave as with torch_npu: real storage, real data pointers (aliases share
+them), the CPU kernels' math on that same memory, host versus device told by
+``tensor.device``.
+
+Why C++ and not torch's experimental Python backend
+(``torch.utils.backend_registration._setup_privateuseone_for_python_backend``): that
+backend's tensors are wrapper subclasses whose data lives beside, not in, their storage,
+so ``data_ptr`` is not the memory and aliases do not share it — and the simulator's
+pools, ``_weak_ref_tensor``, vLLM's input-address check and use-after-free detection all
+rest on pointers.  A C++ PrivateUse1 backend over host memory (the shape of PyTorch's
+OpenReg example) has them for free, and builds in about 15 s on two cores.
+
+Installing is process-wide and cannot be undone (torch allows one PrivateUse1 name per
+process); it is refused where PrivateUse1 already has another name (a real torch_npu).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["BACKEND", "build", "device_view", "host_view", "install", "installed", "memory_counters"]
+
+BACKEND = "npu"
+_SOURCE = Path(__file__).parent / "csrc" / "npu_device.cpp"
+_LIBRARY = "npugraph_sim_npu"
+
+
+def installed() -> bool:
+    """Whether this process has the simulator's ``npu`` device."""
+    return torch._C._get_privateuse1_backend_name() == BACKEND and _loaded()
+
+
+def _loaded() -> bool:
+    try:
+        return hasattr(torch.ops.npugraph_sim, "host_view")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.cache
+def build() -> None:
+    """Compile (first time: about 15 s on two cores; then torch's cache) and load the backend."""
+    from torch.utils.cpp_extension import load
+
+    load(
+        name=_LIBRARY,
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O2"],
+        is_python_module=False,
+        verbose=os.environ.get("NPUGRAPH_SIM_BUILD_VERBOSE") == "1",
+    )
+
+
+def install(module: Any) -> None:
+    """Give this process the simulator's ``npu`` device (idempotent), with ``module`` (the
+    simulated ``torch.npu``) as torch's ``npu`` device module.
+
+    Raises ``RuntimeError`` where PrivateUse1 is another backend's already (a real
+    torch_npu is loaded: two NPU backends cannot share one process).
+    """
+    name = torch._C._get_privateuse1_backend_name()
+    if name not in ("privateuseone", BACKEND):
+        raise RuntimeError(
+            f"npugraph.sim: PrivateUse1 is already the {name!r} backend in this process; the simulator's "
+            "npu device cannot be installed beside it"
+        )
+    if installed():
+        return
+    if name == BACKEND and not _loaded():
+        raise RuntimeError(
+            "npugraph.sim: another backend already named PrivateUse1 'npu' (a real torch_npu?); the "
+            "simulator's device cannot be installed beside it"
+        )
+    build()
+    torch.utils.rename_privateuse1_backend(BACKEND)
+    torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+    torch._register_device_module(BACKEND, module)
+
+
+def host_view(t: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor over an npu tensor's memory (simulated device memory is host memory):
+    what the simulator's kernels compute on.  It keeps that memory alive."""
+    return torch.ops.npugraph_sim.host_view(t)  # type: ignore[no-any-return]
+
+
+def device_view(t: torch.Tensor, index: int = 0) -> torch.Tensor:
+    """An ``npu:index`` tensor over a CPU tensor's memory (no copy); it keeps ``t`` alive."""
+    return torch.ops.npugraph_sim.device_view(t, index)  # type: ignore[no-any-return]
+
+
+def memory_counters(index: int) -> tuple[int, int, int, int]:
+    """(allocated bytes, peak bytes, allocations, frees) of ``npu:index`` since the start."""
+    allocated, peak, allocs, frees = torch.ops.npugraph_sim.memory_stats(index)
+    return int(allocated), int(peak), int(allocs), int(frees)
+
+
+def reset_peak(index: int) -> None:
+    torch.ops.npugraph_sim.reset_peak(index)
+
+
+def current_index() -> int:
+    return int(torch.ops.npugraph_sim.current_device())
+
+
+def set_index(index: int) -> None:
+    torch.ops.npugraph_sim.set_device(index)
+
+
+def device_count() -> int:
+    return int(torch.ops.npugraph_sim.device_count())

@@ -1,0 +1,87 @@
+"""Make every Python process of this environment see npugraph's simulator as ``torch_npu``.
+
+With ``NPUGRAPH_SIM_TORCH_NPU=1`` in the environment (inherited by child processes: vLLM's
+workers, its model-inspection subprocess, ``multiprocessing`` spawn):
+
+* ``import torch`` loads the simulator the way a real torch_npu loads: through torch's
+  device-backend autoload (entry point group ``torch.backends``, :func:`torch_backend`).
+  Then ``torch.npu``, the ``npu`` device, pinned memory and the ``hccl`` backend exist, and
+  ``import torch_npu`` gives the simulator;
+* ``import torch_npu`` before ``import torch`` works too: the ``npugraph-sim.pth`` file
+  installs a finder (:func:`from_pth`) that imports torch first.
+
+Without the variable nothing happens (this module imports nothing else); where a real
+torch_npu is importable the simulator is refused with a warning, and the real one is used.
+This is a top-level module, not part of the ``npugraph`` package, so that the check costs
+nothing in processes that never use the simulator.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import warnings
+from typing import Any
+
+ENV = "NPUGRAPH_SIM_TORCH_NPU"
+
+__all__ = ["ENV", "enabled", "from_pth", "torch_backend"]
+
+
+def enabled() -> bool:
+    """Whether this process asked for the simulator as torch_npu, and may have it."""
+    if os.environ.get(ENV, "").strip() != "1":
+        return False
+    real = importlib.machinery.PathFinder.find_spec("torch_npu")
+    if real is not None:
+        warnings.warn(
+            f"{ENV}=1, but a real torch_npu is installed ({real.origin}); npugraph's simulator is not "
+            f"loaded. Unset {ENV} on an Ascend host.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+def torch_backend() -> None:
+    """torch's device-backend autoload (``torch.backends`` entry point): runs inside ``import torch``."""
+    if not enabled():
+        return
+    from npugraph import sim
+
+    sim.install_torch_npu(device=True)
+
+
+class _TorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves ``import torch_npu`` to the simulator (importing torch, which installs it)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "torch_npu":
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        import torch  # noqa: F401 - its autoload installs the simulator (torch_backend)
+
+        from npugraph import sim
+
+        sim.install_torch_npu(device=True)  # also where torch's autoload is switched off
+        return sys.modules["torch_npu"]
+
+    def exec_module(self, module: Any) -> None:
+        """The simulator is initialised already."""
+
+
+def from_pth() -> None:
+    """Called by ``npugraph-sim.pth`` at interpreter start: install the finder if asked."""
+    asked = os.environ.get(ENV, "").strip() == "1"
+    if (
+        asked
+        and not any(isinstance(f, _TorchNpuFinder) for f in sys.meta_path)
+        and importlib.machinery.PathFinder.find_spec("torch_npu") is None  # a real one wins
+    ):
+        sys.meta_path.append(_TorchNpuFinder())

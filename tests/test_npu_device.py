@@ -1,0 +1,246 @@
+"""The simulator as a real torch device, ``npu``, in every process that asks for it.
+
+Each test runs a fresh Python process with ``NPUGRAPH_SIM_TORCH_NPU=1`` (torch allows one
+PrivateUse1 backend per process, and renaming it is for good): what a vllm-ascend
+developer's process sees after ``import torch, torch_npu``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from npugraph_hook import ENV
+
+
+def _run(code: str, *, env: dict[str, str] | None = None, timeout: int = 240) -> str:
+    """Run ``code`` as a script (spawned children import its functions from it)."""
+    full = {**os.environ, ENV: "1", **(env or {})}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "script.py"
+        script.write_text(textwrap.dedent(code))
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=full, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_npu_tensors_behave_as_with_torch_npu():
+    out = _run(
+        """
+        import torch, torch_npu
+        from npugraph import sim
+        assert torch_npu is sim and torch.npu is sim.npu
+        a = torch.ones(4, device="npu")
+        assert a.device == torch.device("npu:0") and a.is_npu and str(a.device) == "npu:0"
+        b = torch.arange(6.0).npu()
+        assert b.device.type == "npu" and torch.equal(b.cpu(), torch.arange(6.0))
+        c = b.to("npu:1")
+        assert c.device == torch.device("npu:1") and c.data_ptr() != b.data_ptr()
+        # real storage and pointers: views and aliases share the memory
+        v = b.view(2, 3).t()
+        assert v.device == b.device and v.data_ptr() == b.data_ptr()
+        w = sim._C._weak_ref_tensor(b)
+        assert w.data_ptr() == b.data_ptr() and w.device == b.device
+        v.mul_(2)
+        assert b.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+        # every aten op: the CPU kernels' math on that memory
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(5, 7, generator=g), torch.randn(7, 3, generator=g)
+        assert torch.allclose((x.npu() @ y.npu()).cpu(), x @ y)
+        assert torch.allclose(torch.softmax(x.npu(), -1).cpu(), torch.softmax(x, -1))
+        assert (x.npu()[x.npu() > 0]).cpu().tolist() == x[x > 0].tolist()
+        assert x.npu().to(torch.float16).dtype == torch.float16
+        assert torch.nn.Linear(7, 3).npu()(x.npu()).device.type == "npu"
+        # an out= argument the kernel grows
+        o = torch.empty(0, device="npu"); torch.add(a, a, out=o)
+        assert o.device.type == "npu" and o.cpu().tolist() == [2.0] * 4
+        # mixed devices are refused, as torch_npu refuses them (a 0-d CPU tensor is a scalar)
+        try:
+            a + torch.ones(4)
+        except RuntimeError as e:
+            assert "Expected all tensors to be on the same device" in str(e)
+        else:
+            raise AssertionError("npu + cpu was accepted")
+        assert (a + torch.tensor(2.0)).cpu().tolist() == [3.0] * 4
+        # host memory stays host memory; pinned memory is told apart by pointer
+        p = torch.empty(8).pin_memory()
+        assert p.is_pinned() and p.device.type == "cpu" and not torch.empty(8).is_pinned()
+        q = torch.zeros(8, device="npu"); q.copy_(p, non_blocking=True)
+        print("ok")
+        """
+    )
+    assert out.strip().endswith("ok")
+
+
+def test_torch_npu_surface_vllm_ascend_touches_at_start_up():
+    out = _run(
+        """
+        import torch, torch_npu
+        npu = torch.npu
+        before = npu.memory_allocated()
+        t = torch.empty(1 << 20, dtype=torch.uint8, device="npu")
+        assert npu.memory_allocated() - before == 1 << 20, (npu.memory_allocated(), before)
+        assert npu.max_memory_allocated() >= npu.memory_allocated() and npu.memory_reserved() >= 1 << 20
+        free, total = npu.mem_get_info()
+        assert total == 64 << 30 and free == total - npu.memory_allocated()
+        assert npu.memory_stats()["allocated_bytes.all.current"] == npu.memory_allocated()
+        del t
+        assert npu.memory_allocated() == before
+        npu.reset_peak_memory_stats()
+        assert npu.max_memory_allocated() == before
+        assert npu.get_device_name(0) == "Ascend910B1" and torch_npu.npu.get_soc_version() == 220
+        assert npu.get_device_properties(0).total_memory == total and npu.device_count() == 8
+        npu.set_device(1); assert npu.current_device() == 1
+        assert torch.empty(1, device="npu").device == torch.device("npu:1")
+        with npu.device(0):
+            assert torch.empty(1, device="npu").device == torch.device("npu:0")
+        npu.config.allow_internal_format = True
+        npu.set_compile_mode(jit_compile=False)
+        s = npu.Stream(); npu.set_stream(s); assert npu.current_stream() is s
+        torch_npu._C._npu_setStream(npu.default_stream())
+        from torch_npu.op_plugin.atb._atb_ops import _register_atb_extensions
+        from torch_npu.profiler import dynamic_profile as dp
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+        from torch.distributed import is_hccl_available
+        _register_atb_extensions(); dp.init("/tmp", None); dp.step()
+        assert is_hccl_available() and ProcessGroupHCCL.Options() is not None
+        for name in ("NPUPluggableAllocator", "MemPool", "use_mem_pool"):
+            try:
+                getattr(npu.memory, name)()
+            except RuntimeError as e:
+                assert "not simulated" in str(e)
+            else:
+                raise AssertionError(name)
+        torch.manual_seed(3); a = torch.randn(4, device="npu")
+        torch.manual_seed(3); assert torch.equal(a.cpu(), torch.randn(4, device="npu").cpu())
+        print("ok")
+        """
+    )
+    assert out.strip().endswith("ok")
+
+
+def test_a_spawned_child_sees_the_same_and_import_torch_npu_first_works():
+    out = _run(
+        """
+        import multiprocessing as mp
+
+        def child(q):
+            import torch
+            q.put((str(torch.ones(2, device="npu").device), type(torch.npu).__name__, torch.npu.get_device_name()))
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=child, args=(q,))
+            p.start()
+            print(q.get(timeout=120))
+            p.join()
+        """
+    )
+    assert "('npu:0', 'module', 'Ascend910B1')" in out
+    # the .pth finder: `import torch_npu` before torch
+    first = _run(
+        """
+        import npugraph_hook
+        npugraph_hook.from_pth()
+        import torch_npu
+        import torch
+        print(torch_npu.__name__, torch.zeros(1, device="npu:1").device)
+        """
+    )
+    assert first.strip() == "npugraph.sim npu:1"
+
+
+def test_without_the_variable_nothing_changes():
+    out = _run(
+        """
+        import importlib.util, torch
+        assert not hasattr(torch, "npu") and importlib.util.find_spec("torch_npu") is None
+        try:
+            torch.device("npu")
+        except RuntimeError:
+            print("ok")
+        """,
+        env={ENV: "0"},
+    )
+    assert out.strip() == "ok"
+
+
+def test_hccl_at_world_size_two():
+    out = _run(
+        f"""
+        import os
+        import torch
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        def worker(rank, size):
+            dist.init_process_group("hccl", init_method="tcp://127.0.0.1:{_port()}", rank=rank, world_size=size)
+            torch.npu.set_device(rank)
+            t = torch.full((4,), float(rank + 1), device=f"npu:{{rank}}")
+            dist.all_reduce(t)
+            gathered = [torch.empty(4, device="npu") for _ in range(size)]
+            dist.all_gather(gathered, torch.full((4,), float(rank), device="npu"))
+            b = torch.full((2,), float(rank + 7), device="npu")
+            dist.broadcast(b, 1)
+            dist.barrier()
+            assert t.device == torch.device(f"npu:{{rank}}") and dist.get_backend() == "hccl"
+            line = f"{{rank}} {{t.cpu().tolist()}} {{[g.cpu().tolist()[0] for g in gathered]}} {{b.cpu().tolist()}}"
+            os.write(1, (line + "\\n").encode())  # one write: the two ranks' lines never interleave
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.spawn(worker, args=(2,), nprocs=2)
+        """
+    )
+    assert "0 [3.0, 3.0, 3.0, 3.0] [0.0, 1.0] [8.0, 8.0]" in out
+    assert "1 [3.0, 3.0, 3.0, 3.0] [0.0, 1.0] [8.0, 8.0]" in out
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("size", [1, 2])
+def test_vllm_init_distributed_environment_with_hccl(size):
+    pytest.importorskip("vllm")
+    port = _port()
+    out = _run(
+        f"""
+        import os, torch
+        import torch.multiprocessing as mp
+
+        def worker(rank, size):
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", LOCAL_RANK=str(rank))
+            import torch.distributed as dist
+            from vllm.config import VllmConfig, set_current_vllm_config
+            from vllm.distributed import ensure_model_parallel_initialized, get_tp_group, init_distributed_environment
+            with set_current_vllm_config(VllmConfig()):
+                init_distributed_environment(
+                    world_size=size, rank=rank, distributed_init_method="tcp://127.0.0.1:{port}",
+                    local_rank=rank, backend="hccl",
+                )
+                ensure_model_parallel_initialized(size, 1)
+                torch.npu.set_device(rank)
+                t = torch.full((3,), float(rank + 1), device="npu")
+                dist.all_reduce(t, group=get_tp_group().device_group)
+                line = f"rank {{rank}} {{dist.get_backend(get_tp_group().device_group)}} {{t.cpu().tolist()}}"
+                os.write(1, (line + "\\n").encode())
+
+        if __name__ == "__main__":
+            mp.spawn(worker, args=({size},), nprocs={size})
+        """
+    )
+    total = float(sum(range(1, size + 1)))
+    for rank in range(size):
+        assert f"rank {rank} hccl {[total] * 3}" in out, out
