@@ -626,3 +626,30 @@ def test_install_torch_npu_makes_module_level_imports_resolve_to_the_simulator()
         torch_npu.uninstall_torch_npu()
     assert "torch_npu" not in sys.modules and not hasattr(torch, "npu")
     torch_npu.uninstall_torch_npu()  # a no-op now
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_host_length_tensors_are_host_values_inside_a_capture(v2):
+    """vllm-ascend sizes FIA's workspace inside its capture, passing the step's lengths as
+    a host int tensor.  Lengths are host values (hardware reads them on the host at the
+    call), so checking them records nothing and reads nothing the capture produced; before,
+    the check's comparisons were recorded and the following host read refused."""
+    t, n, d, bs, nb = 4, 4, 64, 16, 8
+    q = torch.randn(t, n, d, dtype=torch.float16)
+    kc = torch.randn(nb, bs, n * d, dtype=torch.float16)
+    bt = torch.zeros(t, 2, dtype=torch.int32)
+    qlen = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    kvlen = torch.tensor([5, 9, 2, 17], dtype=torch.int32)
+    if v2:
+        helper = torch_npu._npu_fused_infer_attention_score_v2_get_max_workspace
+        names = {"actual_seq_qlen": qlen, "actual_seq_kvlen": kvlen, "num_query_heads": n, "softmax_scale": 0.1}
+    else:
+        helper = torch_npu._npu_fused_infer_attention_score_get_max_workspace
+        names = {"actual_seq_lengths": qlen, "actual_seq_lengths_kv": kvlen, "num_heads": n, "scale": 0.1}
+    kwargs = dict(block_table=bt, num_key_value_heads=n, input_layout="TND", block_size=bs, **names)
+    eager = helper(q, kc, kc, **kwargs)
+    g, s = npu.NPUGraph(), npu.Stream()
+    with npu.graph(g, stream=s):
+        captured = helper(q, kc, kc, **kwargs)
+    assert captured.numel() == eager.numel() > 0, "the same maximum, inside the capture"
+    assert kvlen.tolist() == [5, 9, 2, 17], "the caller's lengths are untouched"

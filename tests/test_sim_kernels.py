@@ -209,6 +209,46 @@ def test_pa_bad_inputs_name_the_argument():
     npu.synchronize()  # the failed launch left the device usable
 
 
+def test_pa_runs_unequal_head_sizes_as_atb_documents():
+    """torch_npu's own PA graph-update test (Ascend910B): block size 128, key head size 288,
+    value head size 96 (MLA-style).  ATB PagedAttention (CANN 9.0, ascendtb_01_0198): key and
+    value head sizes may differ, each in (0, 576], with block_size <= 128 when one is over 256;
+    the 128 x 128 product binds only its quantized, compressed and parallel-decoding cases."""
+    g = torch.Generator().manual_seed(0)
+    t, n, kvn, bs, dk, dv, nb = 2, 4, 1, 128, 288, 96, 4
+    q = torch.randn(t, n, dk, generator=g).to(torch.float16)
+    kc = torch.randn(nb, bs, kvn, dk, generator=g).to(torch.float16)
+    vc = torch.randn(nb, bs, kvn, dv, generator=g).to(torch.float16)
+    bt = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    lens = [200, 77]
+    out = torch.empty(t, n, dv, dtype=torch.float16)
+    scale = 1 / math.sqrt(dk)
+    torch_npu._npu_paged_attention(q, kc, vc, kvn, n, scale, bt, torch.tensor(lens, dtype=torch.int32), out)
+    npu.synchronize()
+    for i in range(t):
+        ref = _oracle(q[i].unsqueeze(1), _gather(kc, bt[i], lens[i], bs), _gather(vc, bt[i], lens[i], bs), scale)
+        assert (out[i].double() - ref.squeeze(1)).abs().max().item() <= TOL[torch.float16]
+    # and what ATB refuses: a block over 128 with a head over 256, a head over 576
+    big = torch.randn(2, 144, kvn, dk).to(torch.float16)
+    with pytest.raises(ValueError, match=r"needs block_size <= 128 when a head size is over 256"):
+        torch_npu._npu_paged_attention(
+            q, big, big[..., :dv], kvn, n, scale, bt, torch.tensor([3, 4], dtype=torch.int32), out
+        )
+    wide = torch.randn(2, 16, kvn, 600).to(torch.float16)
+    with pytest.raises(ValueError, match=r"head size 600 is outside ATB PagedAttention's \(0, 576\]"):
+        torch_npu._npu_paged_attention(
+            torch.randn(t, n, 600).to(torch.float16),
+            wide,
+            vc[:2, :16],
+            kvn,
+            n,
+            scale,
+            bt,
+            torch.tensor([3, 4], dtype=torch.int32),
+            out,
+        )
+
+
 def test_fia_bad_layout_and_heads():
     q = torch.randn(2, 4, 8)
     with pytest.raises(ValueError, match="'input_layout' must be one of"):

@@ -82,6 +82,11 @@ def _with_rope(p: dict[str, Any], *, shapes_only: bool = False) -> dict[str, Any
     return out
 
 
+def _host_lengths(v: Any) -> Any:
+    """A host length argument as Python ints (a CPU tensor is read on the host, as hardware does)."""
+    return v.tolist() if isinstance(v, torch.Tensor) else v
+
+
 def fia_check(p: dict[str, Any]) -> dict[str, Any]:
     """Normalise an FIA call: layouts to [B, N, S, D], lengths per batch."""
     op = "npu_fused_infer_attention_score"
@@ -99,8 +104,10 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
         raise fail(op, "num_heads", f"({n}) must be a positive multiple of num_key_value_heads ({kvn})")
     bt = p.get("block_table")
     block_size = int(p["block_size"])
-    qlens = p.get("actual_seq_lengths")
-    kvlens = p.get("actual_seq_lengths_kv")
+    # lengths are host values, read on the host at the call (also inside a capture): a CPU
+    # int tensor gives its ints here, never aten ops a capture would record
+    qlens = _host_lengths(p.get("actual_seq_lengths"))
+    kvlens = _host_lengths(p.get("actual_seq_lengths_kv"))
     sparse = int(p["sparse_mode"])
     if sparse not in (0, 3, 4):
         raise fail(op, "sparse_mode", f"{sparse} is not modelled (0, 3 and 4 are)")

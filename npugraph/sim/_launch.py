@@ -13,6 +13,7 @@ Each entry point binds its arguments, checks their placement, copies the host-si
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable
@@ -208,13 +209,13 @@ def _max_params(op: SimOp, params: dict[str, Any]) -> dict[str, Any]:
         v = p.get(name)
         if v is None:
             continue
-        cap = info["max_kv"] if "kv" in name or name == "context_lens" else info["max_q"]
-        if isinstance(v, torch.Tensor):
-            p[name] = torch.full_like(v, cap)
-        elif "kv" in name or name == "context_lens":
-            p[name] = tuple(cap for _ in v)
+        if "kv" not in name and name != "context_lens":
+            continue  # query ends as given: the workspace grows with the keys
+        cap = info["max_kv"]
+        if isinstance(v, torch.Tensor):  # a host value: made on the host, never captured
+            p[name] = make_host_copy(functools.partial(torch.full_like, v, cap))
         else:
-            p[name] = v
+            p[name] = tuple(cap for _ in v)
     return p
 
 

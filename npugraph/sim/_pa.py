@@ -33,12 +33,25 @@ def _pa_check(p: dict[str, Any]) -> dict[str, Any]:
         raise fail(op, "num_heads", f"({num_heads}) must be a multiple of num_kv_heads")
     if dk != d:
         raise fail(op, "key_cache", f"head size {dk} differs from the query's {d}")
-    # ATB PagedAttention's constraints (CANN 9.0 ascendtb_01_0198): "block_size % 16 == 0",
-    # head_size in (0, 256], and with equal key and value head sizes block_size * head_size <= 128 * 128
+    # ATB PagedAttention's constraints (CANN 9.0, ascendtb_01_0198), for what torch_npu's
+    # _npu_paged_attention runs (decode, not quantized, no head compression or parallel
+    # decoding, Atlas A2/A3): "block_size % 16 == 0"; key and value head sizes may differ,
+    # each in (0, 576], and block_size <= 128 when either is over 256.  (Equal head sizes
+    # within (0, 256] and block_size * head_size <= 128 * 128 bind only the quantized,
+    # compressed, parallel-decoding and Atlas 300I cases, which torch_npu's PA is not.)
+    dv = int(vc.shape[3])
     if bs % 16:
         raise fail(op, "key_cache", f"block size {bs} is not a multiple of 16 (ATB PagedAttention requires it)")
-    if not 0 < d <= 256 or bs * d > 128 * 128:
-        raise fail(op, "key_cache", f"block size {bs} x head size {d} exceeds ATB PagedAttention's 128 x 128")
+    for name, size in (("key_cache", d), ("value_cache", dv)):
+        if not 0 < size <= 576:
+            raise fail(op, name, f"head size {size} is outside ATB PagedAttention's (0, 576]")
+    if max(d, dv) > 256 and bs > 128:
+        raise fail(
+            op,
+            "key_cache",
+            f"block size {bs} with head sizes {d}/{dv}: ATB PagedAttention needs block_size <= 128 when a "
+            "head size is over 256",
+        )
     if vc.shape[:3] != kc.shape[:3]:
         raise fail(op, "value_cache", f"shape {list(vc.shape)} does not match key_cache")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
