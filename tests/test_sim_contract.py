@@ -653,3 +653,25 @@ def test_host_length_tensors_are_host_values_inside_a_capture(v2):
         captured = helper(q, kc, kc, **kwargs)
     assert captured.numel() == eager.numel() > 0, "the same maximum, inside the capture"
     assert kvlen.tolist() == [5, 9, 2, 17], "the caller's lengths are untouched"
+
+
+def test_a_weak_reference_of_host_memory_is_host_memory():
+    """vllm-ascend's register_task weak-refs every kwarg, the CPU lengths among them.  On
+    hardware torch_npu._C._weak_ref_tensor of a host tensor is a host tensor, and reading it
+    never waits; the simulator took it for device memory, so each later host read waited for
+    the stream, which serialised vllm-ascend's 310P order (replay, update, no host sync) and
+    hid its race.  Here a replay waits on the stream for an update: reading the weak-ref'd
+    host lengths must not wait for it (before, it raised DeadlockError)."""
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    g, ev, h = _capture_pa(q, kc, vc, bt, lens, out, None)
+    host_lens = torch.tensor([4, 6], dtype=torch.int32)
+    weak = torch_npu._C._weak_ref_tensor(host_lens)
+    g.replay()  # queued: it waits on the device for ev
+    assert weak.tolist() == [4, 6] and host_lens.sum().item() == 10  # no wait
+    assert weak.data_ptr() == host_lens.data_ptr() and not torch_npu.is_device_memory(weak)
+    ev.record(npu.Stream())
+    npu.synchronize()
+    # memory a kernel uses is the device's, weak reference or not
+    weak_out = torch_npu._C._weak_ref_tensor(out)
+    assert torch_npu.is_device_memory(weak_out)

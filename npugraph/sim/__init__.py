@@ -87,10 +87,12 @@ def _weak_ref_tensor(tensor: Any) -> Any:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"_weak_ref_tensor expects a Tensor, got {type(tensor).__name__}")
     st = get_state()
+    # a weak reference does not make memory the device's: of a host tensor (the CPU lengths
+    # vllm-ascend weak-refs with every kernel argument) it is a host tensor, read without waiting
     if st.capture is not None:
         with st.capture.suspended():
-            return st.memory.alias(tensor)
-    return st.memory.alias(tensor)
+            return st.memory.alias(tensor, st.memory.weak_owner(tensor))
+    return st.memory.alias(tensor, st.memory.weak_owner(tensor))
 
 
 def _npu_setStream(stream: Any) -> None:

@@ -56,7 +56,19 @@ _BLOCK_ALIGN = 512  # bytes, as the device caching allocator rounds
 class Owner:
     """One piece of device memory the simulator knows: an eager storage or a pool block."""
 
-    __slots__ = ("_aliases", "_base", "_base_cdata", "cdata", "fresh", "keeper", "label", "nbytes", "pool", "ptr")
+    __slots__ = (
+        "_aliases",
+        "_base",
+        "_base_cdata",
+        "cdata",
+        "fresh",
+        "host",
+        "keeper",
+        "label",
+        "nbytes",
+        "pool",
+        "ptr",
+    )
 
     def __init__(self, keeper: torch.Tensor, pool: Pool | None, label: str) -> None:
         storage = keeper.untyped_storage()
@@ -67,6 +79,9 @@ class Owner:
         self.pool = pool
         self.label = label
         self.fresh = True  # pool blocks: never handed out yet (poisoned on first use)
+        # host memory a weak reference was made of (torch_npu._C._weak_ref_tensor of a CPU
+        # tensor): aliased, but not device memory, until a kernel or an ordered op uses it
+        self.host = False
         self._base: torch.Tensor | None = None
         self._base_cdata = 0
         # (offset, shape, stride, dtype) -> alias: an update re-issues the same views every step
@@ -207,7 +222,20 @@ class Memory:
     def knows(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s memory is device memory the simulator has seen (a pool block, a
         kernel argument, what an ordered eager op touched); the CPU cannot say otherwise."""
-        return t.device.type != "meta" and int(t.untyped_storage()._cdata) in self.owners
+        if t.device.type == "meta":
+            return False
+        found = self.owners.get(int(t.untyped_storage()._cdata))
+        return found is not None and not found.host
+
+    def weak_owner(self, t: torch.Tensor) -> Owner:
+        """The owner of ``t``'s memory for a weak reference: memory the simulator does not know
+        as the device's stays host memory (a host read of it never waits)."""
+        known = self.owners.get(int(t.untyped_storage()._cdata))
+        if known is not None:
+            return known
+        owner = self.owner(t)
+        owner.host = True
+        return owner
 
     def adopt(self, values: Any) -> None:
         """Register every tensor in ``values`` (nested lists and tuples) as device memory.
@@ -215,7 +243,7 @@ class Memory:
         0-d tensors are host scalars, passed by value, as hardware treats them."""
         for t in tree_flatten(values)[0]:
             if isinstance(t, torch.Tensor) and t.dim() and t.device.type != "meta":
-                self.owner(t)
+                self.owner(t).host = False
 
     def alias(self, t: torch.Tensor, owner: Owner | None = None) -> torch.Tensor:
         """A tensor over ``t``'s bytes (same pointer, shape, stride, dtype) that owns nothing."""
