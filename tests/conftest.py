@@ -17,6 +17,10 @@ from tests.helpers import Harness, assert_engine_serves
 settings.register_profile("npugraph", derandomize=True, deadline=None)
 settings.load_profile("npugraph")
 
+# The simulator's npu device in this process too (tests of npu tensors run in place; the
+# CPU-based tests must not notice it): what NPUGRAPH_SIM_TORCH_NPU=1 gives every process.
+sim.install_npu_device()
+
 if not os.environ.get("OMP_NUM_THREADS"):
     torch.set_num_threads(1)  # the simulator's kernels are small (the CLI does the same)
 

@@ -612,7 +612,8 @@ def test_the_graph_context_ends_the_capture_even_when_the_body_raises():
 def test_install_torch_npu_makes_module_level_imports_resolve_to_the_simulator():
     import sys
 
-    assert "torch_npu" not in sys.modules and not hasattr(torch, "npu")
+    # the test process has the npu device (conftest), whose device module torch.npu is
+    assert "torch_npu" not in sys.modules and torch.npu is npu
     torch_npu.install_torch_npu()
     try:
         import torch_npu as imported  # as vllm-ascend does at module level
@@ -624,7 +625,7 @@ def test_install_torch_npu_makes_module_level_imports_resolve_to_the_simulator()
             pass
     finally:
         torch_npu.uninstall_torch_npu()
-    assert "torch_npu" not in sys.modules and not hasattr(torch, "npu")
+    assert "torch_npu" not in sys.modules and torch.npu is npu, "the npu device stays, with its module"
     torch_npu.uninstall_torch_npu()  # a no-op now
 
 

@@ -1,17 +1,27 @@
 """torch_npu's own graph-update scenarios (Ascend/pytorch test/npu/test_aclgraph_update.py).
 
-Run against npugraph.sim with only the module names and the device string changed:
-``torch_npu`` → ``npugraph.sim``, ``torch.npu`` → ``npugraph.sim.npu``, "npu" → "cpu".
+Run against npugraph.sim with only the module names changed (``torch_npu`` →
+``npugraph.sim``, ``torch.npu`` → ``npugraph.sim.npu``), on the simulator's ``npu`` device
+as written, and again with the device string "npu" → "cpu" (the CPU tensors that stand
+for device memory where the npu device is not used).
 """
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 
 import npugraph.sim as torch_npu
 
 npu = torch_npu.npu  # stands for torch.npu
-DEVICE = "cpu"
+DEVICE = "npu"
+
+
+@pytest.fixture(autouse=True, params=["npu", "cpu"])
+def _device(request, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", request.param)
 
 
 def assert_equal(a, b):
@@ -371,10 +381,10 @@ def test_pa_auto_dispatch_update_against_golden():
     num_tokens, num_heads, kv_heads, head_size, block_size, num_blocks = 4, 8, 2, 128, 16, 32
     scale = head_size**-0.5
     query = torch.randn(num_tokens, num_heads, head_size, dtype=torch.float16, device=DEVICE)
-    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, dtype=torch.float16)
-    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, dtype=torch.float16)
-    block_table = torch.randint(0, num_blocks, (num_tokens, 8), dtype=torch.int32)
-    context_lens = torch.tensor([1] * num_tokens, dtype=torch.int32)
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, dtype=torch.float16, device=DEVICE)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, dtype=torch.float16, device=DEVICE)
+    block_table = torch.randint(0, num_blocks, (num_tokens, 8), dtype=torch.int32, device=DEVICE)
+    context_lens = torch.tensor([1] * num_tokens, dtype=torch.int32)  # host lengths
     new_lens = [17, 128, 5, 64]
     output = torch.empty_like(query)
     g = npu.NPUGraph()
@@ -393,9 +403,10 @@ def test_pa_auto_dispatch_update_against_golden():
     g.update(cpu_update_input=[{"context_lens": new_lens}])
     g.replay()
     npu.synchronize()
-    # golden: per request, gather its keys and run softmax attention in float32
+    # golden: per request, gather its keys and run softmax attention in float32, on the host
     golden = torch.empty(num_tokens, num_heads, head_size)
     group = num_heads // kv_heads
+    query, key_cache, value_cache, block_table = (t.cpu() for t in (query, key_cache, value_cache, block_table))
     for i, length in enumerate(new_lens):
         pos = torch.arange(length)
         blocks = block_table[i, pos // block_size].long()
@@ -405,4 +416,4 @@ def test_pa_auto_dispatch_update_against_golden():
             s = (query[i, h].float() @ k[:, h // group].T) * scale
             p = torch.softmax(s, -1).half().float()
             golden[i, h] = p @ v[:, h // group]
-    assert torch.allclose(output.float(), golden, atol=2e-3, rtol=1e-3)
+    assert torch.allclose(output.cpu().float(), golden, atol=2e-3, rtol=1e-3)

@@ -65,6 +65,7 @@ __all__ = [
     "pin_memory",
     "is_pinned",
     "install_torch_npu",
+    "install_npu_device",
     "uninstall_torch_npu",
     "SimError",
     "DeadlockError",
@@ -203,8 +204,7 @@ def install_torch_npu(*, device: bool = False) -> None:
             "cannot stand in for it"
         )
     if device:
-        _device.install(npu)
-        _hccl.register()
+        install_npu_device()
     if _INSTALLED:
         return
     stand_ins = {"torch_npu": me, "torch_npu.npu": npu, "torch_npu._C": _C, **_torch_npu.submodules(_C)}
@@ -213,6 +213,13 @@ def install_torch_npu(*, device: bool = False) -> None:
         sys.modules[name] = module  # type: ignore[assignment]
     _INSTALLED["torch.npu"] = getattr(torch, "npu", _MISSING)
     torch.npu = npu  # type: ignore[attr-defined]
+
+
+def install_npu_device() -> None:
+    """Give this process the ``npu`` torch device and the ``hccl`` backend (idempotent; for
+    the life of the process), without swapping any module for ``torch_npu``."""
+    _device.install(npu)
+    _hccl.register()
 
 
 def uninstall_torch_npu() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
     "ALLOC_PACKETS",
@@ -25,6 +25,7 @@ __all__ = [
     "ShapeUnknown",
     "PlannedOp",
     "plan_outputs",
+    "op_device",
     "run_planned",
 ]
 
@@ -120,9 +121,10 @@ def plan_outputs(
     func: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    alloc: Callable[[Any, Any, torch.dtype], torch.Tensor],
+    alloc: Callable[[Any, Any, torch.dtype, torch.device], torch.Tensor],
 ) -> PlannedOp:
-    """Shape ``func``'s outputs on meta tensors and allocate them with ``alloc(shape, stride, dtype)``.
+    """Shape ``func``'s outputs on meta tensors and allocate them with
+    ``alloc(shape, stride, dtype, device)``, on the op's device (:func:`op_device`).
 
     An allocation op (``empty``...) is planned as its buffer alone (no ``fresh``: nothing
     to run).  Raises :class:`ShapeUnknown` when the outputs depend on the data.
@@ -134,8 +136,9 @@ def plan_outputs(
         raise ShapeUnknown(
             f"its output shape could not be inferred without running it ({type(exc).__name__}: {exc})"
         ) from exc
+    device = op_device(args, kwargs)
     if func.overloadpacket in ALLOC_PACKETS:
-        return PlannedOp(alloc(meta_out.shape, meta_out.stride(), meta_out.dtype), [], [])
+        return PlannedOp(alloc(meta_out.shape, meta_out.stride(), meta_out.dtype, device), [], [])
     returns = schema.returns
     metas = meta_out if len(returns) > 1 else (meta_out,)
     named = _bind_args(schema, args, kwargs)
@@ -145,11 +148,11 @@ def plan_outputs(
         if r.alias_info is not None:
             outs.append(_aliased(schema, r.alias_info, named))
         elif isinstance(m, torch.Tensor):
-            buf = alloc(m.shape, m.stride(), m.dtype)
+            buf = alloc(m.shape, m.stride(), m.dtype, device)
             outs.append(buf)
             fresh.append((i, buf))
         elif isinstance(m, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in m):
-            bufs = [alloc(x.shape, x.stride(), x.dtype) for x in m]
+            bufs = [alloc(x.shape, x.stride(), x.dtype, device) for x in m]
             outs.append(bufs)
             fresh.append((i, bufs))
         else:
@@ -162,6 +165,21 @@ def plan_outputs(
             v = named.get(arg.name)
             written.extend(t for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor))
     return PlannedOp(outs[0] if len(returns) == 1 else tuple(outs), fresh, written)
+
+
+def op_device(args: Any, kwargs: dict[str, Any]) -> torch.device:
+    """Where an op's outputs live: the ``npu`` device of an operand (or of its ``device=``),
+    else the CPU (which stands for device memory where the npu device is not used)."""
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type == "npu":
+        return torch.device(dev)
+    for x in tree_flatten((args, kwargs))[0]:
+        if isinstance(x, torch.Tensor) and x.device.type == "npu":
+            return x.device
+    return _CPU
+
+
+_CPU = torch.device("cpu")
 
 
 def run_planned(func: Any, args: Any, kwargs: Any, fresh: list[tuple[int, Any]]) -> None:

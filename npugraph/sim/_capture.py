@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from npugraph.sim import _runtime as rt
 from npugraph.sim._aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, plan_outputs
-from npugraph.sim._memory import ArgRef, hold_params, hold_tree
+from npugraph.sim._memory import MEMORY, ArgRef, hold_params, hold_tree
 from npugraph.sim._nodes import ExtRecordNode, ExtWaitNode, KernelTask, OpNode, storage_key
 from npugraph.sim.errors import CaptureError
 
@@ -63,11 +63,11 @@ class CaptureSession:
                 "captured region."
             )
 
-    def alloc(self, shape: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+    def alloc(self, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device = MEMORY) -> torch.Tensor:
         """Allocate from the graph's pool; the graph keeps the memory, the caller the object."""
         memory = rt.get_state().memory
         with torch.utils._python_dispatch._disable_current_modes():
-            t = memory.allocate(self.graph._pool, shape, stride, dtype)
+            t = memory.allocate(self.graph._pool, shape, stride, dtype, device)
             if t.numel():
                 self.graph._blocks.add(memory.owner(t))
                 self.pending.add(storage_key(t))

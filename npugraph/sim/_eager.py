@@ -160,8 +160,8 @@ class EagerOrdering:
         st.enqueue(stream, EagerOp(st, func, args, tree_map(lambda x: x, kwargs), planned.fresh))
         return planned.result
 
-    def _alloc(self, shape: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device=MEMORY)
+    def _alloc(self, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device = MEMORY) -> torch.Tensor:
+        t = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device=device)
         if t.numel():
             if t.is_floating_point() or t.is_complex():
                 t.fill_(float("nan"))  # a read before the op runs shows

@@ -23,6 +23,7 @@ import torch
 
 from npugraph.sim import _runtime as rt
 from npugraph.sim._capture import CaptureSession, make_host_copy
+from npugraph.sim._device import host_view
 from npugraph.sim._memory import MEMORY
 from npugraph.sim._taskgroups import (
     graph_task_group_begin,
@@ -101,7 +102,8 @@ class SimOp:
         self.check_workspace(params, where, info)
         st = rt.get_state()
         t0 = time.perf_counter()
-        self._compute(params, info)
+        # the kernel's math runs on the CPU over the device's memory (npu memory is host memory)
+        self._compute({k: _on_host(v) for k, v in params.items()}, info)
         model = st.config.kernel_time_model
         st.device_clock += model(self.name, params) if model is not None else time.perf_counter() - t0
 
@@ -127,6 +129,17 @@ def host_copy(name: str, value: Any) -> Any:
         return tuple(int(x) for x in value)
     except TypeError as exc:
         raise TypeError(f"argument {name!r} must be a list of ints, got {value!r}") from exc
+
+
+def _on_host(v: Any) -> Any:
+    """npu tensors (also in lists) as CPU tensors over the same memory, for a kernel's math."""
+    if isinstance(v, torch.Tensor):
+        return host_view(v) if v.device.type == "npu" else v
+    if isinstance(v, list):
+        return [_on_host(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(_on_host(x) for x in v)
+    return v
 
 
 def check_placement(op: SimOp, params: dict[str, Any]) -> None:
@@ -195,7 +208,7 @@ def _auto_capture(session: CaptureSession, op: SimOp, params: dict[str, Any]) ->
     graph_task_group_begin(stream)
     if params.get("workspace") is None:
         size = op.max_workspace_bytes(params)
-        params["workspace"] = session.alloc((size,), (1,), torch.uint8)
+        params["workspace"] = session.alloc((size,), (1,), torch.uint8, params["query"].device)
     session.record_kernel(op, params)
     handle = graph_task_group_end(stream)
     session.graph._auto_records.append({"op": op, "params": params, "handle": handle, "event": ev})
@@ -292,4 +305,5 @@ def max_workspace(op: SimOp, p: dict[str, Any]) -> torch.Tensor:
     rt.get_state().charge("workspace_query")
     for name in op.host_args:
         p[name] = host_copy(name, p.get(name))
-    return torch.empty(op.max_workspace_bytes(p), dtype=torch.uint8, device=MEMORY)
+    device = p["query"].device if isinstance(p.get("query"), torch.Tensor) else MEMORY
+    return torch.empty(op.max_workspace_bytes(p), dtype=torch.uint8, device=device)

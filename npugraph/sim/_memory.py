@@ -130,10 +130,12 @@ class Pool:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.blocks)
 
-    def block(self, nbytes: int, memory: Memory) -> Owner:
-        """A free block of at least ``nbytes`` (best fit), or a new one."""
+    def block(self, nbytes: int, memory: Memory, device: torch.device = MEMORY) -> Owner:
+        """A free block of at least ``nbytes`` (best fit) on ``device``, or a new one."""
         best: Owner | None = None
         for b in self.blocks:
+            if b.keeper.device != device:
+                continue
             if b.nbytes >= nbytes and (best is None or b.nbytes < best.nbytes) and not b.in_use():
                 best = b
                 if b.nbytes == nbytes:
@@ -142,7 +144,7 @@ class Pool:
             best.fresh = False
             return best
         size = max(_BLOCK_ALIGN, -(-nbytes // _BLOCK_ALIGN) * _BLOCK_ALIGN)
-        block = Owner(torch.empty(size, dtype=torch.uint8, device=MEMORY), self, f"block of pool {self.pool_id}")
+        block = Owner(torch.empty(size, dtype=torch.uint8, device=device), self, f"block of pool {self.pool_id}")
         self.blocks.append(block)
         memory.owners[block.cdata] = block
         return block
@@ -215,15 +217,20 @@ class Memory:
         return pinned
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` lies in page-locked host memory (see :meth:`pin`)."""
+        """Whether ``t`` lies in page-locked host memory (:meth:`pin`, or the npu device's
+        pinned allocator: ``Tensor.pin_memory()``)."""
         ref = self.pinned.get(int(t.untyped_storage()._cdata))
-        return ref is not None and ref() is not None
+        if ref is not None and ref() is not None:
+            return True
+        return t.device.type == "cpu" and _device.installed() and t.is_pinned()
 
     def knows(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s memory is device memory the simulator has seen (a pool block, a
-        kernel argument, what an ordered eager op touched); the CPU cannot say otherwise."""
-        if t.device.type == "meta":
-            return False
+        """Whether ``t``'s memory is device memory: an ``npu`` tensor, or a CPU tensor the
+        simulator has seen in device work (a pool block, a kernel argument, what an ordered
+        eager op touched; CPU tensors stand for device memory where the npu device is not
+        used)."""
+        if t.device.type != "cpu":
+            return t.device.type == "npu"  # the npu device's memory is device memory, always
         found = self.owners.get(int(t.untyped_storage()._cdata))
         return found is not None and not found.host
 
@@ -273,16 +280,18 @@ class Memory:
         owner = self.owner(t)
         return self.alias(t, owner), ArgRef(name, owner, checked and owner.pool is None)
 
-    def allocate(self, pool_id: tuple[int, int], shape: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+    def allocate(
+        self, pool_id: tuple[int, int], shape: Any, stride: Any, dtype: torch.dtype, device: torch.device = MEMORY
+    ) -> torch.Tensor:
         """Allocate a tensor from a graph pool (during capture); poisoned if the block is new."""
         size = [int(s) for s in shape]
         strides = [int(s) for s in stride]
         numel_span = 1 + sum((s - 1) * st for s, st in zip(size, strides)) if all(size) else 0
         nbytes = numel_span * torch.empty(0, dtype=dtype, device=MEMORY).element_size()
         if nbytes == 0:
-            return torch.empty_strided(size, strides, dtype=dtype, device=MEMORY)
-        block = self.pool(pool_id).block(nbytes, self)
-        t = torch.empty(0, dtype=dtype, device=MEMORY).set_(block.keeper.untyped_storage(), 0, size, strides)
+            return torch.empty_strided(size, strides, dtype=dtype, device=device)
+        block = self.pool(pool_id).block(nbytes, self, device)
+        t = torch.empty(0, dtype=dtype, device=device).set_(block.keeper.untyped_storage(), 0, size, strides)
         if block.fresh and t.is_floating_point():
             t.fill_(float("nan"))  # a read before replay shows
         return t
@@ -301,7 +310,7 @@ def hold_tree(memory: Memory, name: str, v: Any, refs: list[ArgRef], *, checked:
     capturing code's tensors alive.  0-d eager tensors are host scalars, passed by value.
     """
     if isinstance(v, torch.Tensor):
-        if v.device.type != "cpu":
+        if v.device.type not in ("cpu", "npu"):
             return v
         if v.dim() == 0:
             owner = memory.owners.get(int(v.untyped_storage()._cdata))

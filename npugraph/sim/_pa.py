@@ -9,7 +9,6 @@ import torch
 from npugraph.sim import _runtime as rt
 from npugraph.sim import kernels as K
 from npugraph.sim._launch import SimOp, fail, host_copy, launch, need_tensor
-from npugraph.sim._memory import MEMORY
 
 __all__ = ["_npu_paged_attention", "_npu_paged_attention_get_workspace"]
 
@@ -160,4 +159,4 @@ def _npu_paged_attention_get_workspace(
     p.pop("st")
     p["context_lens"] = host_copy("context_lens", context_lens)
     size = _PA.workspace_bytes(p)
-    return torch.empty(size, dtype=torch.uint8, device=MEMORY)
+    return torch.empty(size, dtype=torch.uint8, device=query.device)

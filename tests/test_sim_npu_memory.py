@@ -1,0 +1,149 @@
+"""The simulator on its own device: ``npu`` tensors are device memory, CPU tensors host memory.
+
+On npu tensors the contract's memory rules hold as hardware has them, told by
+``tensor.device``: a host read of npu memory waits for the stream, one of CPU memory never
+does; eager ops on npu memory are stream-ordered; a graph keeps npu memory, not objects,
+and a replay that would read freed npu memory is reported; pools hand out npu blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import pytest
+import torch
+
+import npugraph.sim as torch_npu
+from npugraph.reference import paged_attention_reference
+from npugraph.sim import npu
+
+SCALE = 0.25
+
+
+def _pa_setup(t=2, n=4, kvn=2, d=16, nb=8, bs=16, cols=4):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(t, n, d, generator=g).to(torch.float16).npu()
+    kc = torch.randn(nb, bs, kvn, d, generator=g).to(torch.float16).npu()
+    vc = torch.randn(nb, bs, kvn, d, generator=g).to(torch.float16).npu()
+    bt = torch.randint(0, nb, (t, cols), dtype=torch.int32, generator=g).npu()
+    out = torch.empty(t, n, d, dtype=torch.float16, device="npu")
+    return q, kc, vc, bt, out
+
+
+def _capture_pa(q, kc, vc, bt, lens, out):
+    g = npu.NPUGraph()
+    ev = npu.ExternalEvent()
+    with npu.graph(g):
+        s = npu.current_stream()
+        ev.wait(s)
+        ev.reset(s)
+        npu.graph_task_group_begin(s)
+        torch_npu._npu_paged_attention(q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt, lens, out)
+        h = npu.graph_task_group_end(s)
+    return g, ev, h
+
+
+def _update(h, ev, q, kc, vc, bt, lens, out):
+    us = npu.Stream()
+    with npu.stream(us):
+        npu.graph_task_update_begin(us, h)
+        torch_npu._npu_paged_attention(q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt, lens, out)
+        npu.graph_task_update_end(us)
+        ev.record(us)
+
+
+def _reference(q, kc, vc, bt, lens):
+    """The float64 reference, on the host (no simulator code on that path)."""
+    return paged_attention_reference(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), lens, SCALE, [1] * len(lens))
+
+
+def test_an_npu_graph_replays_updated_lengths_right():
+    q, kc, vc, bt, out = _pa_setup()
+    g, ev, h = _capture_pa(q, kc, vc, bt, torch.tensor([3, 5], dtype=torch.int32), out)
+    for lens in ([7, 1], [64, 33]):
+        _update(h, ev, q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), out)
+        g.replay()
+        npu.synchronize()
+        assert out.device.type == "npu"
+        err = (out.cpu().double() - _reference(q, kc, vc, bt, lens)).abs().max().item()
+        assert err < 4e-3, err
+    assert torch_npu.is_device_memory(out) and not torch_npu.is_device_memory(out.cpu())
+
+
+def test_host_reads_wait_for_npu_memory_only():
+    """A replay waits on the device for its update: reading npu memory on the host would
+    hang (DeadlockError here); reading host memory never waits, and an eager op on npu
+    memory is queued behind the replay, not run."""
+    q, kc, vc, bt, out = _pa_setup()
+    g, ev, h = _capture_pa(q, kc, vc, bt, torch.tensor([3, 5], dtype=torch.int32), out)
+    host = torch.tensor([1.0, 2.0])
+    g.replay()  # waits for ev
+    copy = out.clone()  # queued on the stream behind the replay
+    assert host.sum().item() == 3.0  # host memory: no wait
+    with pytest.raises(torch_npu.DeadlockError, match="tolist"):
+        copy.tolist()
+    ev.record(npu.Stream())
+    npu.synchronize()
+    assert torch.equal(copy.cpu(), out.cpu()), "the clone ran after the replay, in stream order"
+
+
+def test_a_graph_keeps_npu_memory_not_objects_and_reports_use_after_free():
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        tmp = q * 2  # an intermediate in the graph's pool, on npu
+        torch_npu._npu_paged_attention(tmp, kc, vc, 2, 4, SCALE, bt, lens, out)
+    assert tmp.device.type == "npu"
+    alive = weakref.ref(tmp)
+    del tmp
+    assert alive() is None, "the graph holds the memory, not the Python tensor"
+    g.replay()
+    npu.synchronize()
+    ref = _reference(q * 2, kc, vc, bt, [3, 5])
+    assert (out.cpu().double() - ref).abs().max().item() < 8e-3
+    del kc  # the graph reads the model's cache: freeing it is the model's bug
+    g.replay()
+    with pytest.raises(torch_npu.ReplayFault, match="key_cache"):
+        npu.synchronize()
+
+
+def test_weak_references_alias_npu_memory_and_keep_nothing_alive():
+    t = torch.arange(8.0, device="npu")
+    w = torch_npu._C._weak_ref_tensor(t)
+    assert w.device == t.device and w.data_ptr() == t.data_ptr() and torch.equal(w.cpu(), t.cpu())
+    t.add_(1)
+    assert w.cpu().tolist() == [float(i + 1) for i in range(8)]
+    alive = weakref.ref(t)
+    del t
+    assert alive() is None
+
+
+def test_pools_hand_out_npu_blocks_shared_between_graphs():
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    pool = npu.graph_pool_handle()
+    g1, g2 = npu.NPUGraph(), npu.NPUGraph()
+    with npu.graph(g1, pool=pool):
+        a = q + 1
+        first = a.data_ptr()
+        del a
+    with npu.graph(g2, pool=pool):
+        b = q + 2
+    assert b.device.type == "npu" and b.data_ptr() == first, "the freed block is reused by the next capture"
+    before = npu.memory_allocated()
+    assert before >= b.numel() * b.element_size()
+    g2.replay()
+    npu.synchronize()
+    assert torch.equal(b.cpu(), (q.cpu() + 2))
+    del lens, out
+
+
+def test_math_on_npu_matches_the_host():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, generator=g)
+    y = x.npu()
+    assert torch.allclose(torch.nn.functional.silu(y).cpu(), torch.nn.functional.silu(x))
+    assert torch.allclose((y @ y.T).cpu(), x @ x.T)
+    assert math.isclose(y.norm().item(), x.norm().item(), rel_tol=1e-6)
