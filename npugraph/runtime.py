@@ -169,6 +169,10 @@ class Runtime:
                 batch = rows + 1
         if batch > rows:
             call = attrs.evolve(call, block_table=_pad_rows(call.block_table, batch))
+        if call.block_table.device != call.query.device:
+            # a host table (an engine's CPU metadata): the kernel reads the table on the device
+            staged = self.device.staged(call.block_table)
+            call = attrs.evolve(call, block_table=staged.to(call.query.device, non_blocking=True))
         lens = convert(
             meta,
             batch=batch,

@@ -7,6 +7,7 @@ developer's process sees after ``import torch, torch_npu``.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -244,3 +245,28 @@ def test_vllm_init_distributed_environment_with_hccl(size):
     total = float(sum(range(1, size + 1)))
     for rank in range(size):
         assert f"rank {rank} hccl {[total] * 3}" in out, out
+
+
+def test_npugraph_runs_its_real_npu_path_on_the_simulators_device(tmp_path):
+    """With the simulator as torch_npu, ``--device npu`` is npugraph's Ascend code path as it
+    is (``load_device("npu")``: torch_npu, torch.npu, memory on ``npu:0``, device memory
+    told by ``tensor.device``): the self-test meant for Ascend hosts passes, and the demo
+    decodes with replay equal to eager and to the float64 reference (which crosses to the
+    host explicitly)."""
+    env = {**os.environ, ENV: "1"}
+    npugraph = str(Path(sys.executable).with_name("npugraph"))
+    selftest = subprocess.run([npugraph, "selftest", "--device", "npu"], capture_output=True, text=True, env=env)
+    assert selftest.returncode == 0, selftest.stdout + selftest.stderr
+    assert "selftest on npu" in selftest.stdout and "0 failed" in selftest.stdout
+    out = tmp_path / "demo.json"
+    args = ["--steps", "30", "--sizes", "1,2,4,8", "--layers", "2", "--json", str(out)]
+    demo = subprocess.run(
+        [npugraph, "demo", "--device", "npu", "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    summary = json.loads(out.read_text())
+    assert summary["device"] == "npu" and summary["mismatches"] == 0 and summary["reference_failures"] == 0
+    assert summary["reference_checks"] >= 3

@@ -190,7 +190,7 @@ class _GQALayer(_Layer):
         a = paged_attention_reference(
             q, kc, vc, ref.block_table, ref.seq_lens, self.attn.scale, ref.query_lens, window=self.attn.window
         )
-        return self.o(a.to(h.dtype).reshape(h.shape[0], -1))
+        return self.o(a.to(h.device, h.dtype).reshape(h.shape[0], -1))  # the host reference, back on the device
 
 
 class _MLALayer(_Layer):
@@ -239,7 +239,7 @@ class _MLALayer(_Layer):
         a = paged_attention_reference(
             torch.cat([q_lat, q_pe], dim=-1), keys, lat, ref.block_table, ref.seq_lens, self.attn.scale, ref.query_lens
         )
-        return self.o(a.to(h.dtype).reshape(h.shape[0], -1))
+        return self.o(a.to(h.device, h.dtype).reshape(h.shape[0], -1))  # the host reference, back on the device
 
 
 class Decoder(nn.Module):

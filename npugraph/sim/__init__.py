@@ -178,6 +178,9 @@ def device_seconds() -> float:
     return get_state().busy_s
 
 
+# what code that records torch_npu's version reads (vllm-ascend's compile cache key)
+__version__ = f"{torch.__version__.split('+')[0]}+npugraph.sim"
+
 _MISSING = object()
 # what install_torch_npu replaced, to restore: module name (or "torch.npu") -> the old value
 _INSTALLED: dict[str, Any] = {}
