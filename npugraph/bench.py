@@ -515,7 +515,7 @@ def _implementations(
     if grouped is not None:
         variants.append(("npugraph_grouped", "replay-first", grouped))
     for name, order, source in variants:
-        dev = RecordingDevice(kernel)
+        dev = RecordingDevice(kernel, rt.device.memory)
         shadow = _shadow(source, size, dev)
         upd = ReplayUpdater(_ShadowManager(dev, shadow, rt.max_model_len), order=order, fused_update=True)  # type: ignore[arg-type]
 
@@ -593,7 +593,7 @@ def _updatable(
     (#15125); without it, the V2 runner's ordering: the update stream waits for the replay
     stream (``wait_stream``: an event record and a wait, #12944).
     """
-    dev = RecordingDevice(kernel)
+    dev = RecordingDevice(kernel, rt.device.memory)
     shadow = _shadow(rt, size, dev)
     npu, ops = dev.npu, dev.ops
     operation = shadow.tasks[0].spec.kernel_fn(dev)
@@ -644,7 +644,7 @@ def _updatable(
 def _legacy(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDevice, Callable[[Any], None]]:
     """vllm-ascend's model runner before UpdatableGraph, in its real order: a host
     synchronize (#4233), the replay, then :func:`_legacy_loop` (PA workspace once per pass)."""
-    dev = RecordingDevice(kernel)
+    dev = RecordingDevice(kernel, rt.device.memory)
     shadow = _shadow(rt, size, dev)
     update = _legacy_loop(dev, shadow, dev.npu.Stream())
 
@@ -665,7 +665,10 @@ class _StepInput:
 
 
 def _step_input(rt: Runtime, size: int, lens: list[int], table: torch.Tensor) -> _StepInput:
-    meta = AttentionMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32, device="cpu"), block_table=table)
+    # the step's table is the graphs' buffer, read in place as an engine's CPU table is (no
+    # copy; the host checks its block ids): on the simulator's npu device, a CPU view of it
+    host_table = sim.host_view(table) if table.device.type == "npu" else table
+    meta = AttentionMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32, device="cpu"), block_table=host_table)
     entry = rt.entry(size)
     per_layer = types.SimpleNamespace(
         seq_lens=meta.seq_lens,

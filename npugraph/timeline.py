@@ -132,7 +132,7 @@ class RecordingDevice:
     made by :meth:`handle` / :meth:`event` carry the task they belong to.
     """
 
-    def __init__(self, kernel: str) -> None:
+    def __init__(self, kernel: str, memory: Any = None) -> None:
         self.kernel = kernel
         self._calls: list[tuple[int, int, str, int, float]] = []
         self._lock = threading.Lock()
@@ -142,7 +142,7 @@ class RecordingDevice:
         self.npu = _Npu(self)
         self.ops = _Ops(self)
         self.fused_fia_update = self.ops._C._npu_fused_infer_attention_score_out_graph
-        self.memory = None
+        self.memory = memory  # the memory of the device it stands in for (where the tables live)
         self.overhead_us = 0.0  # the recorder's own time per logged call (calibrate())
         self.deadlock_errors: tuple[type[BaseException], ...] = ()
         self.race_errors: tuple[type[BaseException], ...] = ()

@@ -94,8 +94,12 @@ class Harness:
         self.windows = windows or {}
         gen = torch.Generator().manual_seed(seed)
         shapes = {n: ((blocks or {}).get(n, BLOCKS), BLOCK, KV_HEADS, HEAD) for n in self.names}
+        dev = self.dev = self.rt.device.memory  # the caches, query and tables live in device memory
         self.caches = {
-            n: (torch.randn(shapes[n], generator=gen).to(dtype), torch.randn(shapes[n], generator=gen).to(dtype))
+            n: (
+                torch.randn(shapes[n], generator=gen).to(dtype).to(dev),
+                torch.randn(shapes[n], generator=gen).to(dtype).to(dev),
+            )
             for n in self.names
         }
         self.attn = {
@@ -112,9 +116,10 @@ class Harness:
             for n in self.names
         }
         top = max(sizes)
-        self.query = torch.zeros(ubatches, top * tokens_per_request, HEADS, HEAD, dtype=dtype)
+        self.query = torch.zeros(ubatches, top * tokens_per_request, HEADS, HEAD, dtype=dtype, device=dev)
         self.tables = {
-            g: torch.zeros(ubatches, top, MAX_LEN // BLOCK, dtype=torch.int32) for g in set(self.groups.values())
+            g: torch.zeros(ubatches, top, MAX_LEN // BLOCK, dtype=torch.int32, device=dev)
+            for g in set(self.groups.values())
         }
         self.rng = random.Random(seed)
         if capture:
@@ -189,7 +194,7 @@ class Harness:
             meta = metas_by_layer[n]
             real = meta.num_reqs * self.tpr
             ref = self.reference(n, q[ubatch], meta)
-            got = out[ubatch, li, :real].double()
+            got = out[ubatch, li, :real].cpu().double()  # read on the host (synchronized)
             err = (got - ref).abs().max().item() if real else 0.0
             assert err < TOL[self.dtype], f"layer {n} ubatch {ubatch}: {err} from the float64 reference"
             assert not out[ubatch, li, real:].any(), f"layer {n}: padding rows must be zeros"
@@ -219,12 +224,13 @@ class Harness:
             for u in range(self.ubatches):
                 for li, name in enumerate(layers):  # the graph's own layers (a test may trim self.names)
                     real = meta.num_reqs * self.tpr
-                    err = (out[u, li, :real].double() - self.reference(name, q[u], meta)).abs().max().item()
+                    got = out[u, li, :real].cpu().double()
+                    err = (got - self.reference(name, q[u], meta)).abs().max().item()
                     assert err < TOL[self.dtype], f"{name} of graph {size}: {err} from the float64 reference"
                     assert not out[u, li, real:].any(), f"{name} of graph {size}: padding rows must be zeros"
 
 
 def query_for(h, size, seed):
-    """A random query of ``size`` requests for harness ``h``."""
+    """A random query of ``size`` requests for harness ``h``, in its device memory (drawn on the host)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(h.ubatches, size * h.tpr, HEADS, HEAD, generator=g).to(h.dtype)
+    return torch.randn(h.ubatches, size * h.tpr, HEADS, HEAD, generator=g).to(h.dtype).to(h.dev)

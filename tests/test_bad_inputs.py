@@ -493,8 +493,9 @@ def _boom() -> None:
 def _twice(w: World, policy=None):
     layer = w.model.layers[0]
     attn = DecodeAttention(w.rt, "twice", num_heads=w.cfg.heads, num_kv_heads=w.cfg.kv_heads, head_size=w.cfg.head_size)
-    q = torch.zeros(2, w.cfg.heads, w.cfg.head_size, dtype=w.cfg.dtype)
-    meta = AttentionMetadata(seq_lens=_i32(1, 1), block_table=torch.zeros(2, 8, dtype=torch.int32))
+    dev = w.rt.device.memory
+    q = torch.zeros(2, w.cfg.heads, w.cfg.head_size, dtype=w.cfg.dtype, device=dev)
+    meta = AttentionMetadata(seq_lens=_i32(1, 1), block_table=torch.zeros(2, 8, dtype=torch.int32, device=dev))
 
     def fn():
         old = w.rt.manager.policy

@@ -14,7 +14,8 @@ def test_quickstart_runs_and_its_last_logits_are_right(capsys):
     assert "size 4: pa (" in out and "size 8: fia (" in out
     assert out.rstrip().endswith("OK"), out
     model, b, logits = ns["model"], ns["b"], ns["logits"]
-    eager = model(b.input_ids, b.positions, b.slot_mapping, b.padded_meta)[: b.num_reqs]
+    dev = ns["rt"].device.memory
+    eager = model(b.input_ids.to(dev), b.positions.to(dev), b.slot_mapping.to(dev), b.padded_meta)[: b.num_reqs]
     ns["rt"].synchronize()
     assert torch.equal(logits, eager), "the replayed step equals the same step run eagerly"
     lens = b.meta.seq_lens.tolist()

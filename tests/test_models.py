@@ -185,7 +185,8 @@ def test_padding_tokens_write_no_kv_slot_not_even_in_block_0(kind):
         inputs = {"input_ids": b.input_ids[:r], "positions": b.positions[:r], "slot_mapping": real}
         rt.step(b.size, eng.metadata(b.meta), inputs=inputs)  # padded by the runtime
         rt.synchronize()
-        ref(b.input_ids[:r], b.positions[:r], real, b.meta)  # eager, real tokens only
+        dev = ref_rt.device.memory
+        ref(b.input_ids[:r].to(dev), b.positions[:r].to(dev), real.to(dev), b.meta)  # eager, real tokens only
         ref_rt.synchronize()
     assert padded > 20 and any(s < cfg.block_size for s in written), "padded steps; block 0 belonged to a request"
     for c, want in zip(caches, ref_caches):

@@ -66,7 +66,8 @@ def test_the_factory_check_catches_a_missing_device(tmp_path):
 
 
 def test_the_device_names_where_its_memory_lives():
-    assert load_device("sim").memory == torch.device("cpu")
+    """The simulator's memory is its npu device's, as Ascend's is npu:<current device>."""
+    assert load_device("sim").memory == torch.device("npu", 0)
 
 
 def test_models_and_runtime_allocate_on_the_runtime_device():

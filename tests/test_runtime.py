@@ -56,7 +56,9 @@ def test_uncaptured_key_runs_the_eager_fallback_when_configured():
 
     def fallback(key, metadata, inputs):
         seen.append(key)
-        return model(inputs["input_ids"], inputs["positions"], inputs["slot_mapping"], b.padded_meta)
+        dev = rt.device.memory  # an engine's fallback runs the model on its device buffers
+        ids, pos, slots = (inputs[k].to(dev) for k in ("input_ids", "positions", "slot_mapping"))
+        return model(ids, pos, slots, b.padded_meta)
 
     rt.eager_fallback = fallback
     out = rt.step(4, {"default": b.meta}, inputs=_inputs(b))
@@ -104,11 +106,13 @@ def _eager_per_layer(model, b, per_layer):
         lens = torch.zeros(size, dtype=torch.int32)
         lens[: m.num_reqs] = m.seq_lens
         padded[name] = AttentionMetadata(seq_lens=lens, block_table=b.padded_meta.block_table)
-    x = model.embed(b.input_ids)
-    cos, sin = model.cos[b.positions], model.sin[b.positions]
+    dev = model.embed.weight.device
+    ids, pos, slots = b.input_ids.to(dev), b.positions.to(dev), b.slot_mapping.to(dev)
+    x = model.embed(ids)
+    cos, sin = model.cos[pos], model.sin[pos]
     with torch.no_grad():
         for layer in model.layers:
-            x = layer(x, cos, sin, b.slot_mapping, padded[layer.attn.layer_name])
+            x = layer(x, cos, sin, slots, padded[layer.attn.layer_name])
         out = model.lm_head(model.norm(x)).float()
     rt = model.layers[0].attn.runtime
     rt.synchronize()
@@ -316,10 +320,11 @@ def test_pa_workspace_covers_every_length_not_one_fake_length():
 
     rt = Runtime("sim", max_model_len=4096)
     stack = AttentionStack(rt, layers=2, heads=4, kv_heads=1, head_size=64, block_size=128, num_blocks=32)
-    table = torch.zeros(2, 32, dtype=torch.int32)
+    dev = rt.device.memory
+    table = torch.zeros(2, 32, dtype=torch.int32, device=dev)
     for key in (2, 1):
         meta = AttentionMetadata(seq_lens=torch.ones(key, dtype=torch.int32), block_table=table[:key])
-        rt.capture(stack, torch.zeros(key, 4, 64, dtype=torch.float16), meta, key=key)
+        rt.capture(stack, torch.zeros(key, 4, 64, dtype=torch.float16, device=dev), meta, key=key)
         entry = rt.manager.entry("main", key)
         assert entry.choice.kernel == "pa"
         need = [pa_workspace_bytes(key, 4, 1, 64, n) for n in range(1, 4097)]

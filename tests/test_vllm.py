@@ -57,7 +57,7 @@ class _PiecewiseHead(torch.nn.Module):
     def __init__(self, head: torch.nn.Linear, vllm_config, max_tokens: int) -> None:
         super().__init__()
         self.inner = head
-        self.static = torch.zeros(max_tokens, head.in_features, dtype=head.weight.dtype)
+        self.static = torch.zeros(max_tokens, head.in_features, dtype=head.weight.dtype, device=head.weight.device)
         self.__dict__["wrapped"] = integ.NpuGraphWrapper(head, vllm_config, CUDAGraphMode.PIECEWISE)
 
     def forward(self, x):
@@ -108,10 +108,11 @@ class Runner:
         self.dispatcher = CudagraphDispatcher(vc)
         self.dispatcher.initialize_cudagraph_keys(mode, 1)
         n = max(SIZES)
-        self.ids = torch.zeros(n, dtype=torch.int64)
-        self.pos = torch.zeros(n, dtype=torch.int64)
-        self.slots = torch.zeros(n, dtype=torch.int64)
-        self.table = torch.zeros(n, self.cfg.max_blocks_per_seq, dtype=torch.int32)
+        dev = self.dev = self.rt.device.memory  # vLLM's runner keeps its persistent buffers on the device
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.table = torch.zeros(n, self.cfg.max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.layers = [layer.attn.layer_name for layer in self.decoder.layers]
 
     def _forward(self, mode, bd, meta):
@@ -152,7 +153,8 @@ class Runner:
 
     def eager(self, batch, t):
         meta = AttentionMetadata(seq_lens=batch.padded_meta.seq_lens[:t], block_table=batch.padded_meta.block_table[:t])
-        out = self.decoder(batch.input_ids[:t], batch.positions[:t], batch.slot_mapping[:t], meta)
+        ids, pos, slots = (x[:t].to(self.dev) for x in (batch.input_ids, batch.positions, batch.slot_mapping))
+        out = self.decoder(ids, pos, slots, meta)
         return out[: batch.num_reqs]
 
 
@@ -352,7 +354,8 @@ def test_draft_model_has_its_own_namespace_and_shares_the_update_stream():
         runner.rt.synchronize()
         t = bd.num_tokens
         meta = AttentionMetadata(seq_lens=batch.padded_meta.seq_lens[:t], block_table=batch.padded_meta.block_table[:t])
-        ref = draft(batch.input_ids[:t], batch.positions[:t], batch.slot_mapping[:t], meta)
+        ids, pos, slots = (x[:t].to(runner.dev) for x in (batch.input_ids, batch.positions, batch.slot_mapping))
+        ref = draft(ids, pos, slots, meta)
         assert torch.equal(d[: batch.num_reqs], ref[: batch.num_reqs])
     assert {e.namespace for e in runner.rt.manager.entries() if runner.rt.updater.state(e).replays} == {"main", "draft"}
 
@@ -480,7 +483,7 @@ def test_a_piece_without_attention_replays_again_and_again():
     runner = Runner(mode=CUDAGraphMode.FULL_AND_PIECEWISE, piecewise_head=True)
     runner.capture()
     head = runner.decoder.lm_head
-    x = torch.randn(4, runner.cfg.hidden, dtype=runner.cfg.dtype)
+    x = torch.randn(4, runner.cfg.hidden, dtype=runner.cfg.dtype, device=runner.dev)
     bd = BatchDescriptor(num_tokens=4)
     with set_forward_context(
         {}, runner.vllm_config, num_tokens=4, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, batch_descriptor=bd
@@ -497,14 +500,14 @@ def test_eager_attention_takes_unpadded_metadata_with_padded_tokens():
     kc, vc = model.layers[0].k_cache, model.layers[0].v_cache
     kc.normal_()
     vc.normal_()
-    q = torch.randn(4, attn.num_heads, kc.shape[-1], dtype=torch.float16)
-    table = torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 0, 0]], dtype=torch.int32)
+    q = torch.randn(4, attn.num_heads, kc.shape[-1], dtype=torch.float16, device=rt.device.memory)
+    table = torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 0, 0]], dtype=torch.int32)  # the host's
     meta = AttentionMetadata(seq_lens=torch.tensor([20, 5, 17], dtype=torch.int32), block_table=table)
     assert rt.manager.policy.choose("main", 4, 4, []).kernel == "pa", "size 4 runs PA"
     out = attn(q, kc, vc, meta)  # 4 query tokens, 3 requests
     assert not out[3].any(), "the padding token produces zeros"
     ref = paged_attention_reference(q[:3], kc, vc, table, [20, 5, 17], attn.scale)
-    assert (out[:3].double() - ref).abs().max() < 4e-3
+    assert (out[:3].cpu().double() - ref).abs().max() < 4e-3
 
 
 def test_capture_is_refused_once_vllm_turns_capturing_off():

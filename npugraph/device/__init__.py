@@ -24,7 +24,8 @@ class Device:
     """A torch_npu-shaped op module (``ops``) and its ``torch.npu``-shaped module (``npu``).
 
     ``memory`` is the torch device where this device's memory lives (``npu:<current device>`` on
-    Ascend; the CPU on the simulator): npugraph allocates every device tensor there.
+    Ascend; ``npu:0``, the simulator's own device over host memory, on the simulator):
+    npugraph allocates every device tensor there.
     ``deadlock_errors`` / ``race_errors`` / ``fault_errors`` are the exception types the
     device raises for hangs, races and faults inside a replay (reported by the next
     synchronize; the simulator's, empty on hardware, which hangs, corrupts silently or
@@ -58,8 +59,9 @@ class Device:
 
     def is_device_memory(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in this device's memory (the host must not read it: a read
-        waits for the stream).  On the simulator, whose device memory is CPU memory, the
-        simulator says which memory it knows as the device's."""
+        waits for the stream): an npu tensor.  On the simulator a CPU tensor it has seen in
+        device work counts too (code that runs the simulator on CPU tensors, as its own
+        kernel tests do)."""
         if self.is_sim:
             return bool(self.ops.is_device_memory(t))
         return t.device.type == self.memory.type
@@ -101,11 +103,12 @@ def load_device(kind: str | Device = "sim") -> Device:
     elif name == "npu":
         kind = "npu"
     if kind == "sim":
+        sim.install_npu_device()  # the simulator's npu device, for the life of the process
         return Device(
             name="sim",
             ops=sim,
             npu=sim.npu,
-            memory=torch.device("cpu"),
+            memory=torch.device("npu", 0),
             deadlock_errors=(sim.DeadlockError,),
             race_errors=(sim.RaceError,),
             fault_errors=(sim.ReplayFault,),

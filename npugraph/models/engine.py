@@ -74,7 +74,12 @@ class DecodeEngine:
         return dict.fromkeys(self.model.groups, meta)
 
     def eager(self, batch: StepBatch) -> torch.Tensor:
-        """Run the same (padded) step eagerly; return the real requests' logits."""
-        out = self.model(batch.input_ids, batch.positions, batch.slot_mapping, batch.padded_meta)
+        """Run the same (padded) step eagerly; return the real requests' logits.
+
+        The step's inputs are the host's (the workload's); the model reads them on the
+        device, as :meth:`step` does from its buffers."""
+        dev = self.runtime.device.memory
+        ids, pos, slots = (t.to(dev) for t in (batch.input_ids, batch.positions, batch.slot_mapping))
+        out = self.model(ids, pos, slots, batch.padded_meta)
         self.runtime.synchronize()
         return out[: batch.num_reqs]

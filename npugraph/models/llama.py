@@ -312,6 +312,9 @@ class Decoder(nn.Module):
         n = sum(query_lens)
         if n == 0:  # no real token: no logits
             return torch.zeros(0, self.cfg.vocab_size, dtype=torch.float32, device=input_ids.device)
+        # a check, not a model path: the step's inputs may be the host's; the model reads them on its device
+        dev = self.embed.weight.device
+        input_ids, positions, slot_mapping = (t.to(dev) for t in (input_ids, positions, slot_mapping))
         ref = _RefStep(
             slots=slot_mapping[:n], seq_lens=list(seq_lens), query_lens=list(query_lens), block_table=block_table
         )

@@ -63,6 +63,7 @@ __all__ = [
     "device_seconds",
     "is_device_memory",
     "pin_memory",
+    "host_view",
     "is_pinned",
     "install_torch_npu",
     "install_npu_device",
@@ -151,6 +152,13 @@ def is_device_memory(tensor: torch.Tensor) -> bool:
     the stream) asks here where hardware code would look at ``tensor.device``.
     """
     return get_state().memory.knows(tensor)
+
+
+def host_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over an ``npu`` tensor's memory (the simulator's device memory is host
+    memory): what a benchmark uses to read a device buffer as an engine reads its host
+    table.  Simulator-only; it keeps the memory alive."""
+    return _device.host_view(tensor)
 
 
 def pin_memory(tensor: torch.Tensor) -> torch.Tensor:

@@ -267,6 +267,8 @@ class Memory:
             )
             if t.device.type == "npu":  # the same alias, labelled as the device's memory it is
                 alias = _device.device_view(alias, t.device.index or 0)
+                # its storage is a view of the alias base: the same memory, the same owner
+                self.owners[int(alias.untyped_storage()._cdata)] = owner
             owner._aliases[key] = alias
         return alias
 
