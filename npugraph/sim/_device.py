@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKEND", "build", "device_view", "host_view", "install", "installed", "memory_counters"]
+__all__ = ["BACKEND", "build", "device_view", "host_view", "install", "installed", "memory_counters", "on_host"]
 
 BACKEND = "npu"
 _SOURCE = Path(__file__).parent / "csrc" / "npu_device.cpp"
@@ -92,6 +92,27 @@ def host_view(t: torch.Tensor) -> torch.Tensor:
     """The CPU tensor over an npu tensor's memory (simulated device memory is host memory):
     what the simulator's kernels compute on.  It keeps that memory alive."""
     return torch.ops.npugraph_sim.host_view(t)  # type: ignore[no-any-return]
+
+
+def on_host(v: Any) -> Any:
+    """``v`` with every npu tensor (also inside lists, tuples and dicts) replaced by a CPU
+    tensor over the same memory, and an npu ``device`` by the CPU: how the simulator runs
+    device work (kernels, a graph's aten ops) on the host without the backend's per-op
+    fallback."""
+    if isinstance(v, torch.Tensor):
+        return host_view(v) if v.device.type == BACKEND else v
+    if isinstance(v, torch.device):
+        return _CPU if v.type == BACKEND else v
+    if isinstance(v, list):
+        return [on_host(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(on_host(x) for x in v)
+    if isinstance(v, dict):
+        return {k: on_host(x) for k, x in v.items()}
+    return v
+
+
+_CPU = torch.device("cpu")
 
 
 def device_view(t: torch.Tensor, index: int = 0) -> torch.Tensor:

@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten, tree_map
 
 from npugraph.sim._aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, plan_outputs, run_planned
+from npugraph.sim._device import on_host
 from npugraph.sim._memory import MEMORY
 
 __all__ = ["EagerOrdering", "EagerOp"]
@@ -59,7 +60,9 @@ class EagerOp:
         t0 = time.perf_counter()
         try:
             self.state.run_eager(
-                self, lambda: run_planned(self.func, self.args, self.kwargs, self.fresh), f"eager aten op {self.func}"
+                self,
+                lambda: run_planned(self.func, on_host(self.args), on_host(self.kwargs), on_host(self.fresh)),
+                f"eager aten op {self.func}",
             )
         finally:
             self.state.device_clock += time.perf_counter() - t0

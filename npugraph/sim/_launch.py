@@ -23,7 +23,7 @@ import torch
 
 from npugraph.sim import _runtime as rt
 from npugraph.sim._capture import CaptureSession, make_host_copy
-from npugraph.sim._device import host_view
+from npugraph.sim._device import on_host
 from npugraph.sim._memory import MEMORY
 from npugraph.sim._taskgroups import (
     graph_task_group_begin,
@@ -103,7 +103,7 @@ class SimOp:
         st = rt.get_state()
         t0 = time.perf_counter()
         # the kernel's math runs on the CPU over the device's memory (npu memory is host memory)
-        self._compute({k: _on_host(v) for k, v in params.items()}, info)
+        self._compute(on_host(params), info)
         model = st.config.kernel_time_model
         st.device_clock += model(self.name, params) if model is not None else time.perf_counter() - t0
 
@@ -129,17 +129,6 @@ def host_copy(name: str, value: Any) -> Any:
         return tuple(int(x) for x in value)
     except TypeError as exc:
         raise TypeError(f"argument {name!r} must be a list of ints, got {value!r}") from exc
-
-
-def _on_host(v: Any) -> Any:
-    """npu tensors (also in lists) as CPU tensors over the same memory, for a kernel's math."""
-    if isinstance(v, torch.Tensor):
-        return host_view(v) if v.device.type == "npu" else v
-    if isinstance(v, list):
-        return [_on_host(x) for x in v]
-    if isinstance(v, tuple):
-        return tuple(_on_host(x) for x in v)
-    return v
 
 
 def check_placement(op: SimOp, params: dict[str, Any]) -> None:
