@@ -18,7 +18,8 @@ import npugraph.sim as torch_npu
 from npugraph.reference import paged_attention_reference
 from npugraph.sim import npu
 
-SCALE = 0.25
+from .test_sim_contract import SCALE
+from .test_sim_contract import _capture_pa as _capture_pa_ws
 
 
 def _pa_setup(t=2, n=4, kvn=2, d=16, nb=8, bs=16, cols=4):
@@ -32,16 +33,7 @@ def _pa_setup(t=2, n=4, kvn=2, d=16, nb=8, bs=16, cols=4):
 
 
 def _capture_pa(q, kc, vc, bt, lens, out):
-    g = npu.NPUGraph()
-    ev = npu.ExternalEvent()
-    with npu.graph(g):
-        s = npu.current_stream()
-        ev.wait(s)
-        ev.reset(s)
-        npu.graph_task_group_begin(s)
-        torch_npu._npu_paged_attention(q, kc, vc, kc.shape[2], q.shape[1], SCALE, bt, lens, out)
-        h = npu.graph_task_group_end(s)
-    return g, ev, h
+    return _capture_pa_ws(q, kc, vc, bt, lens, out, None)  # the contract tests' capture, on npu tensors
 
 
 def _update(h, ev, q, kc, vc, bt, lens, out):
