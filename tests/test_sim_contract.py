@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -11,14 +12,29 @@ import npugraph.sim as torch_npu
 from npugraph.sim import npu
 
 SCALE = 0.125
+DEVICE = "npu"  # device memory: the simulator's npu device (and "cpu", the older stand-in)
+
+
+@pytest.fixture(autouse=True, params=["npu", "cpu"])
+def _device(request, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", request.param)
+
+
+def _eq(a, b):
+    """Equal, read on the host (a host read of device memory waits for the stream)."""
+    return torch.equal(a.cpu(), b.cpu())
+
+
+def _close(a, b, **kw):
+    return torch.allclose(a.cpu(), b.cpu(), **kw)
 
 
 def _pa_setup(t=2, n=4, kvn=2, d=16, nb=8, bs=16, cols=4, dtype=torch.float16):
-    q = torch.randn(t, n, d, dtype=dtype)
-    kc = torch.randn(nb, bs, kvn, d, dtype=dtype)
-    vc = torch.randn(nb, bs, kvn, d, dtype=dtype)
-    bt = torch.randint(0, nb, (t, cols), dtype=torch.int32)
-    out = torch.empty(t, n, d, dtype=dtype)
+    q = torch.randn(t, n, d, dtype=dtype, device=DEVICE)
+    kc = torch.randn(nb, bs, kvn, d, dtype=dtype, device=DEVICE)
+    vc = torch.randn(nb, bs, kvn, d, dtype=dtype, device=DEVICE)
+    bt = torch.randint(0, nb, (t, cols), dtype=torch.int32, device=DEVICE)
+    out = torch.empty(t, n, d, dtype=dtype, device=DEVICE)
     return q, kc, vc, bt, out
 
 
@@ -72,7 +88,7 @@ def test_capture_on_default_stream_raises():
 
 def test_capture_twice_raises_until_reset():
     g = npu.NPUGraph()
-    x = torch.ones(3)
+    x = torch.ones(3, device=DEVICE)
     with npu.graph(g):
         x.add_(1)
     with pytest.raises(RuntimeError, match="already owns a captured graph"), npu.graph(g):
@@ -81,7 +97,7 @@ def test_capture_twice_raises_until_reset():
     with npu.graph(g):
         x.add_(1)
     g.replay()
-    assert torch.equal(x, torch.full((3,), 2.0))
+    assert _eq(x, torch.full((3,), 2.0))
 
 
 def test_capture_end_on_other_stream_raises():
@@ -107,7 +123,7 @@ def test_a_pool_is_a_pool_id_or_none(pool):
         pass
     g = npu.NPUGraph()
     with npu.graph(g, pool=(0, 123456)):
-        torch.zeros(2).add_(1)
+        torch.zeros(2, device=DEVICE).add_(1)
     assert g.pool() == (0, 123456)
 
 
@@ -120,28 +136,28 @@ def test_replay_and_pool_before_capture_raise():
 
 
 def test_capture_records_and_does_not_execute():
-    cache = torch.zeros(4, 3)
-    w = torch.randn(3, 3)
-    x = torch.randn(2, 3)
+    cache = torch.zeros(4, 3, device=DEVICE)
+    w = torch.randn(3, 3, device=DEVICE)
+    x = torch.randn(2, 3, device=DEVICE)
     idx = torch.tensor([1, 3])
     g = npu.NPUGraph()
     with npu.graph(g):
         y = torch.relu(x @ w)
         cache.index_copy_(0, idx, y)
-    assert torch.equal(cache, torch.zeros(4, 3)), "capture must not touch the cache"
+    assert _eq(cache, torch.zeros(4, 3, device=DEVICE)), "capture must not touch the cache"
     assert torch.isnan(y).all(), "captured results only exist after replay (buffer is poisoned)"
     g.replay()
     npu.synchronize()
-    assert torch.equal(cache[idx], torch.relu(x @ w))
-    x.copy_(torch.randn(2, 3))  # new input contents, same buffer
+    assert _eq(cache[idx], torch.relu(x @ w))
+    x.copy_(torch.randn(2, 3, device=DEVICE))  # new input contents, same buffer
     g.replay()
     npu.synchronize()
-    assert torch.equal(y, torch.relu(x @ w)), "replay re-executes on the same buffers"
+    assert _eq(y, torch.relu(x @ w)), "replay re-executes on the same buffers"
 
 
 @pytest.mark.parametrize("read", ["item", "tolist", "cpu", "bool"])
 def test_host_read_of_captured_result_raises(read):
-    x = torch.randn(3)
+    x = torch.randn(3, device=DEVICE)
     g = npu.NPUGraph()
     with pytest.raises(torch_npu.CaptureError, match="not permitted when stream is capturing"), npu.graph(g):
         y = x.sum()
@@ -157,7 +173,7 @@ def test_host_read_of_captured_result_raises(read):
 
 
 def test_data_dependent_shape_cannot_be_captured():
-    x = torch.randn(8)
+    x = torch.randn(8, device=DEVICE)
     g = npu.NPUGraph()
     with pytest.raises(torch_npu.CaptureError, match="Data-dependent"), npu.graph(g):
         torch.nonzero(x)
@@ -165,7 +181,7 @@ def test_data_dependent_shape_cannot_be_captured():
 
 def test_pool_is_shared_and_graph_buffers_keep_addresses():
     pool = npu.graph_pool_handle()
-    x = torch.randn(4)
+    x = torch.randn(4, device=DEVICE)
     g1, g2 = npu.NPUGraph(), npu.NPUGraph()
     with npu.graph(g1, pool=pool):
         a = x * 2
@@ -177,12 +193,12 @@ def test_pool_is_shared_and_graph_buffers_keep_addresses():
     g1.replay()
     g2.replay()
     npu.synchronize()
-    assert a.data_ptr() == ptr and torch.equal(a, x * 2) and torch.equal(b, x * 3)
+    assert a.data_ptr() == ptr and _eq(a, x * 2) and _eq(b, x * 3)
 
 
 def test_replay_is_asynchronous_and_ordered_by_events():
     """Replay enqueues; a graph waiting on an ExternalEvent runs when it is recorded."""
-    x = torch.ones(2)
+    x = torch.ones(2, device=DEVICE)
     ev = npu.ExternalEvent()
     g = npu.NPUGraph()
     with npu.graph(g):
@@ -192,10 +208,10 @@ def test_replay_is_asynchronous_and_ordered_by_events():
     g.replay()  # blocked on ev
     us = npu.Stream()
     with npu.stream(us):  # a read on the blocked stream would wait for it (forever)
-        assert torch.equal(x, torch.ones(2)), "must not have run yet"
+        assert _eq(x, torch.ones(2, device=DEVICE)), "must not have run yet"
     ev.record(us)
     npu.synchronize()
-    assert torch.equal(x, torch.full((2,), 3.0))
+    assert _eq(x, torch.full((2,), 3.0))
 
 
 def test_debug_dump_writes_json(tmp_path):
@@ -237,19 +253,19 @@ def test_stale_lengths_without_update_and_right_answer_after():
     q, kc, vc, bt, out = _pa_setup()
     cap = torch.tensor([3, 5], dtype=torch.int32)
     new = torch.tensor([9, 2], dtype=torch.int32)
-    ws = torch.empty(1 << 20, dtype=torch.uint8)
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=DEVICE)
     g, ev, h = _capture_pa(q, kc, vc, bt, cap, out, ws)
     us = npu.Stream()
     # skip the update: record the event only → the graph runs with captured lengths
     ev.record(us)
     g.replay()
     npu.synchronize()
-    assert torch.equal(out, _eager_pa(q, kc, vc, bt, cap))
-    assert not torch.equal(out, _eager_pa(q, kc, vc, bt, new))
+    assert _eq(out, _eager_pa(q, kc, vc, bt, cap))
+    assert not _eq(out, _eager_pa(q, kc, vc, bt, new))
     _update_pa(us, h, ev, q, kc, vc, bt, new, out, ws)
     g.replay()
     npu.synchronize()
-    assert torch.equal(out, _eager_pa(q, kc, vc, bt, new))
+    assert _eq(out, _eager_pa(q, kc, vc, bt, new))
 
 
 def test_update_stream_rules():
@@ -272,7 +288,7 @@ def test_op_inside_update_is_not_executed_and_must_match():
     _update_pa(us, h, ev, q, kc, vc, bt, torch.tensor([1, 1], dtype=torch.int32), out, None)
     npu.synchronize()
     assert (out == 7).all(), "the op inside an update is not executed"
-    wide = torch.zeros(bt.shape[0], bt.shape[1] * 2, dtype=torch.int32)
+    wide = torch.zeros(bt.shape[0], bt.shape[1] * 2, dtype=torch.int32, device=DEVICE)
     with npu.stream(us):
         npu.graph_task_update_begin(us, h)
         with pytest.raises(torch_npu.UpdateMismatchError, match="'block_table' was Tensor.*of the captured shape"):
@@ -296,7 +312,7 @@ def test_host_args_are_copied_at_call_time():
     ev.record(npu.Stream())
     g.replay()
     npu.synchronize()
-    assert torch.equal(out, expected)
+    assert _eq(out, expected)
 
 
 def test_workspace_too_small_raises_with_simulator_note():
@@ -307,7 +323,7 @@ def test_workspace_too_small_raises_with_simulator_note():
     ws_short = torch_npu._npu_paged_attention_get_workspace(*args, short, out)
     ws_long = torch_npu._npu_paged_attention_get_workspace(*args, long_, out)
     with pytest.raises(torch_npu.WorkspaceTooSmall, match="Simulator check"):
-        _pa(q, kc, vc, bt, short, out, ws=torch.empty(ws_short.numel() - 1, dtype=torch.uint8))
+        _pa(q, kc, vc, bt, short, out, ws=torch.empty(ws_short.numel() - 1, dtype=torch.uint8, device=DEVICE))
     _pa(q, kc, vc, bt, short, out, ws=ws_short)
     npu.synchronize()
     del ws_long
@@ -389,7 +405,7 @@ def test_ordering_update_stream_after_replay_avoids_the_race():
         _update_pa(us, h, ev, q, kc, vc, bt, b, out, None)
         blocker.record(npu.Stream())
         npu.synchronize()
-    assert torch.equal(out, _eager_pa(q, kc, vc, bt, a)), "the replay ran with update A's lengths"
+    assert _eq(out, _eager_pa(q, kc, vc, bt, a)), "the replay ran with update A's lengths"
 
 
 def test_reset_is_a_noop():
@@ -397,7 +413,7 @@ def test_reset_is_a_noop():
     s = npu.Stream()
     ev.record(s)
     ev.reset(s)
-    x = torch.zeros(1)
+    x = torch.zeros(1, device=DEVICE)
     g = npu.NPUGraph()
     with npu.graph(g):
         ev.wait(npu.current_stream())
@@ -412,7 +428,7 @@ def test_reset_is_a_noop():
 
 def test_update_without_auto_dispatch_raises():
     g = npu.NPUGraph()
-    x = torch.zeros(1)
+    x = torch.zeros(1, device=DEVICE)
     with npu.graph(g):
         x.add_(1)
     with pytest.raises(RuntimeError, match="auto_dispatch_capture=True"):
@@ -437,12 +453,12 @@ def test_auto_dispatch_broadcast_and_per_record_update():
     g.replay()
     npu.synchronize()
     ref = _eager_pa(q, kc, vc, bt, a)
-    assert all(torch.equal(o, ref) for o in outs)
+    assert all(_eq(o, ref) for o in outs)
     b = torch.tensor([2, 9], dtype=torch.int32)
     g.update(cpu_update_input=[{"context_lens": a}, {"context_lens": b}])
     g.replay()
     npu.synchronize()
-    assert torch.equal(outs[0], ref) and torch.equal(outs[1], _eager_pa(q, kc, vc, bt, b))
+    assert _eq(outs[0], ref) and _eq(outs[1], _eager_pa(q, kc, vc, bt, b))
     with pytest.raises(RuntimeError, match="must be 1 or equal to the number of captured ops"):
         g.update(cpu_update_input=[{"context_lens": a}] * 3)
 
@@ -457,7 +473,7 @@ def test_auto_dispatch_skips_undeclared_keys_with_a_warning():
         g.update(cpu_update_input=[{"context_len": torch.tensor([1, 1], dtype=torch.int32)}])
     g.replay()
     npu.synchronize()
-    assert torch.equal(outs[0], before), "a misspelt key changes nothing"
+    assert _eq(outs[0], before), "a misspelt key changes nothing"
 
 
 def test_adversarial_mode_defers_work_until_a_synchronize():
@@ -465,7 +481,7 @@ def test_adversarial_mode_defers_work_until_a_synchronize():
     deferred = 0
     for seed in range(6):
         torch_npu.configure(adversarial_seed=seed)
-        x = torch.zeros(1)
+        x = torch.zeros(1, device=DEVICE)
         g = npu.NPUGraph()
         with npu.graph(g):
             x.add_(1)
@@ -588,7 +604,7 @@ def test_a_subclass_with_torch_npus_capture_begin_signature_captures():
     assert g2.seen == (None, "global", False)
     g.replay()
     npu.synchronize()
-    assert torch.equal(out, _eager_pa(q, kc, vc, bt, lens))
+    assert _eq(out, _eager_pa(q, kc, vc, bt, lens))
 
 
 def test_auto_dispatch_capture_is_an_attribute_of_the_graph():
@@ -636,9 +652,9 @@ def test_host_length_tensors_are_host_values_inside_a_capture(v2):
     call), so checking them records nothing and reads nothing the capture produced; before,
     the check's comparisons were recorded and the following host read refused."""
     t, n, d, bs, nb = 4, 4, 64, 16, 8
-    q = torch.randn(t, n, d, dtype=torch.float16)
-    kc = torch.randn(nb, bs, n * d, dtype=torch.float16)
-    bt = torch.zeros(t, 2, dtype=torch.int32)
+    q = torch.randn(t, n, d, dtype=torch.float16, device=DEVICE)
+    kc = torch.randn(nb, bs, n * d, dtype=torch.float16, device=DEVICE)
+    bt = torch.zeros(t, 2, dtype=torch.int32, device=DEVICE)
     qlen = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
     kvlen = torch.tensor([5, 9, 2, 17], dtype=torch.int32)
     if v2:
