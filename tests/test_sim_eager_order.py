@@ -6,6 +6,8 @@ Each of these tests fails on a simulator that runs eager ops on the host at once
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -16,6 +18,20 @@ from npugraph.reference import paged_attention_reference
 from npugraph.sim import npu
 
 SEEDS = range(8)
+DEVICE = "npu"  # device memory: the simulator's npu device (and "cpu", the older stand-in)
+
+
+@pytest.fixture(autouse=True, params=["npu", "cpu"])
+def _device(request, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", request.param)
+
+
+def _eq(a, b):
+    return torch.equal(a.cpu(), b.cpu())
+
+
+def _close(a, b, **kw):
+    return torch.allclose(a.cpu(), b.cpu(), **kw)
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +68,7 @@ def _replay_blocked(body):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_clone_between_two_replays_of_one_pool_reads_the_first(seed):
     torch_npu.configure(adversarial_seed=seed)
-    x, y = torch.randn(64), torch.randn(64)
+    x, y = torch.randn(64, device=DEVICE), torch.randn(64, device=DEVICE)
     g1, g2, out1, out2 = _shared_pool_graphs(x, y)
     g1.replay()
     first = out1.clone()  # queued after g1 and before g2 on the same stream
@@ -67,7 +83,7 @@ def test_a_clone_on_another_stream_without_ordering_reads_what_hardware_would():
     wrong = 0
     for seed in SEEDS:
         torch_npu.configure(adversarial_seed=seed)
-        x, y = torch.randn(64), torch.randn(64)
+        x, y = torch.randn(64, device=DEVICE), torch.randn(64, device=DEVICE)
         g1, g2, out1, _ = _shared_pool_graphs(x, y)
         g1.replay()
         side = npu.Stream()
@@ -75,7 +91,7 @@ def test_a_clone_on_another_stream_without_ordering_reads_what_hardware_would():
             first = out1.clone()
         g2.replay()
         npu.synchronize()
-        wrong += not torch.equal(first, x * 2)
+        wrong += not _eq(first, x * 2)
         if wrong:
             break
     assert wrong > 0, "an unordered read must go wrong on some seed"
@@ -84,7 +100,7 @@ def test_a_clone_on_another_stream_without_ordering_reads_what_hardware_would():
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_same_clone_is_right_once_the_stream_waits(seed):
     torch_npu.configure(adversarial_seed=seed)
-    x, y = torch.randn(64), torch.randn(64)
+    x, y = torch.randn(64, device=DEVICE), torch.randn(64, device=DEVICE)
     g1, g2, out1, _ = _shared_pool_graphs(x, y)
     main = npu.current_stream()
     g1.replay()
@@ -100,20 +116,20 @@ def test_the_same_clone_is_right_once_the_stream_waits(seed):
 
 def test_eager_work_queues_behind_a_replay_that_waits_for_its_event():
     """Replay-first order: the graph waits on the device; the host goes on without waiting."""
-    x = torch.ones(8)
+    x = torch.ones(8, device=DEVICE)
     ev = _replay_blocked(lambda: x.mul_(3))  # queued until ev is recorded
     copy = x.clone()  # behind the replay: no host wait, no deadlock
     x.add_(1)  # an index write after it, also in order
     us = npu.Stream()
     ev.record(us)
     npu.synchronize()
-    assert torch.equal(copy, torch.full((8,), 3.0))
-    assert torch.equal(x, torch.full((8,), 4.0))
+    assert _eq(copy, torch.full((8,), 3.0))
+    assert _eq(x, torch.full((8,), 4.0))
     assert torch._C._len_torch_dispatch_stack() == 0, "with nothing pending the ordering leaves the mode stack"
 
 
 def test_a_host_read_waits_for_its_stream_and_a_blocked_stream_hangs():
-    x = torch.ones(4)
+    x = torch.ones(4, device=DEVICE)
     ev = _replay_blocked(lambda: x.mul_(5))
     with pytest.raises(torch_npu.DeadlockError, match=r"tolist\(\) on a device tensor"):
         x.tolist()  # hardware: the copy to the host waits for the replay, which waits forever
@@ -126,7 +142,7 @@ def test_a_blocking_copy_from_host_memory_waits_for_the_stream(seed):
     """torch_npu synchronizes the stream before a blocking host-to-device copy: behind a
     replay that waits for its event the host hangs; behind a runnable one it waits, then copies."""
     torch_npu.configure(adversarial_seed=seed)
-    dev = torch.zeros(4)
+    dev = torch.zeros(4, device=DEVICE)
     ev = _replay_blocked(lambda: dev.add_(1))
     host = torch.full((4,), 7.0)
     with pytest.raises(torch_npu.DeadlockError, match=r"a blocking copy into device memory from pageable host"):
@@ -146,7 +162,7 @@ def test_a_blocking_copy_from_host_memory_waits_for_the_stream(seed):
 def test_a_non_blocking_copy_waits_unless_its_host_memory_is_page_locked(pinned):
     """CANN's aclrtMemcpyAsync from pageable memory returns once the copy has run (the host
     waits for the stream); from page-locked memory it is queued and returns at once."""
-    dev = torch.zeros(4)
+    dev = torch.zeros(4, device=DEVICE)
     ev = _replay_blocked(lambda: dev.add_(1))
     host = torch.full((4,), 7.0)
     if pinned:
@@ -166,7 +182,7 @@ def test_a_non_blocking_copy_waits_unless_its_host_memory_is_page_locked(pinned)
 
 def _kv_write_setup():
     blocks, bs, heads, d = 4, 16, 2, 16
-    kc = torch.zeros(blocks, bs, heads, d, dtype=torch.float16)
+    kc = torch.zeros(blocks, bs, heads, d, dtype=torch.float16, device=DEVICE)
     vc = torch.zeros_like(kc)
     return kc, vc
 
@@ -175,8 +191,8 @@ def _kv_write_setup():
 def test_an_eager_read_after_an_in_graph_kv_write_sees_it(seed):
     torch_npu.configure(adversarial_seed=seed)
     kc, vc = _kv_write_setup()
-    k = torch.randn(3, 2, 16, dtype=torch.float16)
-    v = torch.randn(3, 2, 16, dtype=torch.float16)
+    k = torch.randn(3, 2, 16, dtype=torch.float16, device=DEVICE)
+    v = torch.randn(3, 2, 16, dtype=torch.float16, device=DEVICE)
     slots = torch.tensor([0, 17, 40], dtype=torch.int32)
     g = npu.NPUGraph()
     with npu.graph(g):
@@ -194,17 +210,17 @@ def test_an_eager_kernel_and_the_ops_after_it_run_in_order(seed):
     """An eager PA launch is queued like any work; a scale of its output follows it."""
     torch_npu.configure(adversarial_seed=seed)
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, 4, 16, dtype=torch.float16, generator=g)
-    kc = torch.randn(8, 16, 2, 16, dtype=torch.float16, generator=g)
-    vc = torch.randn(8, 16, 2, 16, dtype=torch.float16, generator=g)
-    bt = torch.randint(0, 8, (2, 4), dtype=torch.int32, generator=g)
+    q = torch.randn(2, 4, 16, dtype=torch.float16, generator=g, device=DEVICE)
+    kc = torch.randn(8, 16, 2, 16, dtype=torch.float16, generator=g, device=DEVICE)
+    vc = torch.randn(8, 16, 2, 16, dtype=torch.float16, generator=g, device=DEVICE)
+    bt = torch.randint(0, 8, (2, 4), dtype=torch.int32, generator=g, device=DEVICE)
     lens = torch.tensor([5, 33], dtype=torch.int32)
     out = torch.empty_like(q)
     torch_npu._npu_paged_attention(q, kc, vc, 2, 4, 0.125, bt, lens, out)
     doubled = out * 2
     npu.synchronize()
     ref = paged_attention_reference(q, kc, vc, bt, [5, 33], scale=0.125)
-    torch.testing.assert_close(doubled.double(), 2 * ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(doubled.cpu().double(), 2 * ref, rtol=2e-2, atol=2e-2)
 
 
 WRITES = {
@@ -222,7 +238,7 @@ WRITES = {
 def test_an_eager_write_between_two_replays_lands_between_them(name, seed):
     """The first replay reads the old input, the second the written one."""
     torch_npu.configure(adversarial_seed=seed)
-    buf = torch.randn(8)
+    buf = torch.randn(8, device=DEVICE)
     g = npu.NPUGraph()
     with npu.graph(g):
         out = buf * 2
@@ -239,25 +255,25 @@ def test_an_eager_write_between_two_replays_lands_between_them(name, seed):
 
 def test_a_metadata_query_neither_waits_nor_is_refused():
     """``is_same_size`` answers from shapes: no wait on a blocked stream, none in a capture."""
-    x = torch.ones(4)
+    x = torch.ones(4, device=DEVICE)
 
     def body():
         x.mul_(2)
-        assert x.is_same_size(torch.empty(4)), "a capture answers a metadata query"
+        assert x.is_same_size(torch.empty(4, device=DEVICE)), "a capture answers a metadata query"
 
     ev = _replay_blocked(body)
-    assert x.is_same_size(torch.empty(4)), "a blocked stream does not block a metadata query"
+    assert x.is_same_size(torch.empty(4, device=DEVICE)), "a blocked stream does not block a metadata query"
     with pytest.raises(torch_npu.DeadlockError):
-        torch.allclose(x, torch.ones(4))  # a value read: waits for the stream
+        _close(x, torch.ones(4, device=DEVICE))  # a value read: waits for the stream
     ev.record(npu.Stream())
-    assert torch.allclose(x, torch.full((4,), 2.0))
+    assert _close(x, torch.full((4,), 2.0))
 
 
 def test_a_host_table_copied_to_the_device_stays_host_memory():
     """The engine's host table (page-locked, as vLLM's CPU tables are), copied behind a
     blocked replay, is still the host's: the host writes and reads it at once (no wait for
     the stream), and the copy takes what it held when the copy ran."""
-    dev = torch.zeros(2, 4, dtype=torch.int32)
+    dev = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
     ev = _replay_blocked(lambda: dev.add_(1))
     host = torch_npu.pin_memory(torch.full((2, 4), 7, dtype=torch.int32))
     dev.copy_(host, non_blocking=True)
@@ -274,7 +290,7 @@ def test_work_queued_during_a_capture_does_not_outlive_the_capture_recorder(seed
     """An event recorded on another stream while capturing (thread-local capture mode)
     may stay queued; the capture still ends cleanly and eager ordering follows it."""
     torch_npu.configure(adversarial_seed=seed)
-    x = torch.ones(4)
+    x = torch.ones(4, device=DEVICE)
     side = npu.Stream()
     g = npu.NPUGraph()
     with npu.graph(g, capture_error_mode="thread_local"):
@@ -309,7 +325,7 @@ _PROGRAM_OPS = (
 def _run_program(program, *, adversarial_seed):
     """Run ``program`` on the simulator; return every clone and host read, in order."""
     torch_npu.configure(adversarial_seed=adversarial_seed)
-    buf = torch.arange(16, dtype=torch.float32)
+    buf = torch.arange(16, dtype=torch.float32, device=DEVICE)
     pool = npu.graph_pool_handle()
     g1, g2 = npu.NPUGraph(), npu.NPUGraph()
     with npu.graph(g1, pool=pool):
@@ -336,7 +352,7 @@ def _run_program(program, *, adversarial_seed):
 
 def _write(buf, op, i, pin=lambda t: t):
     if op.startswith("copy"):
-        host = torch.arange(16, dtype=torch.float32) * (i + 1)
+        host = torch.arange(16, dtype=torch.float32, device=DEVICE) * (i + 1)
         if op == "copy pinned non-blocking":
             buf.copy_(pin(host), non_blocking=True)
         else:
@@ -353,7 +369,7 @@ def _write(buf, op, i, pin=lambda t: t):
 
 def _expected(program):
     """The same program in program order on plain tensors (no simulator, no graphs)."""
-    buf = torch.arange(16, dtype=torch.float32)
+    buf = torch.arange(16, dtype=torch.float32, device=DEVICE)
     mem = torch.full((16,), float("nan"))  # the shared block, never written yet
     seen = []
     for i, op in enumerate(program):
@@ -381,13 +397,13 @@ def test_one_streams_eager_work_and_replays_run_in_program_order(program, seed):
     want = _expected(program)
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g, w) or (g.isnan().all() and w.isnan().all()), f"read {i} of {program}: {g} != {w}"
+        assert _eq(g, w) or (g.isnan().all() and w.isnan().all()), f"read {i} of {program}: {g} != {w}"
 
 
 def test_an_eager_op_that_fails_after_its_call_returned_is_reported_at_the_next_synchronize():
     """The index is out of range: the gather fails when the stream reaches it, behind a
     waiting replay.  The call that releases the replay is not the one to blame."""
-    x = torch.ones(4)
+    x = torch.ones(4, device=DEVICE)
     ev = _replay_blocked(lambda: x.mul_(2))
     bad = torch.index_select(x, 0, torch.tensor([0, 7]))  # shapes are fine: queued
     ev.record(npu.Stream())  # runs the replay and the gather, and returns
