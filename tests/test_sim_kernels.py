@@ -8,6 +8,7 @@ input dtype before the V product, as the NPU kernels do.
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -18,22 +19,39 @@ from hypothesis import strategies as st
 import npugraph.sim as torch_npu
 from npugraph.sim import npu
 
+DEVICE = "npu"  # device memory: the simulator's npu device (and "cpu", the older stand-in)
+
+
+@pytest.fixture(autouse=True, params=["npu", "cpu"])
+def _device(request, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", request.param)
+
+
+def _eq(a, b):
+    return torch.equal(a.cpu(), b.cpu())
+
+
+def _close(a, b, **kw):
+    return torch.allclose(a.cpu(), b.cpu(), **kw)
+
+
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
 
 
 def _visible(sq, sk, causal):
     """[Sq, Sk] bool: which keys each query row sees (bottom-right causal anchor)."""
-    i = torch.arange(sq).unsqueeze(1)
-    j = torch.arange(sk).unsqueeze(0)
-    return (j <= i + (sk - sq)) if causal else torch.ones(sq, sk, dtype=torch.bool)
+    i = torch.arange(sq, device="cpu").unsqueeze(1)
+    j = torch.arange(sk, device="cpu").unsqueeze(0)
+    return (j <= i + (sk - sq)) if causal else torch.ones(sq, sk, dtype=torch.bool, device="cpu")
 
 
 def _oracle(q, k, v, scale, causal=False):
-    """q [N, Sq, D], k/v [KVN, Sk, D] → [N, Sq, Dv] in float64; a row that sees no key → zeros."""
+    """q [N, Sq, D], k/v [KVN, Sk, D] → [N, Sq, Dv] in float64, on the host; a row that sees no key → zeros."""
+    q, k, v = q.cpu(), k.cpu(), v.cpu()
     n, kvn = q.shape[0], k.shape[0]
     sq, sk = q.shape[1], k.shape[1]
-    out = torch.zeros(n, sq, v.shape[-1], dtype=torch.float64)
+    out = torch.zeros(n, sq, v.shape[-1], dtype=torch.float64, device="cpu")
     if sk == 0:
         return out
     k = k.double().repeat_interleave(n // kvn, 0)
@@ -47,7 +65,8 @@ def _oracle(q, k, v, scale, causal=False):
 
 
 def _gather(cache, table_row, length, bs):
-    """cache [NB, BS, KVN, D] → [KVN, length, D] by an independent per-position loop."""
+    """cache [NB, BS, KVN, D] → [KVN, length, D] by an independent per-position loop, on the host."""
+    cache, table_row = cache.cpu(), table_row.cpu()
     rows = [cache[int(table_row[p // bs]), p % bs] for p in range(length)]
     if not rows:
         return cache.new_zeros(cache.shape[2], 0, cache.shape[3])
@@ -69,11 +88,11 @@ def test_pa_matches_oracle(dtype, t, kvn, group, d, bs, data):
     cols = data.draw(st.integers(1, 6))
     nb = data.draw(st.integers(cols, 3 * cols + 2))
     lens = data.draw(st.lists(st.integers(0, cols * bs), min_size=t, max_size=t))
-    q = torch.randn(t, n, d, dtype=dtype)
-    kc = torch.randn(nb, bs, kvn, d, dtype=dtype)
-    vc = torch.randn(nb, bs, kvn, d, dtype=dtype)
-    bt = torch.stack([torch.randperm(nb)[:cols] for _ in range(t)]).to(torch.int32)
-    out = torch.empty(t, n, d, dtype=dtype)
+    q = torch.randn(t, n, d, dtype=dtype, device=DEVICE)
+    kc = torch.randn(nb, bs, kvn, d, dtype=dtype, device=DEVICE)
+    vc = torch.randn(nb, bs, kvn, d, dtype=dtype, device=DEVICE)
+    bt = torch.stack([torch.randperm(nb, device=DEVICE)[:cols] for _ in range(t)]).to(torch.int32)
+    out = torch.empty(t, n, d, dtype=dtype, device=DEVICE)
     scale = 1 / math.sqrt(d)
     cl = torch.tensor(lens, dtype=torch.int32)
     torch_npu._npu_paged_attention(q, kc, vc, kvn, n, scale, bt, cl, out)
@@ -82,7 +101,7 @@ def test_pa_matches_oracle(dtype, t, kvn, group, d, bs, data):
         k = _gather(kc, bt[i], lens[i], bs)
         v = _gather(vc, bt[i], lens[i], bs)
         ref = _oracle(q[i].unsqueeze(1), k, v, scale).squeeze(1)
-        err = (out[i].double() - ref).abs().max().item()
+        err = (out[i].cpu().double() - ref).abs().max().item()
         assert err <= TOL[dtype], (i, lens[i], err)
 
 
@@ -107,10 +126,10 @@ def test_fia_tnd_paged_matches_oracle(dtype, kvn, group, bs, qper, causal, data)
     kvl = [data.draw(st.integers(0, cols * bs)) for _ in qper]
     t = sum(qper)
     ends = [sum(qper[: i + 1]) for i in range(b)]
-    q = torch.randn(t, n, d, dtype=dtype)
-    kc = torch.randn(nb, bs, kvn * d, dtype=dtype)
-    vc = torch.randn(nb, bs, kvn * d, dtype=dtype)
-    bt = torch.stack([torch.randperm(nb)[:cols] for _ in range(b)]).to(torch.int32)
+    q = torch.randn(t, n, d, dtype=dtype, device=DEVICE)
+    kc = torch.randn(nb, bs, kvn * d, dtype=dtype, device=DEVICE)
+    vc = torch.randn(nb, bs, kvn * d, dtype=dtype, device=DEVICE)
+    bt = torch.stack([torch.randperm(nb, device=DEVICE)[:cols] for _ in range(b)]).to(torch.int32)
     scale = 0.3
     kw = dict(
         actual_seq_lengths=ends,
@@ -124,26 +143,26 @@ def test_fia_tnd_paged_matches_oracle(dtype, kvn, group, bs, qper, causal, data)
         softmax_lse_flag=True,
     )
     if causal:
-        kw.update(sparse_mode=3, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))
+        kw.update(sparse_mode=3, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=DEVICE), 1))
     out, lse = torch_npu.npu_fused_infer_attention_score(q, kc, vc, **kw)
     npu.synchronize()
     assert out.shape == (t, n, d) and lse.shape == (t, n, 1) and lse.dtype == torch.float32
     start = 0
     for i in range(b):
-        qi = q[start : ends[i]].transpose(0, 1)  # [N, Sq, D]
+        qi = q.cpu()[start : ends[i]].transpose(0, 1)  # [N, Sq, D]
         k = _gather(kc.view(nb, bs, kvn, d), bt[i], kvl[i], bs)
         v = _gather(vc.view(nb, bs, kvn, d), bt[i], kvl[i], bs)
         ref = _oracle(qi, k, v, scale, causal=causal).transpose(0, 1)
         if ends[i] > start:
-            err = (out[start : ends[i]].double() - ref).abs().max().item()
+            err = (out[start : ends[i]].cpu().double() - ref).abs().max().item()
             assert err <= TOL[dtype]
             if kvl[i]:
                 s = qi.double() @ k.double().repeat_interleave(group, 0).transpose(-1, -2) * scale
                 s = s.masked_fill(~_visible(qi.shape[1], kvl[i], causal), float("-inf"))
                 ref_lse = torch.logsumexp(s, -1).transpose(0, 1)  # -inf where a row sees no key
-                got = lse[start : ends[i], :, 0].double()
+                got = lse.cpu()[start : ends[i], :, 0].double()
                 seen = torch.isfinite(ref_lse)
-                assert torch.allclose(got[seen], ref_lse[seen], atol=1e-3)
+                assert _close(got[seen], ref_lse[seen], atol=1e-3)
                 assert not torch.isfinite(got[~seen]).any() or not got[~seen].ne(0).any()
         start = ends[i]
 
@@ -152,9 +171,9 @@ def test_fia_tnd_paged_matches_oracle(dtype, kvn, group, bs, qper, causal, data)
 @pytest.mark.parametrize("sq", [1, 3])
 def test_fia_dense_layouts_match_oracle(layout, sq):
     b, n, kvn, d, sk = 3, 4, 2, 16, 7
-    qb = torch.randn(b, n, sq, d)
-    kb = torch.randn(b, kvn, sk, d)
-    vb = torch.randn(b, kvn, sk, d)
+    qb = torch.randn(b, n, sq, d, device=DEVICE)
+    kb = torch.randn(b, kvn, sk, d, device=DEVICE)
+    vb = torch.randn(b, kvn, sk, d, device=DEVICE)
     kv_lens = [7, 3, 0]
     conv = {
         "BNSD": lambda x: x,
@@ -174,36 +193,36 @@ def test_fia_dense_layouts_match_oracle(layout, sq):
     npu.synchronize()
     for i in range(b):
         ref = _oracle(qb[i], kb[i, :, : kv_lens[i]], vb[i, :, : kv_lens[i]], 0.25)
-        assert torch.allclose(out[i].double(), conv(ref.unsqueeze(0))[0], atol=1e-4)
+        assert _close(out[i].double(), conv(ref.unsqueeze(0))[0], atol=1e-4)
 
 
 def test_actual_seq_lengths_ignored_when_query_length_is_one():
-    q = torch.randn(1, 4, 1, 8)
-    k = torch.randn(1, 4, 5, 8)
+    q = torch.randn(1, 4, 1, 8, device=DEVICE)
+    k = torch.randn(1, 4, 5, 8, device=DEVICE)
     a, _ = torch_npu.npu_fused_infer_attention_score(q, k, k, num_heads=4, input_layout="BNSD", actual_seq_lengths=[29])
     b, _ = torch_npu.npu_fused_infer_attention_score(
         q, k, k, num_heads=4, input_layout="BNSD", actual_seq_lengths=[100]
     )
     npu.synchronize()
-    assert torch.equal(a, b)
+    assert _eq(a, b)
 
 
 def test_pa_bad_inputs_name_the_argument():
-    q = torch.randn(2, 4, 8, dtype=torch.float16)
-    kc = torch.randn(4, 16, 2, 8, dtype=torch.float16)
+    q = torch.randn(2, 4, 8, dtype=torch.float16, device=DEVICE)
+    kc = torch.randn(4, 16, 2, 8, dtype=torch.float16, device=DEVICE)
     out = torch.empty_like(q)
-    bt = torch.zeros(2, 2, dtype=torch.int32)
+    bt = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
     ok = torch.tensor([3, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="'block_table' must be int32"):
         torch_npu._npu_paged_attention(q, kc, kc, 2, 4, 1.0, bt.long(), ok, out)
     with pytest.raises(ValueError, match=r"'context_lens\[1\]' = 33 is outside \[0, 32\]"):
         torch_npu._npu_paged_attention(q, kc, kc, 2, 4, 1.0, bt, torch.tensor([3, 33], dtype=torch.int32), out)
-    small = torch.randn(4, 4, 2, 8, dtype=torch.float16)
+    small = torch.randn(4, 4, 2, 8, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="block size 4 is not a multiple of 16 \\(ATB PagedAttention requires it\\)"):
         torch_npu._npu_paged_attention(q, small, small, 2, 4, 1.0, bt, ok, out)
     with pytest.raises(ValueError, match="'num_kv_heads' is 1 but key_cache has 2"):
         torch_npu._npu_paged_attention(q, kc, kc, 1, 4, 1.0, bt, ok, out)
-    bad = torch.tensor([[0, 1], [7, 0]], dtype=torch.int32)
+    bad = torch.tensor([[0, 1], [7, 0]], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="block id 7, outside"):
         torch_npu._npu_paged_attention(q, kc, kc, 2, 4, 1.0, bad, ok, out)
     npu.synchronize()  # the failed launch left the device usable
@@ -216,28 +235,28 @@ def test_pa_runs_unequal_head_sizes_as_atb_documents():
     the 128 x 128 product binds only its quantized, compressed and parallel-decoding cases."""
     g = torch.Generator().manual_seed(0)
     t, n, kvn, bs, dk, dv, nb = 2, 4, 1, 128, 288, 96, 4
-    q = torch.randn(t, n, dk, generator=g).to(torch.float16)
-    kc = torch.randn(nb, bs, kvn, dk, generator=g).to(torch.float16)
-    vc = torch.randn(nb, bs, kvn, dv, generator=g).to(torch.float16)
-    bt = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    q = torch.randn(t, n, dk, generator=g, device=DEVICE).to(torch.float16)
+    kc = torch.randn(nb, bs, kvn, dk, generator=g, device=DEVICE).to(torch.float16)
+    vc = torch.randn(nb, bs, kvn, dv, generator=g, device=DEVICE).to(torch.float16)
+    bt = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=DEVICE)
     lens = [200, 77]
-    out = torch.empty(t, n, dv, dtype=torch.float16)
+    out = torch.empty(t, n, dv, dtype=torch.float16, device=DEVICE)
     scale = 1 / math.sqrt(dk)
     torch_npu._npu_paged_attention(q, kc, vc, kvn, n, scale, bt, torch.tensor(lens, dtype=torch.int32), out)
     npu.synchronize()
     for i in range(t):
         ref = _oracle(q[i].unsqueeze(1), _gather(kc, bt[i], lens[i], bs), _gather(vc, bt[i], lens[i], bs), scale)
-        assert (out[i].double() - ref.squeeze(1)).abs().max().item() <= TOL[torch.float16]
+        assert (out[i].cpu().double() - ref.squeeze(1)).abs().max().item() <= TOL[torch.float16]
     # and what ATB refuses: a block over 128 with a head over 256, a head over 576
-    big = torch.randn(2, 144, kvn, dk).to(torch.float16)
+    big = torch.randn(2, 144, kvn, dk, device=DEVICE).to(torch.float16)
     with pytest.raises(ValueError, match=r"needs block_size <= 128 when a head size is over 256"):
         torch_npu._npu_paged_attention(
             q, big, big[..., :dv], kvn, n, scale, bt, torch.tensor([3, 4], dtype=torch.int32), out
         )
-    wide = torch.randn(2, 16, kvn, 600).to(torch.float16)
+    wide = torch.randn(2, 16, kvn, 600, device=DEVICE).to(torch.float16)
     with pytest.raises(ValueError, match=r"head size 600 is outside ATB PagedAttention's \(0, 576\]"):
         torch_npu._npu_paged_attention(
-            torch.randn(t, n, 600).to(torch.float16),
+            torch.randn(t, n, 600, device=DEVICE).to(torch.float16),
             wide,
             vc[:2, :16],
             kvn,
@@ -250,7 +269,7 @@ def test_pa_runs_unequal_head_sizes_as_atb_documents():
 
 
 def test_fia_bad_layout_and_heads():
-    q = torch.randn(2, 4, 8)
+    q = torch.randn(2, 4, 8, device=DEVICE)
     with pytest.raises(ValueError, match="'input_layout' must be one of"):
         torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=4, input_layout="NTD")
     with pytest.raises(ValueError, match="'num_heads' is 3 but query has 4 heads"):
@@ -258,8 +277,8 @@ def test_fia_bad_layout_and_heads():
 
 
 def _band_visible(sq, sk, pre, nxt):
-    i = torch.arange(sq).unsqueeze(1)
-    j = torch.arange(sk).unsqueeze(0)
+    i = torch.arange(sq, device="cpu").unsqueeze(1)  # the oracle's: on the host
+    j = torch.arange(sk, device="cpu").unsqueeze(0)
     off = j - (i + (sk - sq))
     return (off >= -pre) & (off <= nxt)
 
@@ -277,16 +296,16 @@ def test_fia_with_rope_is_absorbed_mla(layout, dtype, heads, dr, qper, data):
     """score = scale * (q_nope.k_nope + q_rope.k_rope), values = the latent cache, one KV head."""
     b, d, bs, cols, nb = 3, 32, 4, 4, 16
     kvl = [data.draw(st.integers(qper, cols * bs)) for _ in range(b)]
-    bt = torch.stack([torch.randperm(nb)[:cols] for _ in range(b)]).to(torch.int32)
-    latent = torch.randn(nb, bs, 1, d, dtype=dtype)
-    rope = torch.randn(nb, bs, 1, dr, dtype=dtype)
+    bt = torch.stack([torch.randperm(nb, device=DEVICE)[:cols] for _ in range(b)]).to(torch.int32)
+    latent = torch.randn(nb, bs, 1, d, dtype=dtype, device=DEVICE)
+    rope = torch.randn(nb, bs, 1, dr, dtype=dtype, device=DEVICE)
     t = b * qper
-    qn, qr = torch.randn(t, heads, d, dtype=dtype), torch.randn(t, heads, dr, dtype=dtype)
+    qn, qr = torch.randn(t, heads, d, dtype=dtype, device=DEVICE), torch.randn(t, heads, dr, dtype=dtype, device=DEVICE)
     kw = dict(
         num_heads=heads, num_key_value_heads=1, scale=0.2, block_table=bt, block_size=bs, actual_seq_lengths_kv=kvl
     )
     if qper > 1:
-        kw.update(sparse_mode=3, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))
+        kw.update(sparse_mode=3, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=DEVICE), 1))
     if layout == "TND":
         kw.update(input_layout="TND", actual_seq_lengths=[qper * (i + 1) for i in range(b)])
         out, _ = torch_npu.npu_fused_infer_attention_score(
@@ -307,7 +326,7 @@ def test_fia_with_rope_is_absorbed_mla(layout, dtype, heads, dr, qper, data):
         v = _gather(latent, bt[i], kvl[i], bs)
         q = torch.cat([qn[rows], qr[rows]], -1).transpose(0, 1)
         ref = _oracle(q, k, v, 0.2, causal=qper > 1).transpose(0, 1)
-        assert (out[rows].double() - ref).abs().max() <= TOL[dtype]
+        assert (out[rows].cpu().double() - ref).abs().max() <= TOL[dtype]
 
 
 @settings(max_examples=25, deadline=None)
@@ -315,9 +334,9 @@ def test_fia_with_rope_is_absorbed_mla(layout, dtype, heads, dr, qper, data):
 def test_fia_band_mode_is_a_sliding_window(window, qper, data):
     b, n, d, bs, cols, nb = 2, 2, 16, 4, 4, 12
     kvl = [data.draw(st.integers(qper, cols * bs)) for _ in range(b)]
-    bt = torch.stack([torch.randperm(nb)[:cols] for _ in range(b)]).to(torch.int32)
-    kc, vc = torch.randn(nb, bs, n * d), torch.randn(nb, bs, n * d)
-    q = torch.randn(b * qper, n, d)
+    bt = torch.stack([torch.randperm(nb, device=DEVICE)[:cols] for _ in range(b)]).to(torch.int32)
+    kc, vc = torch.randn(nb, bs, n * d, device=DEVICE), torch.randn(nb, bs, n * d, device=DEVICE)
+    q = torch.randn(b * qper, n, d, device=DEVICE)
     out, _ = torch_npu.npu_fused_infer_attention_score(
         q,
         kc,
@@ -333,17 +352,17 @@ def test_fia_band_mode_is_a_sliding_window(window, qper, data):
         sparse_mode=4,
         pre_tokens=window - 1,
         next_tokens=0,
-        atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1),
+        atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=DEVICE), 1),
     )
     npu.synchronize()
     for i in range(b):
         k = _gather(kc.view(nb, bs, n, d), bt[i], kvl[i], bs).double()
         v = _gather(vc.view(nb, bs, n, d), bt[i], kvl[i], bs).double()
-        qi = q[i * qper : (i + 1) * qper].transpose(0, 1).double()
+        qi = q.cpu()[i * qper : (i + 1) * qper].transpose(0, 1).double()
         mask = _band_visible(qper, kvl[i], window - 1, 0)
         s = (qi @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
         ref = (torch.softmax(s, -1) @ v).transpose(0, 1)
-        assert (out[i * qper : (i + 1) * qper].double() - ref).abs().max() <= 1e-4
+        assert (out[i * qper : (i + 1) * qper].cpu().double() - ref).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("sparse_mode", [3, 4])
@@ -351,10 +370,10 @@ def test_fia_reads_the_compressed_mask_it_is_given(sparse_mode):
     """Modes 3 and 4 read the 2048x2048 mask as it is: the causal one (bool or int8, as
     vllm-ascend makes it) runs; anything else (not yet written, all ones, all zeros) is refused."""
     b, n, d, bs, nb = 2, 2, 16, 4, 8
-    kc, vc = torch.randn(nb, bs, n * d), torch.randn(nb, bs, n * d)
-    bt = torch.arange(nb, dtype=torch.int32).view(b, nb // b)
-    q = torch.randn(b * 2, n, d)
-    causal = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)
+    kc, vc = torch.randn(nb, bs, n * d, device=DEVICE), torch.randn(nb, bs, n * d, device=DEVICE)
+    bt = torch.arange(nb, dtype=torch.int32, device=DEVICE).view(b, nb // b)
+    q = torch.randn(b * 2, n, d, device=DEVICE)
+    causal = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=DEVICE), 1)
 
     def run(mask):
         torch_npu.npu_fused_infer_attention_score(
@@ -401,11 +420,11 @@ def test_fia_v2_learnable_sink_matches_oracle(dtype, kvn, group, qper, data):
     kvl = [data.draw(st.integers(q, cols * bs)) for q in qper]
     t = sum(qper)
     ends = [sum(qper[: i + 1]) for i in range(b)]
-    q = torch.randn(t, n, d, dtype=dtype)
-    kc = torch.randn(nb, bs, kvn * d, dtype=dtype)
-    vc = torch.randn(nb, bs, kvn * d, dtype=dtype)
-    bt = torch.stack([torch.randperm(nb)[:cols] for _ in range(b)]).to(torch.int32)
-    sink = torch.randn(n, dtype=torch.float32) * 2
+    q = torch.randn(t, n, d, dtype=dtype, device=DEVICE)
+    kc = torch.randn(nb, bs, kvn * d, dtype=dtype, device=DEVICE)
+    vc = torch.randn(nb, bs, kvn * d, dtype=dtype, device=DEVICE)
+    bt = torch.stack([torch.randperm(nb, device=DEVICE)[:cols] for _ in range(b)]).to(torch.int32)
+    sink = torch.randn(n, dtype=torch.float32, device=DEVICE) * 2
     out, _ = torch_npu.npu_fused_infer_attention_score_v2(
         q,
         kc,
@@ -423,16 +442,16 @@ def test_fia_v2_learnable_sink_matches_oracle(dtype, kvn, group, qper, data):
     npu.synchronize()
     start = 0
     for i in range(b):
-        qi = q[start : ends[i]].transpose(0, 1)
+        qi = q.cpu()[start : ends[i]].transpose(0, 1)
         k = _gather(kc.view(nb, bs, kvn, d), bt[i], kvl[i], bs)
         v = _gather(vc.view(nb, bs, kvn, d), bt[i], kvl[i], bs)
-        ref = _oracle_sink(qi, k, v, 0.25, sink).transpose(0, 1)
-        assert (out[start : ends[i]].double() - ref).abs().max().item() <= TOL[dtype]
+        ref = _oracle_sink(qi, k, v, 0.25, sink.cpu()).transpose(0, 1)
+        assert (out[start : ends[i]].cpu().double() - ref).abs().max().item() <= TOL[dtype]
         start = ends[i]
 
 
 def test_fia_v2_refuses_an_unmodelled_tensor_argument_by_name():
-    q = torch.randn(1, 2, 8)
+    q = torch.randn(1, 2, 8, device=DEVICE)
     with pytest.raises(NotImplementedError, match="does not model 'dequant_scale_query'"):
         torch_npu.npu_fused_infer_attention_score_v2(
             q,
@@ -442,7 +461,7 @@ def test_fia_v2_refuses_an_unmodelled_tensor_argument_by_name():
             input_layout="TND",
             actual_seq_qlen=[1],
             actual_seq_kvlen=[1],
-            dequant_scale_query=torch.ones(2),
+            dequant_scale_query=torch.ones(2, device=DEVICE),
         )
     with pytest.raises(ValueError, match=r"learnable_sink' must be a float tensor \[num_heads=2\]"):
         torch_npu.npu_fused_infer_attention_score_v2(
@@ -453,7 +472,7 @@ def test_fia_v2_refuses_an_unmodelled_tensor_argument_by_name():
             input_layout="TND",
             actual_seq_qlen=[1],
             actual_seq_kvlen=[1],
-            learnable_sink=torch.ones(3),
+            learnable_sink=torch.ones(3, device=DEVICE),
         )
 
 
@@ -473,23 +492,24 @@ def test_npu_fusion_attention_tnd_matches_oracle(dtype, kvn, group, reqs, causal
     n, d = kvn * group, 16
     q_per = [q for q, _ in reqs]
     kv_per = [q + c for q, c in reqs]
-    q = torch.randn(sum(q_per), n, d, dtype=dtype)
-    k = torch.randn(sum(kv_per), kvn, d, dtype=dtype)
-    v = torch.randn(sum(kv_per), kvn, d, dtype=dtype)
+    q = torch.randn(sum(q_per), n, d, dtype=dtype, device=DEVICE)
+    k = torch.randn(sum(kv_per), kvn, d, dtype=dtype, device=DEVICE)
+    v = torch.randn(sum(kv_per), kvn, d, dtype=dtype, device=DEVICE)
     qe = [sum(q_per[: i + 1]) for i in range(len(reqs))]
     ke = [sum(kv_per[: i + 1]) for i in range(len(reqs))]
     kw = dict(scale=0.3, actual_seq_qlen=qe, actual_seq_kvlen=ke)
     if causal:
-        kw.update(sparse_mode=3, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))
+        kw.update(sparse_mode=3, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=DEVICE), 1))
     out, smax, ssum, _, _, _, _ = torch_npu.npu_fusion_attention(q, k, v, n, "TND", **kw)
     npu.synchronize()
     assert out.shape == q.shape and smax.shape == (q.shape[0], n, 8)
     qs, ks = 0, 0
+    q, k, v, smax, ssum = (t.cpu() for t in (q, k, v, smax, ssum))  # the oracle's side: the host
     for i in range(len(reqs)):
         ref = _oracle(
             q[qs : qe[i]].transpose(0, 1), k[ks : ke[i]].transpose(0, 1), v[ks : ke[i]].transpose(0, 1), 0.3, causal
         ).transpose(0, 1)
-        assert (out[qs : qe[i]].double() - ref).abs().max().item() <= TOL[dtype]
+        assert (out[qs : qe[i]].cpu().double() - ref).abs().max().item() <= TOL[dtype]
         s = (
             q[qs : qe[i]].double().transpose(0, 1)
             @ k[ks : ke[i]].double().transpose(0, 1).repeat_interleave(group, 0).transpose(-1, -2)
@@ -498,12 +518,12 @@ def test_npu_fusion_attention_tnd_matches_oracle(dtype, kvn, group, reqs, causal
         s = s.masked_fill(~_visible(q_per[i], kv_per[i], causal), float("-inf"))
         lse = torch.logsumexp(s, -1).transpose(0, 1)
         got = (smax[qs : qe[i], :, 0] + torch.log(ssum[qs : qe[i], :, 0])).double()
-        assert torch.allclose(got, lse, atol=1e-3), "max + log(sum) is the row's log-sum-exp"
+        assert _close(got, lse, atol=1e-3), "max + log(sum) is the row's log-sum-exp"
         qs, ks = qe[i], ke[i]
 
 
 def test_npu_fusion_attention_refuses_what_it_does_not_model():
-    q = torch.randn(2, 2, 8)
+    q = torch.randn(2, 2, 8, device=DEVICE)
     with pytest.raises(NotImplementedError, match="dropout"):
         torch_npu.npu_fusion_attention(q, q, q, 2, "TND", keep_prob=0.9, actual_seq_qlen=[2], actual_seq_kvlen=[2])
     with pytest.raises(
@@ -528,10 +548,10 @@ def test_kv_cache_writes_skip_pad_slots_and_match_a_loop(dtype, t, dk, dv, which
     nb, bs, n = 4, 4, 2
     free = data.draw(st.permutations(range(nb * bs)))
     slots = [free[i] if data.draw(st.booleans()) else torch_npu.PAD_SLOT_ID for i in range(t)]
-    key = torch.randn(t, n, dk, dtype=dtype)
-    value = torch.randn(t, n, dv, dtype=dtype)
-    kc = torch.randn(nb, bs, n, dk, dtype=dtype)
-    vc = torch.randn(nb, bs, n, dv, dtype=dtype)
+    key = torch.randn(t, n, dk, dtype=dtype, device=DEVICE)
+    value = torch.randn(t, n, dv, dtype=dtype, device=DEVICE)
+    kc = torch.randn(nb, bs, n, dk, dtype=dtype, device=DEVICE)
+    vc = torch.randn(nb, bs, n, dv, dtype=dtype, device=DEVICE)
     ref_k, ref_v = kc.clone(), vc.clone()
     for i, s in enumerate(slots):  # the reference: one token at a time, padding skipped
         if s >= 0:
@@ -543,13 +563,13 @@ def test_kv_cache_writes_skip_pad_slots_and_match_a_loop(dtype, t, dk, dv, which
     else:
         torch_npu._npu_reshape_and_cache(key=key, value=value, key_cache=kc, value_cache=vc, slot_indices=sm)
     npu.synchronize()
-    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    assert _eq(kc, ref_k) and _eq(vc, ref_v)
 
 
 def test_a_kv_write_past_the_cache_is_the_kernels_error_and_inside_a_graph_a_replay_fault():
-    key = torch.randn(2, 1, 8)
-    kc = torch.zeros(2, 4, 1, 8)
-    vc = torch.zeros(2, 4, 1, 8)
+    key = torch.randn(2, 1, 8, device=DEVICE)
+    kc = torch.zeros(2, 4, 1, 8, device=DEVICE)
+    vc = torch.zeros(2, 4, 1, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"slot_mapping' \[1\] = 8 is outside the cache's 8 slots"):
         torch_npu.npu_scatter_pa_kv_cache(key, key, kc, vc, torch.tensor([0, 8], dtype=torch.int32))
     slots = torch.tensor([3, -1], dtype=torch.int64)
@@ -559,7 +579,7 @@ def test_a_kv_write_past_the_cache_is_the_kernels_error_and_inside_a_graph_a_rep
     assert not kc.any(), "a capture writes nothing"
     g.replay()
     npu.synchronize()
-    assert torch.equal(kc[0, 3], key[0]) and kc.count_nonzero() == 8, "slot 3 written, the padding slot skipped"
+    assert _eq(kc[0, 3], key[0]) and kc.count_nonzero() == 8, "slot 3 written, the padding slot skipped"
     slots[1] = 99
     g.replay()
     with pytest.raises(torch_npu.ReplayFault, match="outside the cache"):
