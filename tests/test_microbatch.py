@@ -22,8 +22,12 @@ class TwoMicroBatches:
             DecodeAttention(rt, f"main.layers.{i}.attn", num_heads=4, num_kv_heads=1, head_size=64)
             for i in range(layers)
         ]
+        dev = rt.device.memory
         self.caches = [
-            (torch.randn(NB, BS, 1, 64, generator=gen).half(), torch.randn(NB, BS, 1, 64, generator=gen).half())
+            (
+                torch.randn(NB, BS, 1, 64, generator=gen).half().to(dev),
+                torch.randn(NB, BS, 1, 64, generator=gen).half().to(dev),
+            )
             for _ in range(layers)
         ]
 
@@ -54,8 +58,9 @@ def _padded(meta, rows):
 def test_micro_batched_graph_updates_each_micro_batch_from_its_own_metadata():
     rt = Runtime("sim", max_model_len=COLS * BS, policy=FixedPolicy("fia"))
     model = TwoMicroBatches(rt)
-    q = torch.randn(8, 4, 64).half()
-    tables = [torch.zeros(4, COLS, dtype=torch.int32) for _ in range(2)]
+    dev = rt.device.memory
+    q = torch.randn(8, 4, 64).half().to(dev)
+    tables = [torch.zeros(4, COLS, dtype=torch.int32, device=dev) for _ in range(2)]
     ones = torch.ones(4, dtype=torch.int32)
     rt.capture(
         model,
@@ -76,7 +81,7 @@ def test_micro_batched_graph_updates_each_micro_batch_from_its_own_metadata():
     for step in range(6):
         m0 = _meta([5 + step, 30, 77][: 3 - step % 2], 3 - step % 2, gen)
         m1 = _meta([100 - step, 9], 2, gen)
-        q.copy_(torch.randn(8, 4, 64).half())
+        q.copy_(torch.randn(8, 4, 64).half())  # the host's new query, into the device buffer
         # micro-batch 1: layer 0 by its name, the others by the group, with other lengths
         m1_group = AttentionMetadata(seq_lens=torch.tensor([3, 60], dtype=torch.int32), block_table=m1.block_table)
         ref0 = model(q[:4], q[4:], _padded(m0, 4), _padded(m1, 4))[0].clone()

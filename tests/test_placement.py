@@ -81,19 +81,19 @@ def test_models_and_runtime_allocate_on_the_runtime_device():
 
 
 def _pa_args():
-    q = torch.randn(2, 4, 64).half()
-    kc = torch.randn(8, 4, 2, 64).half()
-    vc = torch.randn(8, 4, 2, 64).half()
-    bt = torch.zeros(2, 4, dtype=torch.int32)
-    lens = torch.tensor([3, 5], dtype=torch.int32)
+    q = torch.randn(2, 4, 64).half().npu()
+    kc = torch.randn(8, 4, 2, 64).half().npu()
+    vc = torch.randn(8, 4, 2, 64).half().npu()
+    bt = torch.zeros(2, 4, dtype=torch.int32, device="npu")
+    lens = torch.tensor([3, 5], dtype=torch.int32)  # host lengths
     return q, kc, vc, bt, lens, torch.empty_like(q)
 
 
 def test_a_device_argument_on_another_device_than_the_query_is_refused():
     q, kc, vc, bt, lens, out = _pa_args()
-    with pytest.raises(ValueError, match=r"argument 'block_table' is on meta but the query is on cpu"):
+    with pytest.raises(ValueError, match=r"argument 'block_table' is a meta tensor, but the kernel reads it in device"):
         torch_npu._npu_paged_attention(q, kc, vc, 2, 4, 0.1, bt.to("meta"), lens, out)
-    with pytest.raises(ValueError, match=r"argument 'key' is on meta"):
+    with pytest.raises(ValueError, match=r"argument 'key' is a meta tensor"):
         torch_npu.npu_fused_infer_attention_score(
             q.unsqueeze(1),
             kc[:2, :1].reshape(2, 1, 2, 64).to("meta"),
@@ -102,6 +102,18 @@ def test_a_device_argument_on_another_device_than_the_query_is_refused():
             num_key_value_heads=2,
             input_layout="BSND",
         )
+
+
+def test_a_device_argument_in_host_memory_is_refused():
+    """Host versus device by tensor.device, as hardware tells them: a CPU cache, table or
+    query is host memory, which a kernel does not read."""
+    q, kc, vc, bt, lens, out = _pa_args()
+    with pytest.raises(ValueError, match=r"argument 'block_table' is a cpu tensor, but the kernel reads it in device"):
+        torch_npu._npu_paged_attention(q, kc, vc, 2, 4, 0.1, bt.cpu(), lens, out)
+    with pytest.raises(ValueError, match=r"argument 'query' is a cpu tensor"):
+        torch_npu._npu_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), 2, 4, 0.1, bt.cpu(), lens, out.cpu())
+    with pytest.raises(ValueError, match=r"argument 'key_cache' is on npu:1 but the query is on npu:0"):
+        torch_npu._npu_paged_attention(q, kc.to("npu:1"), vc, 2, 4, 0.1, bt, lens, out)
 
 
 def test_a_host_argument_given_as_a_device_tensor_is_refused():

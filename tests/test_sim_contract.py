@@ -12,12 +12,7 @@ import npugraph.sim as torch_npu
 from npugraph.sim import npu
 
 SCALE = 0.125
-DEVICE = "npu"  # device memory: the simulator's npu device (and "cpu", the older stand-in)
-
-
-@pytest.fixture(autouse=True, params=["npu", "cpu"])
-def _device(request, monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "DEVICE", request.param)
+DEVICE = "npu"  # device memory: the simulator's npu device
 
 
 def _eq(a, b):
@@ -626,7 +621,6 @@ def test_the_graph_context_ends_the_capture_even_when_the_body_raises():
 
 
 def test_install_torch_npu_makes_module_level_imports_resolve_to_the_simulator():
-    import sys
 
     # the test process has the npu device (conftest), whose device module torch.npu is
     assert "torch_npu" not in sys.modules and torch.npu is npu

@@ -2,26 +2,17 @@
 
 Run against npugraph.sim with only the module names changed (``torch_npu`` →
 ``npugraph.sim``, ``torch.npu`` → ``npugraph.sim.npu``), on the simulator's ``npu`` device
-as written, and again with the device string "npu" → "cpu" (the CPU tensors that stand
-for device memory where the npu device is not used).
+as written.
 """
 
 from __future__ import annotations
 
-import sys
-
-import pytest
 import torch
 
 import npugraph.sim as torch_npu
 
 npu = torch_npu.npu  # stands for torch.npu
 DEVICE = "npu"
-
-
-@pytest.fixture(autouse=True, params=["npu", "cpu"])
-def _device(request, monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "DEVICE", request.param)
 
 
 def assert_equal(a, b):

@@ -602,7 +602,7 @@ def test_weak_ref_output_of_a_view_still_replays():
     wrapper = integ.NpuGraphWrapper(
         ViewOut(), runner.vllm_config, CUDAGraphMode.PIECEWISE, runtime=runner.rt, namespace="v"
     )
-    x = torch.arange(8.0)
+    x = torch.arange(8.0, device=runner.dev)
     bd = BatchDescriptor(num_tokens=8)
     ctx = dict(num_tokens=8, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, batch_descriptor=bd)
     with set_forward_context({}, runner.vllm_config, **ctx):
@@ -612,7 +612,7 @@ def test_weak_ref_output_of_a_view_still_replays():
     with set_forward_context({}, runner.vllm_config, **ctx):
         out = wrapper(x)
     runner.rt.synchronize()
-    assert out is not None and torch.equal(out, ((torch.arange(8.0) + 1) * 3).view(2, -1)[:, 1:])
+    assert out is not None and torch.equal(out.cpu(), ((torch.arange(8.0) + 1) * 3).view(2, -1)[:, 1:])
 
 
 def test_plugin_without_vllm_logs_one_line_and_device_is_validated(monkeypatch, caplog):

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from npugraph.sim import _runtime as rt
-from npugraph.sim._aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, plan_outputs
+from npugraph.sim._aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, op_device, plan_outputs
 from npugraph.sim._memory import MEMORY, ArgRef, hold_params, hold_tree
 from npugraph.sim._nodes import ExtRecordNode, ExtWaitNode, KernelTask, OpNode, storage_key
 from npugraph.sim.errors import CaptureError
@@ -100,6 +100,8 @@ class CaptureSession:
     def record_aten(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if is_host_read(func, args, self.check_host_read) or func.is_view:
             return func(*args, **kwargs)  # a read of memory the capture did not write, or metadata only
+        if op_device(args, kwargs).type != "npu":
+            return func(*args, **kwargs)  # host work (CPU tensors only): it runs now, the graph holds nothing
         device = kwargs.get("device")
         if func.overloadpacket in ALLOC_PACKETS and device is not None and torch.device(device).type == "meta":
             return func(*args, **kwargs)  # shapes only: nothing for the device to hold

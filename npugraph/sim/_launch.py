@@ -148,8 +148,17 @@ def check_placement(op: SimOp, params: dict[str, Any]) -> None:
                 )
             continue
         for i, t in enumerate(value if isinstance(value, (list, tuple)) else (value,)):
-            if isinstance(t, torch.Tensor) and t.dim() and t.device != query.device:
-                label = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
+            if not isinstance(t, torch.Tensor) or not t.dim():
+                continue
+            label = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
+            if t.device.type != "npu":
+                raise fail(
+                    op.name,
+                    label,
+                    f"is a {t.device} tensor, but the kernel reads it in device memory: pass an npu tensor "
+                    "(npugraph.sim.install_npu_device() gives this process the npu device)",
+                )
+            if t.device != query.device:
                 raise fail(
                     op.name, label, f"is on {t.device} but the query is on {query.device}; the kernel reads both"
                 )

@@ -225,14 +225,8 @@ class Memory:
         return t.device.type == "cpu" and _device.installed() and t.is_pinned()
 
     def knows(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s memory is device memory: an ``npu`` tensor, or a CPU tensor the
-        simulator has seen in device work (a pool block, a kernel argument, what an ordered
-        eager op touched; CPU tensors stand for device memory where the npu device is not
-        used)."""
-        if t.device.type != "cpu":
-            return t.device.type == "npu"  # the npu device's memory is device memory, always
-        found = self.owners.get(int(t.untyped_storage()._cdata))
-        return found is not None and not found.host
+        """Whether ``t``'s memory is device memory: an ``npu`` tensor."""
+        return t.device.type == "npu"  # told by tensor.device, as on hardware: CPU memory is the host's
 
     def weak_owner(self, t: torch.Tensor) -> Owner:
         """The owner of ``t``'s memory for a weak reference: memory the simulator does not know
