@@ -21,14 +21,24 @@ from npugraph.reference import paged_attention_reference
 from npugraph.sim import npu
 
 SCALE = 0.125
+DEVICE = "npu"  # device memory: the simulator's npu device
+
+
+def _eq(a, b):
+    """Equal, read on the host."""
+    return torch.equal(a.cpu(), b.cpu())
+
+
+def _close(a, b, **kw):
+    return torch.allclose(a.cpu(), b.cpu(), **kw)
 
 
 def _pa_inputs(t=2, n=4, kvn=2, d=64, nb=8, bs=16, cols=4, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(t, n, d, generator=g).half()
-    kc = torch.randn(nb, bs, kvn, d, generator=g).half()
-    vc = torch.randn(nb, bs, kvn, d, generator=g).half()
-    bt = torch.randperm(nb, generator=g)[: t * cols].reshape(t, cols).int()
+    q = torch.randn(t, n, d, generator=g).half().to(DEVICE)
+    kc = torch.randn(nb, bs, kvn, d, generator=g).half().to(DEVICE)
+    vc = torch.randn(nb, bs, kvn, d, generator=g).half().to(DEVICE)
+    bt = torch.randperm(nb, generator=g)[: t * cols].reshape(t, cols).int().to(DEVICE)
     return q, kc, vc, bt
 
 
@@ -40,7 +50,7 @@ def _pa(q, kc, vc, bt, lens, out, ws=None):
 
 
 def test_graph_keeps_memory_not_the_python_objects():
-    x = torch.randn(16)
+    x = torch.randn(16, device=DEVICE)
     refs = []
 
     def body():
@@ -60,11 +70,11 @@ def test_graph_keeps_memory_not_the_python_objects():
     assert out_ref() is None, "nor does the graph keep its outputs' Python objects"
     g.replay()
     npu.synchronize()
-    assert torch.equal(alias, x * 2 + 1), "the graph still writes the memory, read through the alias"
+    assert _eq(alias, x * 2 + 1), "the graph still writes the memory, read through the alias"
 
 
 def test_weak_ref_tensor_is_a_non_owning_alias():
-    t = torch.randn(4, 6)[:, 1:5]  # a view with an offset and strides
+    t = torch.randn(4, 6, device=DEVICE)[:, 1:5]  # a view with an offset and strides
     a = torch_npu._C._weak_ref_tensor(t)
     assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (t.data_ptr(), t.shape, t.stride(), t.dtype)
     a.fill_(3)
@@ -77,7 +87,7 @@ def test_weak_ref_tensor_is_a_non_owning_alias():
 
 def test_graphs_sharing_a_pool_alias_each_others_memory():
     pool = npu.graph_pool_handle()
-    x = torch.arange(8.0)
+    x = torch.arange(8.0, device=DEVICE)
     ga, gb = npu.NPUGraph(), npu.NPUGraph()
     with npu.graph(ga, pool=pool):
         a = x * 2
@@ -88,14 +98,14 @@ def test_graphs_sharing_a_pool_alias_each_others_memory():
     assert b.data_ptr() == a_alias.data_ptr(), "a freed block of the pool is reused by the next capture"
     ga.replay()
     npu.synchronize()
-    assert torch.equal(a_alias, x * 2)
+    assert _eq(a_alias, x * 2)
     gb.replay()
     npu.synchronize()
-    assert torch.equal(a_alias, x + 100), "replaying graph B overwrites what graph A left there"
+    assert _eq(a_alias, x + 100), "replaying graph B overwrites what graph A left there"
 
 
 def test_private_pools_do_not_alias():
-    x = torch.arange(8.0)
+    x = torch.arange(8.0, device=DEVICE)
     ga, gb = npu.NPUGraph(), npu.NPUGraph()
     with npu.graph(ga):
         a = x * 2
@@ -161,7 +171,7 @@ def test_fresh_workspace_per_update_is_accepted():
         g.replay()
         npu.synchronize()
         ref = paged_attention_reference(q, kc, vc, bt, lens, SCALE)
-        assert (out.double() - ref).abs().max() < 4e-3
+        assert (out.cpu().double() - ref).abs().max() < 4e-3
 
 
 def test_an_update_may_point_a_task_at_another_tensor():
@@ -186,7 +196,7 @@ def test_an_update_may_point_a_task_at_another_tensor():
     npu.synchronize()
     assert not out.any(), "the captured out is no longer written"
     ref = paged_attention_reference(q, kc, vc, bt, [4, 4], SCALE)
-    assert (other.double() - ref).abs().max() < 4e-3
+    assert (other.cpu().double() - ref).abs().max() < 4e-3
 
 
 def test_names_real_torch_npu_code_uses_exist():
@@ -214,7 +224,7 @@ def test_updates_and_replays_reach_intermediates_dropped_after_capture():
     for b in Workload(cfg, [4], seed=3).steps(6):
         ref = eng.eager(b).clone()
         got = eng.step(b)
-        assert torch.equal(got, ref)
+        assert _eq(got, ref)
 
 
 def test_capture_writes_nothing_not_even_the_kv_cache():
@@ -225,22 +235,22 @@ def test_capture_writes_nothing_not_even_the_kv_cache():
     eng.buffers["slot_mapping"][:2] = torch.tensor([17, 18])  # a live request's slots
     before = [layer.k_cache.clone() for layer in model.layers]
     eng.capture()
-    assert all(torch.equal(layer.k_cache, b) for layer, b in zip(model.layers, before))
+    assert all(_eq(layer.k_cache, b) for layer, b in zip(model.layers, before))
 
 
 def test_outputs_are_valid_until_another_graph_of_the_pool_replays():
     rt = Runtime("sim", max_model_len=64)
-    x = torch.arange(8.0)
+    x = torch.arange(8.0, device=DEVICE)
     rt.capture(lambda: x * 2, key="a", tokens=8, require_attention=False)
     rt.capture(lambda: x + 100, key="b", tokens=8, require_attention=False)
     out_a = rt.replay("a")
     rt.synchronize()
-    assert torch.equal(out_a, x * 2)
+    assert _eq(out_a, x * 2)
     kept = out_a.clone()  # what a caller must do to keep it
     rt.replay("b")
     rt.synchronize()
-    assert torch.equal(out_a, x + 100), "graph b reused graph a's output memory"
-    assert torch.equal(kept, x * 2)
+    assert _eq(out_a, x + 100), "graph b reused graph a's output memory"
+    assert _eq(kept, x * 2)
 
 
 def test_replay_returns_aliases_not_none():
@@ -258,7 +268,7 @@ def test_replay_returns_aliases_not_none():
 
 def test_a_freed_static_input_is_reported_at_replay_naming_the_graph():
     rt = Runtime("sim", max_model_len=64)
-    inputs = {"x": torch.arange(8.0)}
+    inputs = {"x": torch.arange(8.0, device=DEVICE)}
     rt.capture(lambda x: x * 2, inputs["x"], key=8, require_attention=False)
     del inputs
     gc.collect()

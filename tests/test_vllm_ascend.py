@@ -41,6 +41,7 @@ COLS = MAX_LEN // BLOCK
 SIZES = [8, 4, 2]  # FIA at 8, PA at 4 and 2 (vllm-ascend's pa_shape_list and npugraph's default)
 STANDIN = Path(__file__).parent / "standin"
 CAUSAL = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)
+NPU = "npu"  # the device memory vllm-ascend's runner allocates in
 
 
 def _purge() -> None:
@@ -88,8 +89,8 @@ class AscendModel(torch.nn.Module):
         self.layers = [types.SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn") for i in range(LAYERS)]
         self.caches = [
             (
-                torch.randn(BLOCKS, BLOCK, KV_HEADS, HEAD, generator=gen).half(),
-                torch.randn(BLOCKS, BLOCK, KV_HEADS, HEAD, generator=gen).half(),
+                torch.randn(BLOCKS, BLOCK, KV_HEADS, HEAD, generator=gen).half().to(NPU),  # the runner's KV caches
+                torch.randn(BLOCKS, BLOCK, KV_HEADS, HEAD, generator=gen).half().to(NPU),
             )
             for _ in range(LAYERS)
         ]
@@ -104,7 +105,7 @@ class AscendModel(torch.nn.Module):
         md = get_forward_context().attn_metadata
         outs = []
         for layer, impl, cache in zip(self.layers, self.impls, self.caches):
-            out = torch.empty(query.shape[0], HEADS * HEAD, dtype=query.dtype)
+            out = torch.empty(query.shape[0], HEADS * HEAD, dtype=query.dtype, device=query.device)
             outs.append(impl.forward(layer, query, None, None, cache, md[layer.layer_name], out))
         return torch.stack(outs)
 
@@ -127,7 +128,7 @@ def ascend_metadata(lens, tables, size, convention, buffer):
     table[:r] = tables
     seq_cpu = torch.tensor(seq, dtype=torch.int32)
     return AscendMetadata(
-        attn_mask=CAUSAL,  # vllm-ascend's AttentionMaskBuilder: the compressed causal mask
+        attn_mask=CAUSAL.to(buffer.device),  # vllm-ascend's AttentionMaskBuilder: the compressed causal mask
         attn_state=AscendAttentionState.DecodeOnly,
         num_actual_tokens=r,
         seq_lens=seq_cpu,
@@ -154,8 +155,8 @@ class AscendRunner:
         self.model = AscendModel(vc)
         # the runner builds its wrapper through vllm-ascend's name, which now is npugraph's
         self.wrapper = acl_graph.ACLGraphWrapper(self.model, vc, CUDAGraphMode.FULL)
-        self.query = torch.zeros(max(SIZES), HEADS, HEAD, dtype=torch.float16)
-        self.table = torch.zeros(max(SIZES), COLS, dtype=torch.int32)  # the input batch's block table
+        self.query = torch.zeros(max(SIZES), HEADS, HEAD, dtype=torch.float16, device=NPU)
+        self.table = torch.zeros(max(SIZES), COLS, dtype=torch.int32, device=NPU)  # the input batch's block table
         self.update_stream = torch.npu.Stream()
         self.rng = random.Random(0)
 
@@ -231,7 +232,7 @@ def test_ascend_backends_replay_through_npugraph_with_both_padding_conventions(g
         assert torch.equal(got, eager[:, :r]), f"step {step}: replay differs from vllm-ascend's eager"
         for li, (k, v) in enumerate(runner.model.caches):
             ref = paged_attention_reference(q[:r], k, v, tables, lens, HEAD**-0.5)
-            err = (got[li].view(r, HEADS, HEAD).double() - ref).abs().max().item()
+            err = (got[li].view(r, HEADS, HEAD).cpu().double() - ref).abs().max().item()
             assert err < 4e-3, f"step {step} layer {li}: {err} from the float64 reference"
 
 
@@ -266,7 +267,7 @@ def _sept_metadata(lens, tables, size, convention, buffer):
     table.zero_()
     table[:r] = tables
     return AscendMetadata(
-        attn_mask=CAUSAL,
+        attn_mask=CAUSAL.to(buffer.device),
         num_actual_tokens=r,
         seq_lens=list(lens) + [0] * (size - r),
         query_start_loc=ends,
@@ -294,8 +295,8 @@ def test_register_task_backends_replay_through_npugraph(sept, convention):
     rt = integ.attach_runtime(vc, Runtime("sim", max_model_len=MAX_LEN))
     model = AscendModel(vc)
     wrapper = acl_graph.ACLGraphWrapper(model, vc, CUDAGraphMode.FULL)
-    query = torch.zeros(max(SIZES), HEADS, HEAD, dtype=torch.float16)
-    buffer = torch.zeros(max(SIZES), COLS, dtype=torch.int32)
+    query = torch.zeros(max(SIZES), HEADS, HEAD, dtype=torch.float16, device=NPU)
+    buffer = torch.zeros(max(SIZES), COLS, dtype=torch.int32, device=NPU)
 
     def forward(size, meta, mode=CUDAGraphMode.FULL):
         md = {layer.layer_name: meta for layer in model.layers}
@@ -327,7 +328,9 @@ def test_register_task_backends_replay_through_npugraph(sept, convention):
         got = out[:, :r].clone()
         for li, (k, v) in enumerate(model.caches):
             ref = paged_attention_reference(q[:r], k, v, tables, lens, HEAD**-0.5)
-            assert (got[li].view(r, HEADS, HEAD).double() - ref).abs().max().item() < 4e-3, f"step {step} layer {li}"
+            assert (got[li].view(r, HEADS, HEAD).cpu().double() - ref).abs().max().item() < 4e-3, (
+                f"step {step} layer {li}"
+            )
         if convention == "vllm-ascend":  # its eager path needs one query row per padding request
             eager = forward(size, _sept_metadata(lens, tables, size, convention, buffer), mode=CUDAGraphMode.NONE)
             assert torch.equal(got, eager[:, :r]), f"step {step}: replay differs from the backend's eager path"

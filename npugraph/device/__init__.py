@@ -59,11 +59,7 @@ class Device:
 
     def is_device_memory(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in this device's memory (the host must not read it: a read
-        waits for the stream): an npu tensor.  On the simulator a CPU tensor it has seen in
-        device work counts too (code that runs the simulator on CPU tensors, as its own
-        kernel tests do)."""
-        if self.is_sim:
-            return bool(self.ops.is_device_memory(t))
+        waits for the stream): told by ``tensor.device``, on Ascend and on the simulator."""
         return t.device.type == self.memory.type
 
     def staged(self, t: torch.Tensor) -> torch.Tensor:

@@ -89,12 +89,12 @@ def _weak_ref_tensor(tensor: Any) -> Any:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"_weak_ref_tensor expects a Tensor, got {type(tensor).__name__}")
     st = get_state()
-    # a weak reference does not make memory the device's: of a host tensor (the CPU lengths
-    # vllm-ascend weak-refs with every kernel argument) it is a host tensor, read without waiting
+    # of a host tensor (the CPU lengths vllm-ascend weak-refs with every kernel argument) it
+    # is a host tensor, read without waiting: memory is told by tensor.device
     if st.capture is not None:
         with st.capture.suspended():
-            return st.memory.alias(tensor, st.memory.weak_owner(tensor))
-    return st.memory.alias(tensor, st.memory.weak_owner(tensor))
+            return st.memory.alias(tensor)
+    return st.memory.alias(tensor)
 
 
 def _npu_setStream(stream: Any) -> None:
@@ -144,13 +144,8 @@ def pool_bytes(pool: tuple[int, int]) -> int:
 
 
 def is_device_memory(tensor: torch.Tensor) -> bool:
-    """Whether the simulator knows ``tensor``'s memory as device memory.
-
-    The simulated device's memory is CPU memory, so a tensor's ``device`` cannot say.
-    Known: graph pool blocks, kernel arguments, and everything an eager op ordered on a
-    stream touched.  Code that must not read device memory on the host (a read waits for
-    the stream) asks here where hardware code would look at ``tensor.device``.
-    """
+    """Whether ``tensor`` is in the simulated device's memory: an ``npu`` tensor (told by
+    ``tensor.device``, as on hardware; a host read of it waits for the stream)."""
     return get_state().memory.knows(tensor)
 
 

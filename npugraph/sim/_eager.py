@@ -4,10 +4,8 @@ On a device an eager op (``clone``, ``copy_``, ``fill_``, an index write) issued
 stream runs after the work queued on that stream before it — a graph replay waiting
 for its update, a kernel, another graph of the same pool — and the host does not wait
 for it; a host read (``item()``, ``tolist()``, ``torch.equal``) waits for the stream.
-Device tensors are ``npu`` tensors (host memory behind them, told apart by
-``tensor.device``); code that runs the simulator on CPU tensors has its device tensors
-told by what the simulator knows: memory a graph pool, a kernel or an earlier ordered
-op used (``Memory.owners``).
+Device tensors are ``npu`` tensors (host memory behind them), told apart from host
+tensors by ``tensor.device``, as on hardware.
 
 While any stream has pending work, each host thread that issued work carries two
 modes (:class:`EagerOrdering`):

@@ -62,7 +62,6 @@ class Owner:
         "_base_cdata",
         "cdata",
         "fresh",
-        "host",
         "keeper",
         "label",
         "nbytes",
@@ -79,9 +78,6 @@ class Owner:
         self.pool = pool
         self.label = label
         self.fresh = True  # pool blocks: never handed out yet (poisoned on first use)
-        # host memory a weak reference was made of (torch_npu._C._weak_ref_tensor of a CPU
-        # tensor): aliased, but not device memory, until a kernel or an ordered op uses it
-        self.host = False
         self._base: torch.Tensor | None = None
         self._base_cdata = 0
         # (offset, shape, stride, dtype) -> alias: an update re-issues the same views every step
@@ -228,23 +224,14 @@ class Memory:
         """Whether ``t``'s memory is device memory: an ``npu`` tensor."""
         return t.device.type == "npu"  # told by tensor.device, as on hardware: CPU memory is the host's
 
-    def weak_owner(self, t: torch.Tensor) -> Owner:
-        """The owner of ``t``'s memory for a weak reference: memory the simulator does not know
-        as the device's stays host memory (a host read of it never waits)."""
-        known = self.owners.get(int(t.untyped_storage()._cdata))
-        if known is not None:
-            return known
-        owner = self.owner(t)
-        owner.host = True
-        return owner
-
     def adopt(self, values: Any) -> None:
-        """Register every tensor in ``values`` (nested lists and tuples) as device memory.
+        """Register the npu memory of every tensor in ``values`` (nested lists and tuples):
+        its owner is known from now on (for use-after-free checks and aliases).
 
         0-d tensors are host scalars, passed by value, as hardware treats them."""
         for t in tree_flatten(values)[0]:
-            if isinstance(t, torch.Tensor) and t.dim() and t.device.type != "meta":
-                self.owner(t).host = False
+            if isinstance(t, torch.Tensor) and t.dim() and t.device.type == "npu":
+                self.owner(t)
 
     def alias(self, t: torch.Tensor, owner: Owner | None = None) -> torch.Tensor:
         """A tensor over ``t``'s bytes (same pointer, shape, stride, dtype) that owns nothing."""
