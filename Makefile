@@ -17,6 +17,8 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/pip install -q torch==2.13.0 numpy
 	$(BIN)/pip install -q -e '.[test,dev]'
+	# a wheel install carries npugraph-sim.pth (setup.py); an editable one does not: copy it
+	cp npugraph-sim.pth "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	$(BIN)/python -c "from npugraph.sim import _device; _device.build()"
 	touch $(STAMP)
 

@@ -270,3 +270,19 @@ def test_npugraph_runs_its_real_npu_path_on_the_simulators_device(tmp_path):
     summary = json.loads(out.read_text())
     assert summary["device"] == "npu" and summary["mismatches"] == 0 and summary["reference_failures"] == 0
     assert summary["reference_checks"] >= 3
+
+
+def test_import_torch_npu_first_in_a_fresh_process_through_the_installed_pth():
+    """The environment's ``npugraph-sim.pth`` (a wheel install's, or the copy ``make`` puts
+    beside an editable install) lets ``import torch_npu`` come before ``import torch``;
+    without the variable a process imports nothing of torch at start-up."""
+    import sysconfig
+
+    if not (Path(sysconfig.get_paths()["purelib"]) / "npugraph-sim.pth").exists():
+        pytest.skip("npugraph-sim.pth is not installed in this environment (make installs it)")
+    assert _run("import torch_npu, torch\nprint(torch_npu.__name__, torch.ones(1, device='npu').device)").split() == [
+        "npugraph.sim",
+        "npu:0",
+    ]
+    bare = _run("import sys\nprint('torch' in sys.modules)", env={ENV: "0"})
+    assert bare.strip() == "False"
