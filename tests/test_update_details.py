@@ -369,7 +369,9 @@ def test_capture_all_keeps_the_heap_out_of_each_captures_collect_and_restores_th
         gc.freeze()
         mine = gc.get_freeze_count()
         rt.manager.capture_all([4], make, namespace="other")
-        assert gc.get_freeze_count() == mine, "the process's own freeze is left as it was"
+        # neither thawed (the count would drop to about 0) nor frozen more (it would grow);
+        # a frozen object may still die by its reference count, so the count may shrink a little
+        assert mine * 0.99 <= gc.get_freeze_count() <= mine, "the process's own freeze is left as it was"
     finally:
         gc.unfreeze()
         if own:
