@@ -220,7 +220,9 @@ WRITES = {
     "fill_": lambda b: b.fill_(5.0),
     "zero_": lambda b: b.zero_(),
     "copy_": lambda b: b.copy_(torch.full_like(b, 5.0)),
-    "index_put_": lambda b: b.index_put_((torch.tensor([0, 3]),), torch.tensor([5.0, 6.0])),
+    "index_put_": lambda b: b.index_put_(
+        (torch.tensor([0, 3]),), torch.tensor([5.0, 6.0]).pin_memory().to(b.device, non_blocking=True)
+    ),
     "slice assignment": lambda b: (b.__setitem__(slice(2, 6), 7.0), b)[1],
     "masked_fill_": lambda b: b.masked_fill_(b > 0, 5.0),
 }
@@ -357,7 +359,9 @@ def _write(buf, op, i, pin=lambda t: t):
     elif op == "fill_":
         buf.fill_(float(i))
     else:
-        buf.index_put_((torch.tensor([1, 5]),), torch.tensor([float(i), -float(i)]))
+        # the values reach the device as an engine sends them: a non-blocking copy from pinned memory
+        values = torch.tensor([float(i), -float(i)]).pin_memory().to(buf.device, non_blocking=True)
+        buf.index_put_((torch.tensor([1, 5]),), values)
 
 
 def _expected(program):

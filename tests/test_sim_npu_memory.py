@@ -139,3 +139,19 @@ def test_math_on_npu_matches_the_host():
     assert torch.allclose(torch.nn.functional.silu(y).cpu(), torch.nn.functional.silu(x))
     assert torch.allclose((y @ y.T).cpu(), x @ x.T)
     assert math.isclose(y.norm().item(), x.norm().item(), rel_tol=1e-6)
+
+
+def test_host_operands_beside_npu_ones_are_refused_except_an_index_ops_indices():
+    """As on a device: an index op may take host indices; any other host operand (values,
+    a concatenated tensor) beside npu memory is refused, and a 0-d host scalar is a value."""
+    b = torch.zeros(6, device="npu")
+    b[torch.tensor([0, 3])] = torch.tensor([5.0, 6.0], device="npu")  # host indices, device values
+    assert b[torch.tensor([0, 3])].cpu().tolist() == [5.0, 6.0]
+    for bad in (
+        lambda: b.index_put_((torch.tensor([1]),), torch.tensor([7.0, 8.0])[:1]),
+        lambda: torch.cat([b, torch.ones(2)]),
+        lambda: b + torch.ones(6),
+    ):
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            bad()
+    assert (b * torch.tensor(2.0)).cpu().tolist() == [10.0, 0.0, 0.0, 12.0, 0.0, 0.0]

@@ -317,10 +317,10 @@ bool is_npu(const at::Tensor& t) {
   return t.defined() && t.device().type() == kNpu;
 }
 
-// Ops whose CPU tensors beside device tensors are legal on a device too (indices may be
-// host tensors): everything else with an npu and a CPU operand (not a 0-d scalar) is
-// refused, as torch_npu refuses it.
-bool allows_host_operands(const std::string& name) {
+// Ops whose index tensors may be host tensors beside device tensors (their indices, a
+// list argument): every other CPU operand beside an npu one (not a 0-d scalar) is refused,
+// as torch_npu refuses it.
+bool allows_host_indices(const std::string& name) {
   static const std::unordered_set<std::string> ops = {
       "aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_put",
   };
@@ -355,8 +355,9 @@ void npu_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
   const size_t first = stack->size() - nargs;
   std::vector<Swapped> swapped;
   std::optional<c10::DeviceIndex> dev;
-  const at::Tensor* host_operand = nullptr;
-  auto swap = [&](const at::Tensor& t) -> at::Tensor {
+  bool host_operand = false;  // a CPU tensor (not a 0-d scalar) passed as a tensor argument
+  bool host_index = false;    // one inside a tensor-list argument (the indices of index ops)
+  auto swap = [&](const at::Tensor& t, bool in_list) -> at::Tensor {
     if (is_npu(t)) {
       if (!dev.has_value()) {
         dev = t.device().index();
@@ -365,26 +366,26 @@ void npu_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
       swapped.push_back({t, h});
       return h;
     }
-    if (t.defined() && t.device().type() == c10::DeviceType::CPU && t.dim() > 0 && host_operand == nullptr) {
-      host_operand = &t;
+    if (t.defined() && t.device().type() == c10::DeviceType::CPU && t.dim() > 0) {
+      (in_list ? host_index : host_operand) = true;
     }
     return t;
   };
   for (size_t i = first; i < stack->size(); ++i) {
     c10::IValue& v = (*stack)[i];
     if (v.isTensor()) {
-      v = swap(v.toTensor());
+      v = swap(v.toTensor(), false);
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
       for (size_t k = 0; k < list.size(); ++k) {
-        list.set(k, swap(list.get(k)));
+        list.set(k, swap(list.get(k), true));
       }
     } else if (v.isOptionalTensorList()) {
       auto list = v.toOptionalTensorList();
       for (size_t k = 0; k < list.size(); ++k) {
         std::optional<at::Tensor> t = list.get(k);
         if (t.has_value()) {
-          list.set(k, swap(*t));
+          list.set(k, swap(*t, true));
         }
       }
     } else if (v.isDevice() && v.toDevice().type() == kNpu) {
@@ -394,7 +395,7 @@ void npu_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
     }
   }
   const std::string name = schema.operator_name().name;
-  TORCH_CHECK(host_operand == nullptr || swapped.empty() || allows_host_operands(name),
+  TORCH_CHECK(swapped.empty() || !(host_operand || (host_index && !allows_host_indices(name))),
               "Expected all tensors to be on the same device, but found at least two devices, ",
               swapped.front().npu.device(), " and cpu! (", name, ")");
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
