@@ -145,7 +145,7 @@ class Runtime:
                 q_ends: list[int] | None = meta.query_start_loc.tolist()[1:]
             else:
                 q_ends = None if tpr == 1 else [tpr * (i + 1) for i in range(r)]
-            longest = max((b - a for a, b in itertools.pairwise([0, *(q_ends or ())])), default=1)
+            longest = _longest_request([0, *(q_ends or ())])
             if tokens > rows * tpr or longest > tpr:
                 # a graph with more query tokens than rows x tokens_per_request (vLLM's mixed
                 # FULL batches) runs requests of several tokens: capture it causal
@@ -159,7 +159,7 @@ class Runtime:
             batch = max(rows, tokens // max(1, tpr))
         else:  # mixed prefill/decode: causal within each request; spare tokens form one padding request
             starts = qsl.tolist() if isinstance(qsl, torch.Tensor) else list(qsl)
-            longest = max((b - a for a, b in itertools.pairwise(starts)), default=1)
+            longest = _longest_request(starts)
             if longest > call.tokens_per_request:
                 call = attrs.evolve(call, tokens_per_request=longest)
             # spare tokens need a padding row: a trailing request of length 0 is one already
@@ -443,6 +443,11 @@ class Runtime:
 
     def save_manifest(self, path: str) -> None:
         save_manifest(self.manifest(), path)
+
+
+def _longest_request(starts: list[int]) -> int:
+    """The most query tokens one request has, from cumulative query starts (1 without any)."""
+    return max((b - a for a, b in itertools.pairwise(starts)), default=1)
 
 
 def _pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:

@@ -59,6 +59,16 @@ def assert_engine_serves(eng, steps=3, seed=99):
         assert (got - ind).abs().max() < 0.06 * ind.abs().max(), f"serving step {i} from the float64 reference"
 
 
+def equal_on_host(a, b):
+    """``torch.equal``, read on the host (a host read of device memory waits for the stream)."""
+    return torch.equal(a.cpu(), b.cpu())
+
+
+def close_on_host(a, b, **kw):
+    """``torch.allclose``, read on the host."""
+    return torch.allclose(a.cpu(), b.cpu(), **kw)
+
+
 HEADS, KV_HEADS, HEAD, BLOCK, BLOCKS, MAX_LEN = 4, 2, 64, 16, 48, 128
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
 

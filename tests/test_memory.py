@@ -20,17 +20,10 @@ from npugraph.models.engine import DecodeEngine
 from npugraph.reference import paged_attention_reference
 from npugraph.sim import npu
 
+from .helpers import equal_on_host
+
 SCALE = 0.125
 DEVICE = "npu"  # device memory: the simulator's npu device
-
-
-def _eq(a, b):
-    """Equal, read on the host."""
-    return torch.equal(a.cpu(), b.cpu())
-
-
-def _close(a, b, **kw):
-    return torch.allclose(a.cpu(), b.cpu(), **kw)
 
 
 def _pa_inputs(t=2, n=4, kvn=2, d=64, nb=8, bs=16, cols=4, seed=0):
@@ -70,7 +63,7 @@ def test_graph_keeps_memory_not_the_python_objects():
     assert out_ref() is None, "nor does the graph keep its outputs' Python objects"
     g.replay()
     npu.synchronize()
-    assert _eq(alias, x * 2 + 1), "the graph still writes the memory, read through the alias"
+    assert equal_on_host(alias, x * 2 + 1), "the graph still writes the memory, read through the alias"
 
 
 def test_weak_ref_tensor_is_a_non_owning_alias():
@@ -98,10 +91,10 @@ def test_graphs_sharing_a_pool_alias_each_others_memory():
     assert b.data_ptr() == a_alias.data_ptr(), "a freed block of the pool is reused by the next capture"
     ga.replay()
     npu.synchronize()
-    assert _eq(a_alias, x * 2)
+    assert equal_on_host(a_alias, x * 2)
     gb.replay()
     npu.synchronize()
-    assert _eq(a_alias, x + 100), "replaying graph B overwrites what graph A left there"
+    assert equal_on_host(a_alias, x + 100), "replaying graph B overwrites what graph A left there"
 
 
 def test_private_pools_do_not_alias():
@@ -224,7 +217,7 @@ def test_updates_and_replays_reach_intermediates_dropped_after_capture():
     for b in Workload(cfg, [4], seed=3).steps(6):
         ref = eng.eager(b).clone()
         got = eng.step(b)
-        assert _eq(got, ref)
+        assert equal_on_host(got, ref)
 
 
 def test_capture_writes_nothing_not_even_the_kv_cache():
@@ -235,7 +228,7 @@ def test_capture_writes_nothing_not_even_the_kv_cache():
     eng.buffers["slot_mapping"][:2] = torch.tensor([17, 18])  # a live request's slots
     before = [layer.k_cache.clone() for layer in model.layers]
     eng.capture()
-    assert all(_eq(layer.k_cache, b) for layer, b in zip(model.layers, before))
+    assert all(equal_on_host(layer.k_cache, b) for layer, b in zip(model.layers, before))
 
 
 def test_outputs_are_valid_until_another_graph_of_the_pool_replays():
@@ -245,12 +238,12 @@ def test_outputs_are_valid_until_another_graph_of_the_pool_replays():
     rt.capture(lambda: x + 100, key="b", tokens=8, require_attention=False)
     out_a = rt.replay("a")
     rt.synchronize()
-    assert _eq(out_a, x * 2)
+    assert equal_on_host(out_a, x * 2)
     kept = out_a.clone()  # what a caller must do to keep it
     rt.replay("b")
     rt.synchronize()
-    assert _eq(out_a, x + 100), "graph b reused graph a's output memory"
-    assert _eq(kept, x * 2)
+    assert equal_on_host(out_a, x + 100), "graph b reused graph a's output memory"
+    assert equal_on_host(kept, x * 2)
 
 
 def test_replay_returns_aliases_not_none():

@@ -11,17 +11,10 @@ import torch
 import npugraph.sim as torch_npu
 from npugraph.sim import npu
 
+from .helpers import equal_on_host
+
 SCALE = 0.125
 DEVICE = "npu"  # device memory: the simulator's npu device
-
-
-def _eq(a, b):
-    """Equal, read on the host (a host read of device memory waits for the stream)."""
-    return torch.equal(a.cpu(), b.cpu())
-
-
-def _close(a, b, **kw):
-    return torch.allclose(a.cpu(), b.cpu(), **kw)
 
 
 def _pa_setup(t=2, n=4, kvn=2, d=16, nb=8, bs=16, cols=4, dtype=torch.float16):
@@ -92,7 +85,7 @@ def test_capture_twice_raises_until_reset():
     with npu.graph(g):
         x.add_(1)
     g.replay()
-    assert _eq(x, torch.full((3,), 2.0))
+    assert equal_on_host(x, torch.full((3,), 2.0))
 
 
 def test_capture_end_on_other_stream_raises():
@@ -139,15 +132,15 @@ def test_capture_records_and_does_not_execute():
     with npu.graph(g):
         y = torch.relu(x @ w)
         cache.index_copy_(0, idx, y)
-    assert _eq(cache, torch.zeros(4, 3, device=DEVICE)), "capture must not touch the cache"
+    assert equal_on_host(cache, torch.zeros(4, 3, device=DEVICE)), "capture must not touch the cache"
     assert torch.isnan(y).all(), "captured results only exist after replay (buffer is poisoned)"
     g.replay()
     npu.synchronize()
-    assert _eq(cache[idx], torch.relu(x @ w))
+    assert equal_on_host(cache[idx], torch.relu(x @ w))
     x.copy_(torch.randn(2, 3, device=DEVICE))  # new input contents, same buffer
     g.replay()
     npu.synchronize()
-    assert _eq(y, torch.relu(x @ w)), "replay re-executes on the same buffers"
+    assert equal_on_host(y, torch.relu(x @ w)), "replay re-executes on the same buffers"
 
 
 @pytest.mark.parametrize("read", ["item", "tolist", "cpu", "bool"])
@@ -188,7 +181,7 @@ def test_pool_is_shared_and_graph_buffers_keep_addresses():
     g1.replay()
     g2.replay()
     npu.synchronize()
-    assert a.data_ptr() == ptr and _eq(a, x * 2) and _eq(b, x * 3)
+    assert a.data_ptr() == ptr and equal_on_host(a, x * 2) and equal_on_host(b, x * 3)
 
 
 def test_replay_is_asynchronous_and_ordered_by_events():
@@ -203,10 +196,10 @@ def test_replay_is_asynchronous_and_ordered_by_events():
     g.replay()  # blocked on ev
     us = npu.Stream()
     with npu.stream(us):  # a read on the blocked stream would wait for it (forever)
-        assert _eq(x, torch.ones(2, device=DEVICE)), "must not have run yet"
+        assert equal_on_host(x, torch.ones(2, device=DEVICE)), "must not have run yet"
     ev.record(us)
     npu.synchronize()
-    assert _eq(x, torch.full((2,), 3.0))
+    assert equal_on_host(x, torch.full((2,), 3.0))
 
 
 def test_debug_dump_writes_json(tmp_path):
@@ -255,12 +248,12 @@ def test_stale_lengths_without_update_and_right_answer_after():
     ev.record(us)
     g.replay()
     npu.synchronize()
-    assert _eq(out, _eager_pa(q, kc, vc, bt, cap))
-    assert not _eq(out, _eager_pa(q, kc, vc, bt, new))
+    assert equal_on_host(out, _eager_pa(q, kc, vc, bt, cap))
+    assert not equal_on_host(out, _eager_pa(q, kc, vc, bt, new))
     _update_pa(us, h, ev, q, kc, vc, bt, new, out, ws)
     g.replay()
     npu.synchronize()
-    assert _eq(out, _eager_pa(q, kc, vc, bt, new))
+    assert equal_on_host(out, _eager_pa(q, kc, vc, bt, new))
 
 
 def test_update_stream_rules():
@@ -307,7 +300,7 @@ def test_host_args_are_copied_at_call_time():
     ev.record(npu.Stream())
     g.replay()
     npu.synchronize()
-    assert _eq(out, expected)
+    assert equal_on_host(out, expected)
 
 
 def test_workspace_too_small_raises_with_simulator_note():
@@ -400,7 +393,7 @@ def test_ordering_update_stream_after_replay_avoids_the_race():
         _update_pa(us, h, ev, q, kc, vc, bt, b, out, None)
         blocker.record(npu.Stream())
         npu.synchronize()
-    assert _eq(out, _eager_pa(q, kc, vc, bt, a)), "the replay ran with update A's lengths"
+    assert equal_on_host(out, _eager_pa(q, kc, vc, bt, a)), "the replay ran with update A's lengths"
 
 
 def test_reset_is_a_noop():
@@ -448,12 +441,12 @@ def test_auto_dispatch_broadcast_and_per_record_update():
     g.replay()
     npu.synchronize()
     ref = _eager_pa(q, kc, vc, bt, a)
-    assert all(_eq(o, ref) for o in outs)
+    assert all(equal_on_host(o, ref) for o in outs)
     b = torch.tensor([2, 9], dtype=torch.int32)
     g.update(cpu_update_input=[{"context_lens": a}, {"context_lens": b}])
     g.replay()
     npu.synchronize()
-    assert _eq(outs[0], ref) and _eq(outs[1], _eager_pa(q, kc, vc, bt, b))
+    assert equal_on_host(outs[0], ref) and equal_on_host(outs[1], _eager_pa(q, kc, vc, bt, b))
     with pytest.raises(RuntimeError, match="must be 1 or equal to the number of captured ops"):
         g.update(cpu_update_input=[{"context_lens": a}] * 3)
 
@@ -468,7 +461,7 @@ def test_auto_dispatch_skips_undeclared_keys_with_a_warning():
         g.update(cpu_update_input=[{"context_len": torch.tensor([1, 1], dtype=torch.int32)}])
     g.replay()
     npu.synchronize()
-    assert _eq(outs[0], before), "a misspelt key changes nothing"
+    assert equal_on_host(outs[0], before), "a misspelt key changes nothing"
 
 
 def test_adversarial_mode_defers_work_until_a_synchronize():
@@ -599,7 +592,7 @@ def test_a_subclass_with_torch_npus_capture_begin_signature_captures():
     assert g2.seen == (None, "global", False)
     g.replay()
     npu.synchronize()
-    assert _eq(out, _eager_pa(q, kc, vc, bt, lens))
+    assert equal_on_host(out, _eager_pa(q, kc, vc, bt, lens))
 
 
 def test_auto_dispatch_capture_is_an_attribute_of_the_graph():

@@ -15,16 +15,10 @@ import npugraph.sim as torch_npu
 from npugraph.reference import paged_attention_reference
 from npugraph.sim import npu
 
+from .helpers import close_on_host, equal_on_host
+
 SEEDS = range(8)
 DEVICE = "npu"  # device memory: the simulator's npu device
-
-
-def _eq(a, b):
-    return torch.equal(a.cpu(), b.cpu())
-
-
-def _close(a, b, **kw):
-    return torch.allclose(a.cpu(), b.cpu(), **kw)
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +78,7 @@ def test_a_clone_on_another_stream_without_ordering_reads_what_hardware_would():
             first = out1.clone()
         g2.replay()
         npu.synchronize()
-        wrong += not _eq(first, x * 2)
+        wrong += not equal_on_host(first, x * 2)
         if wrong:
             break
     assert wrong > 0, "an unordered read must go wrong on some seed"
@@ -116,8 +110,8 @@ def test_eager_work_queues_behind_a_replay_that_waits_for_its_event():
     us = npu.Stream()
     ev.record(us)
     npu.synchronize()
-    assert _eq(copy, torch.full((8,), 3.0))
-    assert _eq(x, torch.full((8,), 4.0))
+    assert equal_on_host(copy, torch.full((8,), 3.0))
+    assert equal_on_host(x, torch.full((8,), 4.0))
     assert torch._C._len_torch_dispatch_stack() == 0, "with nothing pending the ordering leaves the mode stack"
 
 
@@ -259,9 +253,9 @@ def test_a_metadata_query_neither_waits_nor_is_refused():
     ev = _replay_blocked(body)
     assert x.is_same_size(torch.empty(4, device=DEVICE)), "a blocked stream does not block a metadata query"
     with pytest.raises(torch_npu.DeadlockError):
-        _close(x, torch.ones(4, device=DEVICE))  # a value read: waits for the stream
+        close_on_host(x, torch.ones(4, device=DEVICE))  # a value read: waits for the stream
     ev.record(npu.Stream())
-    assert _close(x, torch.full((4,), 2.0))
+    assert close_on_host(x, torch.full((4,), 2.0))
 
 
 def test_a_host_table_copied_to_the_device_stays_host_memory():
@@ -394,7 +388,7 @@ def test_one_streams_eager_work_and_replays_run_in_program_order(program, seed):
     want = _expected(program)
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert _eq(g, w) or (g.isnan().all() and w.isnan().all()), f"read {i} of {program}: {g} != {w}"
+        assert equal_on_host(g, w) or (g.isnan().all() and w.isnan().all()), f"read {i} of {program}: {g} != {w}"
 
 
 def test_an_eager_op_that_fails_after_its_call_returned_is_reported_at_the_next_synchronize():

@@ -18,15 +18,9 @@ from hypothesis import strategies as st
 import npugraph.sim as torch_npu
 from npugraph.sim import npu
 
+from .helpers import close_on_host, equal_on_host
+
 DEVICE = "npu"  # device memory: the simulator's npu device
-
-
-def _eq(a, b):
-    return torch.equal(a.cpu(), b.cpu())
-
-
-def _close(a, b, **kw):
-    return torch.allclose(a.cpu(), b.cpu(), **kw)
 
 
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -156,7 +150,7 @@ def test_fia_tnd_paged_matches_oracle(dtype, kvn, group, bs, qper, causal, data)
                 ref_lse = torch.logsumexp(s, -1).transpose(0, 1)  # -inf where a row sees no key
                 got = lse.cpu()[start : ends[i], :, 0].double()
                 seen = torch.isfinite(ref_lse)
-                assert _close(got[seen], ref_lse[seen], atol=1e-3)
+                assert close_on_host(got[seen], ref_lse[seen], atol=1e-3)
                 assert not torch.isfinite(got[~seen]).any() or not got[~seen].ne(0).any()
         start = ends[i]
 
@@ -187,7 +181,7 @@ def test_fia_dense_layouts_match_oracle(layout, sq):
     npu.synchronize()
     for i in range(b):
         ref = _oracle(qb[i], kb[i, :, : kv_lens[i]], vb[i, :, : kv_lens[i]], 0.25)
-        assert _close(out[i].double(), conv(ref.unsqueeze(0))[0], atol=1e-4)
+        assert close_on_host(out[i].double(), conv(ref.unsqueeze(0))[0], atol=1e-4)
 
 
 def test_actual_seq_lengths_ignored_when_query_length_is_one():
@@ -198,7 +192,7 @@ def test_actual_seq_lengths_ignored_when_query_length_is_one():
         q, k, k, num_heads=4, input_layout="BNSD", actual_seq_lengths=[100]
     )
     npu.synchronize()
-    assert _eq(a, b)
+    assert equal_on_host(a, b)
 
 
 def test_pa_bad_inputs_name_the_argument():
@@ -512,7 +506,7 @@ def test_npu_fusion_attention_tnd_matches_oracle(dtype, kvn, group, reqs, causal
         s = s.masked_fill(~_visible(q_per[i], kv_per[i], causal), float("-inf"))
         lse = torch.logsumexp(s, -1).transpose(0, 1)
         got = (smax[qs : qe[i], :, 0] + torch.log(ssum[qs : qe[i], :, 0])).double()
-        assert _close(got, lse, atol=1e-3), "max + log(sum) is the row's log-sum-exp"
+        assert close_on_host(got, lse, atol=1e-3), "max + log(sum) is the row's log-sum-exp"
         qs, ks = qe[i], ke[i]
 
 
@@ -557,7 +551,7 @@ def test_kv_cache_writes_skip_pad_slots_and_match_a_loop(dtype, t, dk, dv, which
     else:
         torch_npu._npu_reshape_and_cache(key=key, value=value, key_cache=kc, value_cache=vc, slot_indices=sm)
     npu.synchronize()
-    assert _eq(kc, ref_k) and _eq(vc, ref_v)
+    assert equal_on_host(kc, ref_k) and equal_on_host(vc, ref_v)
 
 
 def test_a_kv_write_past_the_cache_is_the_kernels_error_and_inside_a_graph_a_replay_fault():
@@ -573,7 +567,7 @@ def test_a_kv_write_past_the_cache_is_the_kernels_error_and_inside_a_graph_a_rep
     assert not kc.any(), "a capture writes nothing"
     g.replay()
     npu.synchronize()
-    assert _eq(kc[0, 3], key[0]) and kc.count_nonzero() == 8, "slot 3 written, the padding slot skipped"
+    assert equal_on_host(kc[0, 3], key[0]) and kc.count_nonzero() == 8, "slot 3 written, the padding slot skipped"
     slots[1] = 99
     g.replay()
     with pytest.raises(torch_npu.ReplayFault, match="outside the cache"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import attrs
@@ -139,9 +140,9 @@ def convert(
     # batch_refusal's one-token rule, naming the request (without query_start_loc the graph's
     # own tokens per request apply: one, for a kernel that runs one)
     if one_query_token and meta.query_start_loc is not None and list(q_ends) != list(range(1, r + 1)):
-        many = next(i for i in range(r) if q_ends[i] - (q_ends[i - 1] if i else 0) != 1)
+        many, n = next((i, b - a) for i, (a, b) in enumerate(itertools.pairwise([0, *q_ends])) if b - a != 1)
         raise MetadataError(
-            f"{where}: request {many} has {q_ends[many] - (q_ends[many - 1] if many else 0)} query tokens, but "
+            f"{where}: request {many} has {n} query tokens, but "
             "the captured kernel runs one query token per request (PA, or FIA captured without a causal mask); "
             "run this batch on a graph captured for several tokens per request"
         )

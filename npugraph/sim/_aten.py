@@ -169,7 +169,7 @@ def plan_outputs(
 
 def op_device(args: Any, kwargs: dict[str, Any]) -> torch.device:
     """Where an op's outputs live: the ``npu`` device of an operand (or of its ``device=``),
-    else the CPU (which stands for device memory where the npu device is not used)."""
+    else the CPU (host work, which no graph records and no stream orders)."""
     dev = kwargs.get("device")
     if dev is not None and torch.device(dev).type == "npu":
         return torch.device(dev)

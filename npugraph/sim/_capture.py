@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from npugraph.sim import _runtime as rt
 from npugraph.sim._aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, op_device, plan_outputs
-from npugraph.sim._memory import MEMORY, ArgRef, hold_params, hold_tree
+from npugraph.sim._memory import ArgRef, hold_params, hold_tree
 from npugraph.sim._nodes import ExtRecordNode, ExtWaitNode, KernelTask, OpNode, storage_key
 from npugraph.sim.errors import CaptureError
 
@@ -63,7 +63,7 @@ class CaptureSession:
                 "captured region."
             )
 
-    def alloc(self, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device = MEMORY) -> torch.Tensor:
+    def alloc(self, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Allocate from the graph's pool; the graph keeps the memory, the caller the object."""
         memory = rt.get_state().memory
         with torch.utils._python_dispatch._disable_current_modes():

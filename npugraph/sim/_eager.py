@@ -38,7 +38,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from npugraph.sim._aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, plan_outputs, run_planned
 from npugraph.sim._device import on_host
-from npugraph.sim._memory import MEMORY
 
 __all__ = ["EagerOrdering", "EagerOp"]
 
@@ -162,7 +161,7 @@ class EagerOrdering:
         st.enqueue(stream, EagerOp(st, func, args, tree_map(lambda x: x, kwargs), planned.fresh))
         return planned.result
 
-    def _alloc(self, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device = MEMORY) -> torch.Tensor:
+    def _alloc(self, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         t = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device=device)
         if t.numel():
             if t.is_floating_point() or t.is_complex():

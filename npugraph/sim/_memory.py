@@ -33,8 +33,9 @@ from torch.utils._pytree import tree_flatten
 from npugraph.sim import _device
 from npugraph.sim.errors import UseAfterFree
 
-# The simulated device's memory. Named on every allocation: the simulator, like a device,
-# ignores the process's default torch device.
+# Host memory: where the simulator's own bookkeeping tensors live (alias bases, the CPU
+# views kernels compute on). Device memory is npu memory, always named on allocation: the
+# simulator, like a device, ignores the process's default torch device.
 MEMORY = torch.device("cpu")
 
 __all__ = ["Memory", "Owner", "Pool", "ArgRef", "check_refs", "hold_tree", "hold_params"]
@@ -126,7 +127,7 @@ class Pool:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.blocks)
 
-    def block(self, nbytes: int, memory: Memory, device: torch.device = MEMORY) -> Owner:
+    def block(self, nbytes: int, memory: Memory, device: torch.device) -> Owner:
         """A free block of at least ``nbytes`` (best fit) on ``device``, or a new one."""
         best: Owner | None = None
         for b in self.blocks:
@@ -264,7 +265,7 @@ class Memory:
         return self.alias(t, owner), ArgRef(name, owner, checked and owner.pool is None)
 
     def allocate(
-        self, pool_id: tuple[int, int], shape: Any, stride: Any, dtype: torch.dtype, device: torch.device = MEMORY
+        self, pool_id: tuple[int, int], shape: Any, stride: Any, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """Allocate a tensor from a graph pool (during capture); poisoned if the block is new."""
         size = [int(s) for s in shape]
