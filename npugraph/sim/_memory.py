@@ -170,6 +170,9 @@ def check_refs(refs: tuple[ArgRef, ...], where: str) -> None:
             )
 
 
+_PRUNE_BYTES = 1 << 30  # a prune by size: each GiB of newly registered eager memory
+
+
 class Memory:
     """All memory of the simulated device that graphs or aliases refer to."""
 
@@ -177,7 +180,15 @@ class Memory:
         # storage cdata (a real storage, or an alias base) -> its owner
         self.owners: dict[int, Owner] = {}
         self.pools: dict[tuple[int, int], Pool] = {}
+        # Registering keeps the storage alive (so that an alias never points at memory the
+        # host allocator reused); a prune lets go of what nobody uses.  It runs once the
+        # registry doubles in entries or grows by a GiB, so that its cost stays amortised
+        # (a GiB is allocated far more slowly than a prune runs) and a workload of a few
+        # large tensors (an engine's KV caches, made anew per test) does not keep them
+        # alive after their owners dropped them: hardware would have freed them.
         self._prune_at = 1024
+        self._eager_bytes = 0
+        self._prune_bytes_at = _PRUNE_BYTES
         # storage cdata -> the page-locked host tensor made there (by pin_memory)
         self.pinned: dict[int, weakref.ref[torch.Tensor]] = {}
 
@@ -197,7 +208,8 @@ class Memory:
         keeper = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         owner = Owner(keeper, None, f"eager {t.dtype} tensor of shape {list(t.shape)}")
         self.owners[cdata] = owner
-        if len(self.owners) > self._prune_at:
+        self._eager_bytes += owner.nbytes
+        if len(self.owners) > self._prune_at or self._eager_bytes > self._prune_bytes_at:
             self._prune()
         return owner
 
@@ -285,6 +297,8 @@ class Memory:
         dead = {id(o) for o in self.owners.values() if o.pool is None and not o.in_use() and not o.aliased()}
         self.owners = {c: o for c, o in self.owners.items() if id(o) not in dead}
         self._prune_at = max(1024, 2 * len(self.owners))
+        self._eager_bytes = sum(o.nbytes for o in self.owners.values() if o.pool is None)
+        self._prune_bytes_at = self._eager_bytes + _PRUNE_BYTES
 
 
 def hold_tree(memory: Memory, name: str, v: Any, refs: list[ArgRef], *, checked: bool = True) -> Any:
