@@ -127,6 +127,15 @@ def test_torch_npu_surface_vllm_ascend_touches_at_start_up():
                 raise AssertionError(name)
         torch.manual_seed(3); a = torch.randn(4, device="npu")
         torch.manual_seed(3); assert torch.equal(a.cpu(), torch.randn(4, device="npu").cpu())
+        # vLLM's dummy weights: a generator per parameter, seeded, on the parameter's device
+        g = torch.Generator(device="npu"); g.manual_seed(7)
+        w = torch.empty(5, device="npu").uniform_(-1, 1, generator=g)
+        g.manual_seed(7); assert torch.equal(w.cpu(), torch.empty(5).uniform_(-1, 1, generator=g))
+        # pyACL's copy between raw addresses (vllm-ascend's worker imports acl.rt.memcpy)
+        from acl.rt import memcpy
+        src = torch.arange(8, dtype=torch.int32, device="npu"); dst = torch.zeros(8, dtype=torch.int32, device="npu")
+        assert memcpy(dst.data_ptr(), 32, src.data_ptr(), 32, 3) == 0 and torch.equal(dst.cpu(), src.cpu())
+        assert memcpy(dst.data_ptr(), 16, src.data_ptr(), 32, 3) != 0  # count over dest_max: refused
         print("ok")
         """
     )

@@ -8,6 +8,8 @@ at import.
 
 from __future__ import annotations
 
+import ctypes
+import importlib.machinery
 import types
 from typing import Any
 
@@ -25,6 +27,21 @@ def _not_simulated(what: str) -> Any:
         raise RuntimeError(f"{what} is not simulated by npugraph.sim (no device profiler); run it on an Ascend host")
 
     return refuse
+
+
+# pyACL's error code for a bad argument (ACL_ERROR_INVALID_PARAM)
+_ACL_ERROR_INVALID_PARAM = 100000
+
+
+def _acl_memcpy(dst: int, dest_max: int, src: int, count: int, kind: int) -> int:
+    """``acl.rt.memcpy``: pyACL's copy between raw addresses; returns pyACL's status code.
+
+    The simulator's device memory is host memory, so every kind is one ``memmove``; a
+    ``count`` over ``dest_max`` is refused as pyACL refuses it (status, not exception)."""
+    if count < 0 or count > dest_max or kind not in (0, 1, 2, 3) or (count and not (dst and src)):
+        return _ACL_ERROR_INVALID_PARAM
+    ctypes.memmove(dst, src, count)
+    return 0
 
 
 def _module(name: str, **attrs: Any) -> types.ModuleType:
@@ -50,7 +67,7 @@ def submodules(c: Any) -> dict[str, types.ModuleType]:
         profile=_not_simulated("torch_npu.profiler.profile"),
         tensorboard_trace_handler=_not_simulated("torch_npu.profiler.tensorboard_trace_handler"),
     )
-    return {
+    modules = {
         "torch_npu._C._distributed_c10d": c10d,
         "torch_npu.op_plugin": op_plugin,
         "torch_npu.op_plugin.atb": atb,
@@ -58,3 +75,10 @@ def submodules(c: Any) -> dict[str, types.ModuleType]:
         "torch_npu.profiler": profiler,
         "torch_npu.profiler.dynamic_profile": dynamic_profile,
     }
+    # pyACL (``acl``) ships with CANN beside torch_npu: vllm-ascend's worker imports
+    # ``acl.rt.memcpy`` (its sleep-mode allocator).  A real one, where installed, wins.
+    if importlib.machinery.PathFinder.find_spec("acl") is None:
+        rt = _module("acl.rt", memcpy=_acl_memcpy)
+        modules["acl"] = _module("acl", rt=rt)
+        modules["acl.rt"] = rt
+    return modules

@@ -490,6 +490,11 @@ struct NpuHooks final : at::PrivateUse1HooksInterface {
     // random ops on npu run the CPU kernels with the CPU generator
     return at::detail::getDefaultCPUGenerator();
   }
+  at::Generator getNewGenerator(c10::DeviceIndex) const override {
+    // torch.Generator(device="npu") (vLLM's dummy weights seed one per parameter): a CPU
+    // generator, which the CPU kernels behind npu ops accept; its .device says cpu
+    return at::make_generator<at::CPUGeneratorImpl>();
+  }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
     at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
   }
