@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.npugraph-installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: demo test test-long bench lint install install-vllm clean mutation
+.PHONY: demo test test-long bench lint install install-vllm clean mutation release-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,8 +37,8 @@ demo: $(STAMP)
 	$(BIN)/npugraph demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check npugraph tests examples npugraph_hook.py setup.py
-	$(BIN)/ruff format --check npugraph tests examples npugraph_hook.py setup.py
+	$(BIN)/ruff check npugraph tests examples release npugraph_hook.py setup.py
+	$(BIN)/ruff format --check npugraph tests examples release npugraph_hook.py setup.py
 	$(BIN)/mypy npugraph npugraph_hook.py
 
 test: $(STAMP) $(VLLM_STAMP)
@@ -58,6 +58,12 @@ mutation: $(STAMP)
 	$(BIN)/mutmut results
 	# the score: killed (and timed out) / all; each survivor is killed or explained in docs/mutation.md
 	$(BIN)/mutmut results --all true | awk -F': ' '{print $$2}' | sort | uniq -c
+
+# vLLM-on-Ascend as users install it (vllm-ascend 0.23.0.post1, vLLM 0.23.0) on the simulator:
+# its own NPU tests, and npugraph's plugin against it (release/run.sh; docs/vllm-ascend-release.md).
+# Builds its own environment in .release-env (about 7 GB, 5 minutes the first time).
+release-check:
+	release/run.sh
 
 bench: $(STAMP)
 	$(BIN)/npugraph bench --json bench.json

