@@ -42,7 +42,12 @@ rm -rf "$ENV_DIR"
 mkdir -p "$ENV_DIR/dl"
 BIN="$ENV_DIR/venv/bin"
 
-quiet() { "$@" 2>&1 | grep -v -e "^WARNING: Location" -e "dependency conflicts" -e "requires .*, which is not installed" -e "but you have .* which is incompatible" || true; }
+# pip without its known noise (this disk's index warnings; the pins we override on purpose);
+# the status is pip's: a failed install stops the build (set -o pipefail)
+quiet() {
+    "$@" 2>&1 | { grep -v -e "^WARNING: Location" -e "dependency conflicts" -e "requires .*, which is not installed" \
+        -e "but you have .* which is incompatible" || true; }
+}
 
 "$PY" -m venv "$ENV_DIR/venv"
 quiet "$BIN/pip" install -q --upgrade pip

@@ -74,6 +74,14 @@ def test_swiglu_is_silu_of_the_first_half_times_the_second():
         torch_npu.npu_swiglu(_rand(2, 5).npu())
 
 
+def test_dense_kernels_refuse_host_memory_as_a_device_does():
+    x, gamma = _rand(2, 8), _rand(8, seed=1)
+    with pytest.raises(ValueError, match="'gamma' is a cpu tensor"):
+        torch_npu.npu_rms_norm(x.npu(), gamma, 1e-6)
+    with pytest.raises(ValueError, match="'x2' is a cpu tensor"):
+        torch_npu.npu_add_rms_norm(x.npu(), x, gamma.npu())
+
+
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("rot", [16, 8])
 def test_rotary_embedding_rotates_in_place(neox, rot):

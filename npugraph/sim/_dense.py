@@ -20,7 +20,7 @@ from npugraph.sim._launch import SimOp, fail, launch
 __all__ = ["npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "_npu_rotary_embedding", "_npu_matmul_add_fp32"]
 
 
-def _kernel(name: str, outputs: tuple[str, ...], compute: Callable[[dict[str, Any]], None]) -> SimOp:
+def _kernel(name: str, anchor: str, outputs: tuple[str, ...], compute: Callable[[dict[str, Any]], None]) -> SimOp:
     return SimOp(
         name,
         "default",
@@ -30,6 +30,7 @@ def _kernel(name: str, outputs: tuple[str, ...], compute: Callable[[dict[str, An
         compute=lambda p, info: compute(p),
         workspace=lambda p, info: 0,
         auto=False,
+        anchor=anchor,
     )
 
 
@@ -84,11 +85,11 @@ def _matmul_add(p: dict[str, Any]) -> None:
     p["c"].add_(p["x"].float().transpose(0, 1) @ p["weight"].float())
 
 
-_RMS_NORM = _kernel("npu_rms_norm", ("y", "rstd"), _rms_norm)
-_ADD_RMS_NORM = _kernel("npu_add_rms_norm", ("y", "rstd", "x"), _add_rms_norm)
-_SWIGLU = _kernel("npu_swiglu", ("out",), _swiglu)
-_ROTARY = _kernel("_npu_rotary_embedding", ("query", "key"), _rotary)
-_MATMUL_ADD = _kernel("_npu_matmul_add_fp32", ("c",), _matmul_add)
+_RMS_NORM = _kernel("npu_rms_norm", "x", ("y", "rstd"), _rms_norm)
+_ADD_RMS_NORM = _kernel("npu_add_rms_norm", "x1", ("y", "rstd", "x"), _add_rms_norm)
+_SWIGLU = _kernel("npu_swiglu", "x", ("out",), _swiglu)
+_ROTARY = _kernel("_npu_rotary_embedding", "query", ("query", "key"), _rotary)
+_MATMUL_ADD = _kernel("_npu_matmul_add_fp32", "x", ("c",), _matmul_add)
 
 
 def _rstd_shape(x: torch.Tensor, gamma: torch.Tensor) -> list[int]:
@@ -101,7 +102,7 @@ def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6)
     _check_gamma("npu_rms_norm", self, gamma)
     y = torch.empty_like(self)
     rstd = torch.empty(_rstd_shape(self, gamma), dtype=torch.float32, device=self.device)
-    launch(_RMS_NORM, {"query": self, "x": self, "gamma": gamma, "epsilon": epsilon, "y": y, "rstd": rstd})
+    launch(_RMS_NORM, {"x": self, "gamma": gamma, "epsilon": epsilon, "y": y, "rstd": rstd})
     return y, rstd
 
 
@@ -114,7 +115,7 @@ def npu_add_rms_norm(
     _check_gamma("npu_add_rms_norm", x1, gamma)
     y, x = torch.empty_like(x1), torch.empty_like(x1)
     rstd = torch.empty(_rstd_shape(x1, gamma), dtype=torch.float32, device=x1.device)
-    params = {"query": x1, "x1": x1, "x2": x2, "gamma": gamma, "epsilon": epsilon, "y": y, "rstd": rstd, "x": x}
+    params = {"x1": x1, "x2": x2, "gamma": gamma, "epsilon": epsilon, "y": y, "rstd": rstd, "x": x}
     launch(_ADD_RMS_NORM, params)
     return y, rstd, x
 
@@ -126,7 +127,7 @@ def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
     shape = list(input.shape)
     shape[dim] //= 2
     out = torch.empty(shape, dtype=input.dtype, device=input.device)
-    launch(_SWIGLU, {"query": input, "x": input, "dim": dim, "out": out})
+    launch(_SWIGLU, {"x": input, "dim": dim, "out": out})
     return out
 
 
@@ -175,4 +176,4 @@ def _npu_matmul_add_fp32(x: torch.Tensor, weight: torch.Tensor, c: torch.Tensor)
         )
     if tuple(c.shape) != (x.shape[1], weight.shape[1]) or c.dtype != torch.float32:
         raise fail(op, "c", f"must be float32 [{x.shape[1]}, {weight.shape[1]}], got {c.dtype} {list(c.shape)}")
-    launch(_MATMUL_ADD, {"query": x, "x": x, "weight": weight, "c": c})
+    launch(_MATMUL_ADD, {"x": x, "weight": weight, "c": c})

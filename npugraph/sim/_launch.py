@@ -61,8 +61,11 @@ class SimOp:
         workspace: Callable[[dict[str, Any], dict[str, Any]], int],
         auto: bool,
         max_workspace: Callable[[dict[str, Any], dict[str, Any]], int] | None = None,
+        anchor: str = "query",
     ) -> None:
         self._max_workspace = max_workspace
+        # the device argument the others must share a device with (check_placement)
+        self.anchor = anchor
         self.name, self.overload = name, overload
         self.qualname = f"{name}.{overload}"
         self.host_args, self.output_args = host_args, output_args
@@ -132,10 +135,11 @@ def host_copy(name: str, value: Any) -> Any:
 
 
 def check_placement(op: SimOp, params: dict[str, Any]) -> None:
-    """Refuse arguments on the wrong side, as a device does: device tensors on the query's
-    device, host-side arguments (lengths) as CPU tensors or lists."""
-    query = params.get("query")
-    if not isinstance(query, torch.Tensor):
+    """Refuse arguments on the wrong side, as a device does: device tensors on the device of
+    the op's anchor argument (the query, for attention), host-side arguments (lengths) as
+    CPU tensors or lists."""
+    anchor = params.get(op.anchor)
+    if not isinstance(anchor, torch.Tensor):
         return
     for name, value in params.items():
         if name in op.host_args:
@@ -158,9 +162,9 @@ def check_placement(op: SimOp, params: dict[str, Any]) -> None:
                     f"is a {t.device} tensor, but the kernel reads it in device memory: pass an npu tensor "
                     "(npugraph.sim.install_npu_device() gives this process the npu device)",
                 )
-            if t.device != query.device:
+            if t.device != anchor.device:
                 raise fail(
-                    op.name, label, f"is on {t.device} but the query is on {query.device}; the kernel reads both"
+                    op.name, label, f"is on {t.device} but the {op.anchor} is on {anchor.device}; the kernel reads both"
                 )
 
 
