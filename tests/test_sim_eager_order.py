@@ -180,7 +180,7 @@ def test_an_eager_read_after_an_in_graph_kv_write_sees_it(seed):
     kc, vc = _kv_write_setup()
     k = torch.randn(3, 2, 16, dtype=torch.float16, device=DEVICE)
     v = torch.randn(3, 2, 16, dtype=torch.float16, device=DEVICE)
-    slots = torch.tensor([0, 17, 40], dtype=torch.int32)
+    slots = torch.tensor([0, 17, 40], dtype=torch.int32, device=DEVICE)
     g = npu.NPUGraph()
     with npu.graph(g):
         torch_npu._npu_reshape_and_cache(k, v, kc, vc, slots)

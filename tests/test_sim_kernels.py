@@ -545,13 +545,15 @@ def test_kv_cache_writes_skip_pad_slots_and_match_a_loop(dtype, t, dk, dv, which
         if s >= 0:
             ref_k[s // bs, s % bs] = key[i]
             ref_v[s // bs, s % bs] = value[i]
-    sm = torch.tensor(slots, dtype=torch.int32)
+    sm = torch.tensor(slots, dtype=torch.int32, device=DEVICE)  # the kernel reads it in device memory
     if which == "npu_scatter_pa_kv_cache":
         torch_npu.npu_scatter_pa_kv_cache(key, value, kc, vc, sm)
     else:
         torch_npu._npu_reshape_and_cache(key=key, value=value, key_cache=kc, value_cache=vc, slot_indices=sm)
     npu.synchronize()
     assert equal_on_host(kc, ref_k) and equal_on_host(vc, ref_v)
+    with pytest.raises(ValueError, match="is a cpu tensor, but the kernel reads it in device memory"):
+        torch_npu.npu_scatter_pa_kv_cache(key, value, kc, vc, sm.cpu())  # a host slot mapping: a device faults
 
 
 def test_a_kv_write_past_the_cache_is_the_kernels_error_and_inside_a_graph_a_replay_fault():
@@ -559,8 +561,8 @@ def test_a_kv_write_past_the_cache_is_the_kernels_error_and_inside_a_graph_a_rep
     kc = torch.zeros(2, 4, 1, 8, device=DEVICE)
     vc = torch.zeros(2, 4, 1, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"slot_mapping' \[1\] = 8 is outside the cache's 8 slots"):
-        torch_npu.npu_scatter_pa_kv_cache(key, key, kc, vc, torch.tensor([0, 8], dtype=torch.int32))
-    slots = torch.tensor([3, -1], dtype=torch.int64)
+        torch_npu.npu_scatter_pa_kv_cache(key, key, kc, vc, torch.tensor([0, 8], dtype=torch.int32, device=DEVICE))
+    slots = torch.tensor([3, -1], dtype=torch.int64, device=DEVICE)  # device memory the replay reads
     g = npu.NPUGraph()
     with npu.graph(g):
         torch_npu.npu_scatter_pa_kv_cache(key, key, kc, vc, slots)

@@ -76,6 +76,7 @@ def _op(name: str, slot_arg: str) -> SimOp:
         compute=compute,
         workspace=lambda p, info: 0,
         auto=False,
+        anchor="key",  # no query: the caches and slots must be on the key's device
     )
 
 
