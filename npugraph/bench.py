@@ -87,7 +87,11 @@ def _setup(
     if configure:
         sim.configure(cost_model=sim.HostCostModel.atlas_a2() if cost else None)
     rt = Runtime(
-        "sim", max_model_len=_MAX_MODEL_LEN, policy=FixedPolicy(kernel), order="update-first", event_group=event_group
+        "sim",
+        max_model_len=_MAX_MODEL_LEN,
+        policy=FixedPolicy(kernel),
+        order="update-first",
+        event_group=event_group,
     )
     stack = AttentionStack(rt, layers=layers)
     cols = _MAX_MODEL_LEN // stack.block_size
@@ -699,9 +703,13 @@ class ModeledShape:
         return 1e6 / (self.layers * (self.attention_us + self.other_us))
 
 
-# The row the summary's ratios are of: npugraph with event grouping (the lever that
-# remains legal under one updater); the default configuration is reported beside it.
+# npugraph updated per layer with event grouping (the lever that remains legal under one
+# updater): its device-API calls are the API floor, and the background-thread model runs it.
 HEADLINE = "npugraph_grouped"
+# The row the summary's headline ratios are of: what a user who sets nothing gets. FIA
+# takes the tiling-sink path (lengths on the device); PA is updated per layer, one event per
+# AUTO_EVENT_GROUP layers at 20 layers and more (as npugraph_grouped).
+DEFAULT = "npugraph_default"
 
 SHAPES = (
     ModeledShape(
@@ -790,13 +798,21 @@ def bench_timeline(
     ``host_costs``: measured host µs per call (``npugraph selftest --calibrate``) instead of A2's."""
     sim.configure()
     rt, grouped, table, _queries = _modeled_runtimes(shape)
+    sink = None
+    if shape.kernel == "fia":  # the default FIA graph: the tiling-sink kernel
+        sink, _, _, _sq = _setup(shape.layers, shape.size, "fia_sink", cost=False, configure=False, table=table)
     rng = random.Random(seed)
     device_us = {"attention_us": shape.attention_us, "other_us": shape.other_us}
     costs = Costs.host_costs(host_costs, **device_us) if host_costs else Costs(**device_us)
     results: dict[str, TimelineResult] = {}
     tasks = grouped.entry(shape.size).tasks
     recorded_by = [next(j for j in range(i, len(tasks)) if tasks[j].records) for i in range(len(tasks))]
-    for name, (dev, step) in _implementations(rt, shape.size, shape.kernel, grouped).items():
+    impls = _implementations(rt, shape.size, shape.kernel, grouped)
+    sink_by: list[int] | None = None
+    if sink is not None:
+        sdev, sstep, sink_by = _sink_step(sink, shape.size)
+        impls["npugraph_sink"] = (sdev, sstep)
+    for name, (dev, step) in impls.items():
         logs: list[StepLog] = []
         for _ in range(repeats + 2):
             inp = _step_input(rt, shape.size, [rng.randint(1, _MAX_MODEL_LEN) for _ in range(shape.size)], table)
@@ -804,7 +820,7 @@ def bench_timeline(
                 step(inp)
             logs += log
         best = min_log(logs[2:])
-        by = recorded_by if name == "npugraph_grouped" else None
+        by = recorded_by if name == "npugraph_grouped" else sink_by if name == "npugraph_sink" else None
         results[name] = model_steps(best, costs, kernel=shape.kernel, layers=shape.layers, recorded_by=by)
         if name == HEADLINE:  # its device-API calls alone: the floor for one updater
             bare = StepLog(calls=tuple(attrs.evolve(c, python_us=0.0) for c in best.calls), fork=best.fork)
@@ -820,6 +836,8 @@ def bench_timeline(
                         layers=shape.layers,
                         recorded_by=by,
                     )
+    # the default configuration (what Runtime() chooses for this shape)
+    results[DEFAULT] = results["npugraph_sink" if sink is not None else "npugraph_grouped"]
     sim.configure()
     return results
 
@@ -859,8 +877,13 @@ def modeled_summary(
         ) -> dict[str, Any]:
             return _spread([x / y for x, y in zip(sps[a], sps[b])])
 
+        default_is = (
+            "FIA with lengths on the device (tiling sink), replay-first"
+            if shape.kernel == "fia"
+            else f"updated per layer, one ExternalEvent per {shape.event_group} layers (auto), replay-first"
+        )
         row: dict[str, Any] = {
-            "headline": f"{HEADLINE}: Runtime(event_group={shape.event_group}), replay-first, one update thread",
+            "headline": f"{DEFAULT}: Runtime() as a user who sets nothing gets it: {default_is}, one update thread",
             "layers": shape.layers,
             "size": shape.size,
             "kernel": shape.kernel,
@@ -869,13 +892,15 @@ def modeled_summary(
             "device_time_source": shape.source,
             "steps_per_s": {k: round(statistics.median(v), 1) for k, v in _implementation_rows(sps).items()},
             "step_latency_us": {k: round(statistics.median(v), 1) for k, v in _implementation_rows(lat).items()},
-            "npugraph_vs_updatable": ratio(HEADLINE, "updatable_mrv2"),
-            "npugraph_vs_updatable_mrv1": ratio(HEADLINE, "updatable_mrv1"),
-            "npugraph_default_vs_updatable": ratio("npugraph", "updatable_mrv2"),
+            "npugraph_vs_updatable": ratio(DEFAULT, "updatable_mrv2"),
+            "npugraph_vs_updatable_mrv1": ratio(DEFAULT, "updatable_mrv1"),
+            "npugraph_grouped_vs_updatable": ratio(HEADLINE, "updatable_mrv2"),
+            "npugraph_per_layer_vs_updatable": ratio("npugraph", "updatable_mrv2"),
             "legacy_vs_updatable": ratio("legacy", "updatable_mrv2"),
-            "latency_vs_updatable": _spread([x / y for x, y in zip(lat[HEADLINE], lat["updatable_mrv2"])]),
+            "latency_vs_updatable": _spread([x / y for x, y in zip(lat[DEFAULT], lat["updatable_mrv2"])]),
+            "grouped_latency_vs_updatable": _spread([x / y for x, y in zip(lat[HEADLINE], lat["updatable_mrv2"])]),
             "npugraph_vs_api_floor": ratio(HEADLINE, "api_floor"),
-            "npugraph_vs_device_limit": _spread([x / shape.device_limit for x in sps[HEADLINE]]),
+            "npugraph_vs_device_limit": _spread([x / shape.device_limit for x in sps[DEFAULT]]),
             "device_limit_steps_per_s": round(shape.device_limit, 1),
         }
 
@@ -897,7 +922,12 @@ def modeled_summary(
             "default": threaded("npugraph"),
             "grouped": threaded(HEADLINE),
         }
-        for key in ("npugraph_vs_updatable", "npugraph_vs_updatable_mrv1", "npugraph_default_vs_updatable"):
+        for key in (
+            "npugraph_vs_updatable",
+            "npugraph_vs_updatable_mrv1",
+            "npugraph_grouped_vs_updatable",
+            "npugraph_per_layer_vs_updatable",
+        ):
             r = row[key]
             r["claim"] = r["min"] > 1.0 or r["max"] < 1.0  # the whole spread on one side of 1
             noise = max(noise, (r["max"] - r["min"]) / r["median"])
@@ -908,3 +938,140 @@ def modeled_summary(
     out["seeds"] = seeds
     out["host_costs"] = dict(host_costs) if host_costs else "atlas_a2 (vllm-ascend #13058, #15579, #4233)"
     return out, traces
+
+
+# --- the tiling-sink path (modeled) ------------------------------------------------------
+
+SINK_LAYERS = (20, 32, 61)
+# the metadata op's AI-CPU time per step, as vllm-ascend #15336 measured it (130-320 us)
+SINK_METADATA_US = (130.0, 220.0, 320.0)
+
+
+def _sink_step(rt: Runtime, size: int) -> tuple[RecordingDevice, Callable[[Any], None], list[int]]:
+    """npugraph's step of a tiling-sink graph on a recording device, and which task's event
+    lets each layer run (all of them: the one event the update records)."""
+    dev = RecordingDevice("fia", rt.device.memory)
+    shadow = _shadow(rt, size, dev)
+    upd = ReplayUpdater(_ShadowManager(dev, shadow, rt.max_model_len), order="replay-first")  # type: ignore[arg-type]
+    rec = next(t.index for t in shadow.tasks if t.records)
+
+    def step(meta: Any) -> None:
+        upd.step("main", size, {"default": meta.meta})
+
+    dev.calibrate()
+    return dev, step, [rec] * len(shadow.tasks)
+
+
+def bench_sink(
+    layers: Sequence[int] = SINK_LAYERS,
+    metadata_us: Sequence[float] = SINK_METADATA_US,
+    *,
+    seeds: int = 3,
+    repeats: int = 7,
+    host_costs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Modeled host-bound FIA decode (batch 16; 20 us attention and 40 us other work a layer,
+    as the host_bound shape): npugraph's tiling-sink step against vllm-ascend's
+    UpdatableGraph (MRV2) and against npugraph's per-layer update with event grouping
+    (``npugraph_grouped``), per layer count and metadata-op device time; each ratio over
+    ``seeds`` runs with its spread.  ``break_even_metadata_us``: the metadata op's device
+    time above which the sink step's steps/s falls below UpdatableGraph's."""
+    out: dict[str, Any] = {
+        "size": 16,
+        "attention_us": 20.0,
+        "other_us": 40.0,
+        "metadata_launch_us": Costs().metadata_launch,
+        "source": "metadata op: vllm-ascend #15336 (130-320 us AI CPU, 150-190 us of launches); layers as host_bound",
+        "rows": [],
+    }
+    for n in layers:
+        sim.configure()
+        shape = ModeledShape(
+            label=f"sink_{n}", layers=n, size=16, kernel="fia", attention_us=20.0, other_us=40.0, source=""
+        )
+        rt, grouped, table, _q = _modeled_runtimes(shape)
+        sink, _, _, _q2 = _setup(n, 16, "fia_sink", cost=False, configure=False, table=table)
+        if sink.entry(16).choice.kernel != "fia_sink":
+            raise RuntimeError(f"the sink runtime captured {sink.entry(16).choice}")
+        tasks = grouped.entry(16).tasks
+        grouped_by = [next(j for j in range(i, len(tasks)) if tasks[j].records) for i in range(len(tasks))]
+        impls = _implementations(rt, 16, "fia", grouped)
+        sdev, sstep, sink_by = _sink_step(sink, 16)
+        chosen = {
+            "updatable_mrv2": (*impls["updatable_mrv2"], None),
+            "npugraph_grouped": (*impls["npugraph_grouped"], grouped_by),
+            "npugraph_sink": (sdev, sstep, sink_by),
+        }
+        per_cost: dict[float, dict[str, list[TimelineResult]]] = {m: {k: [] for k in chosen} for m in metadata_us}
+        logs_by_seed = []
+        for seed in range(seeds):
+            rng = random.Random(seed)
+            best: dict[str, StepLog] = {}
+            for name, (dev, step, _) in chosen.items():
+                logs: list[StepLog] = []
+                for _ in range(repeats + 2):
+                    inp = _step_input(rt, 16, [rng.randint(1, _MAX_MODEL_LEN) for _ in range(16)], table)
+                    with dev.recording() as log:
+                        step(inp)
+                    logs += log
+                best[name] = min_log(logs[2:])
+            logs_by_seed.append(best)
+            for m in metadata_us:
+                costs = _sink_costs(host_costs, m)
+                for name, (_, _, by) in chosen.items():
+                    per_cost[m][name].append(model_steps(best[name], costs, kernel="fia", layers=n, recorded_by=by))
+        rows = []
+        for m in metadata_us:
+            r = per_cost[m]
+
+            def ratio(a: str, b: str, r: dict[str, list[TimelineResult]] = r) -> dict[str, Any]:
+                return _spread([x.steps_per_s / y.steps_per_s for x, y in zip(r[a], r[b])])
+
+            lat = _spread(
+                [x.step_latency_us / y.step_latency_us for x, y in zip(r["npugraph_sink"], r["updatable_mrv2"])]
+            )
+            rows.append(
+                {
+                    "metadata_us": m,
+                    "steps_per_s": {k: round(statistics.median(x.steps_per_s for x in v), 1) for k, v in r.items()},
+                    "step_latency_us": {
+                        k: round(statistics.median(x.step_latency_us for x in v), 1) for k, v in r.items()
+                    },
+                    "sink_vs_updatable": ratio("npugraph_sink", "updatable_mrv2"),
+                    "sink_vs_npugraph_grouped": ratio("npugraph_sink", "npugraph_grouped"),
+                    "sink_latency_vs_updatable": lat,
+                }
+            )
+        out["rows"].append(
+            {
+                "layers": n,
+                "by_metadata_us": rows,
+                "break_even_metadata_us": _break_even(logs_by_seed[0], chosen, n, host_costs),
+            }
+        )
+    sim.configure()
+    return out
+
+
+def _sink_costs(host_costs: dict[str, Any] | None, metadata_us: float) -> Costs:
+    device = {"attention_us": 20.0, "other_us": 40.0, "metadata_device_us": metadata_us}
+    return Costs.host_costs(host_costs, **device) if host_costs else Costs(**device)
+
+
+def _break_even(best: dict[str, StepLog], chosen: dict[str, Any], layers: int, host_costs: Any) -> float | None:
+    """The smallest metadata-op device time (25 us steps, up to 20 ms) at which the sink
+    step's steps/s is below UpdatableGraph's, or None if it never is."""
+    m = 0.0
+    base = model_steps(best["updatable_mrv2"], _sink_costs(host_costs, 0.0), kernel="fia", layers=layers)
+    while m <= 20_000.0:
+        r = model_steps(
+            best["npugraph_sink"],
+            _sink_costs(host_costs, m),
+            kernel="fia",
+            layers=layers,
+            recorded_by=chosen["npugraph_sink"][2],
+        )
+        if r.steps_per_s < base.steps_per_s:
+            return m
+        m += 25.0
+    return None

@@ -227,7 +227,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     device_col = "sim dev us" if rt.device.is_sim else "device us"
     print(
-        f"{'size':>5} {'kernel':>6} {'replays':>8} {'update us':>10} {'replay us':>10} {device_col:>10} "
+        f"{'size':>5} {'kernel':>8} {'replays':>8} {'update us':>10} {'replay us':>10} {device_col:>10} "
         f"{'total us':>10}  why"
     )
     for e in sorted(rt.entries(), key=lambda e: e.tokens):
@@ -235,7 +235,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         replays = rt.graph_state(e.key).replays
         dev_cell = med(t["device"]) if rt.device.is_sim else "-"
         print(
-            f"{e.tokens:>5} {e.choice.kernel:>6} {replays:>8} {med(t['update']):>10} {med(t['replay']):>10} "
+            f"{e.tokens:>5} {e.choice.kernel:>8} {replays:>8} {med(t['update']):>10} {med(t['replay']):>10} "
             f"{dev_cell:>10} {med(t['total']):>10}  {e.choice.reason}"
         )
     verdict = f"{args.steps} steps, {mismatches} mismatches"
@@ -339,11 +339,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         row = modeled[label]
         r, lat = row["npugraph_vs_updatable"], row["latency_vs_updatable"]
         print(
-            f"  {label}: npugraph (event_group) / UpdatableGraph (MRV2) {r['median']:.3f} "
+            f"  {label}: npugraph (default) / UpdatableGraph (MRV2) {r['median']:.3f} "
             f"[{r['min']:.3f}, {r['max']:.3f}]{'' if r['claim'] else ' (within the noise: no claim)'}, "
-            f"/ MRV1 {row['npugraph_vs_updatable_mrv1']['median']:.3f}, default npugraph "
-            f"{row['npugraph_default_vs_updatable']['median']:.3f}; latency {lat['median']:.3f}; "
-            f"API floor {row['npugraph_vs_api_floor']['median']:.3f}; device limit "
+            f"/ MRV1 {row['npugraph_vs_updatable_mrv1']['median']:.3f}; latency {lat['median']:.3f}; "
+            f"per layer, grouped {row['npugraph_grouped_vs_updatable']['median']:.3f}, one event a layer "
+            f"{row['npugraph_per_layer_vs_updatable']['median']:.3f}; grouped / API floor "
+            f"{row['npugraph_vs_api_floor']['median']:.3f}; device limit "
             f"{row['npugraph_vs_device_limit']['median']:.3f}",
             flush=True,
         )
@@ -353,6 +354,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 for e, g in row["background_thread"][config].items()
             )
             print(f"    background update thread / in line, {config}, by engine host work: {cells}", flush=True)
+    sink = bench.bench_sink(host_costs=host_costs)
+    print(
+        "  tiling sink (FIA's lengths on the device), host-bound FIA at batch 16, by layers and the metadata op's "
+        "device time:",
+        flush=True,
+    )
+    for row in sink["rows"]:
+        cells = "; ".join(
+            f"{r['metadata_us']:g} us: {r['sink_vs_updatable']['median']:.2f}x UpdatableGraph, "
+            f"{r['sink_vs_npugraph_grouped']['median']:.2f}x per-layer grouped, latency "
+            f"{r['sink_latency_vs_updatable']['median']:.2f}"
+            for r in row["by_metadata_us"]
+        )
+        even = row["break_even_metadata_us"]
+        print(
+            f"    {row['layers']} layers: {cells}; below UpdatableGraph from "
+            + (f"{even:g} us" if even is not None else "never (up to 20 ms)"),
+            flush=True,
+        )
+    modeled["tiling_sink"] = sink
     if args.timeline:
         write_text(args.timeline, json.dumps(chrome_trace(traces)))
         print(f"  timelines of every modeled shape: {args.timeline} (open in https://ui.perfetto.dev)")
@@ -473,7 +494,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
             f"block {sig.block_size}, device {sig.device}; margin {policy.margin:.0%}"
         )
     for size, choice in sorted(policy.choices.items()):
-        print(f"{size:>5}  {choice.kernel:>3}  {choice.reason}")
+        print(f"{size:>5}  {choice.kernel:>8}  {choice.reason}")
     return 0
 
 

@@ -66,13 +66,18 @@ class Runtime:
         trace_depth: int = 16,
         eager_fallback: Callable[[Hashable, StepMetadata, Mapping[str, torch.Tensor]], Any] | None = None,
         defer_block_check: bool | None = None,
-        event_group: int = 1,
+        event_group: int | None = None,
+        device_lengths: bool = True,
     ) -> None:
         if order not in ORDERS:  # before any device work
             raise ConfigError(f"order must be 'replay-first' or 'update-first', got {order!r}")
         self.device = load_device(device)
         self.manager = CaptureManager(
-            self.device, max_model_len=max_model_len, progress=progress, event_group=event_group
+            self.device,
+            max_model_len=max_model_len,
+            progress=progress,
+            event_group=event_group,
+            device_lengths=device_lengths,
         )
         self.trace = UpdateTrace(depth=trace_depth)
         self.updater = ReplayUpdater(
@@ -189,8 +194,7 @@ class Runtime:
         choice = self.manager.kernel_for(namespace, tokens)
         if choice is None or choice.kernel not in SPECS or SPECS[choice.kernel].unsupported(call):
             choice = self.manager.policy.choose(namespace, tokens, tokens, [call])
-        spec = SPECS[choice.kernel]
-        spec.launch(self.device, spec.arguments(call, lens, None))
+        SPECS[choice.kernel].run_eager(self.device, call, lens)
 
     # --- capture / update / replay ---------------------------------------------------
     def capture(

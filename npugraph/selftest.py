@@ -184,6 +184,18 @@ def _check_fused(device: Device) -> str:
     return "4-in-1 FIA update: " + _run_steps(b, 8, 3, "update-first")
 
 
+def _check_sink(device: Device, size: int) -> str:
+    if device.device_length_ops is None:
+        return "n/a: no tiling-sink FIA here (torch.ops._C_ascend without vllm-ascend PRs #15215/#15336)"
+    b = _make(device, "fia_sink", (size,))
+    entry = b.rt.entry(size)
+    if any(t.handle is not None for t in entry.tasks) or len(entry.lens_groups) != 1:
+        raise AssertionError(f"size {size}: captured with task groups or several length buffers: {entry.choice}")
+    a = _run_steps(b, size, 3, "update-first")
+    _run_steps(b, size, 3, "replay-first")
+    return f"lengths and plan in device memory, no per-layer update, both orders: {a}"
+
+
 def _check_pa_workspace(device: Device) -> str:
     b = _make(device, "pa", (4,))
     entry = b.rt.entry(4)
@@ -232,6 +244,7 @@ def run_selftest(
         ("weak aliases after capture", lambda: _check_alias_liveness(device)),
         ("two graphs, one pool", lambda: _check_shared_pool(device)),
         ("fused 4-in-1 update", lambda: _check_fused(device)),
+        ("fia tiling sink, size 8", lambda: _check_sink(device, 8)),
         ("pa workspace over lengths", lambda: _check_pa_workspace(device)),
         ("argument placement", lambda: _check_placement(device)),
     ]
@@ -287,6 +300,17 @@ def calibrate_costs(kind: str | Device = "sim", repeats: int = 20) -> dict[str, 
                 ws_query = device.ops._npu_paged_attention_get_workspace
                 clock("workspace_query", functools.partial(ws_query, **{**kw, **host}))
         b.rt.reset()
+    if device.device_length_ops is not None:  # the tiling-sink step: the length copy and the metadata op
+        b = _make(device, "fia_sink", (4,))
+        plan = b.rt.updater.plan(b.rt.entry(4))
+        host = plan.tasks[0].spec.host_values(pad_lens([_MAX_LEN // 2] * 4, None, 4, 4))
+        write = plan.lens_writes[0]
+        for _ in range(repeats):
+            npu.synchronize()
+            with npu.stream(b.rt.updater.stream):
+                clock("metadata_launch", functools.partial(write.write, host))
+        npu.synchronize()
+        b.rt.reset()
     med = {k: sorted(v)[len(v) // 2] for k, v in timed.items()}
     return {
         "device": device.name,
@@ -300,4 +324,5 @@ def calibrate_costs(kind: str | Device = "sim", repeats: int = 20) -> dict[str, 
         "op_launch_pa": med["pa_op_launch"],
         "pa_update_begin": med["pa_update_begin"],
         "pa_update_end": med["pa_update_end"],
+        **({"metadata_launch": med["metadata_launch"]} if "metadata_launch" in med else {}),
     }

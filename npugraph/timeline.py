@@ -82,6 +82,10 @@ class Costs:
     # a thread that waited for the GIL held by another wakes this much after its release
     # (0 for one thread; the background-thread model sets it)
     gil_handoff: float = 0.0
+    # the tiling-sink step (vllm-ascend #15336): host launches of the metadata op and the
+    # length copy, then the metadata op's AI-CPU time on the update stream before its event lands
+    metadata_launch: float = 170.0  # 150-190 us measured
+    metadata_device_us: float = 220.0  # 130-320 us measured: a parameter of the sink rows
     attention_us: float = 60.0  # device time of one layer's attention kernel
     other_us: float = 0.0  # device time of one layer's non-attention work
 
@@ -89,7 +93,13 @@ class Costs:
     def host_costs(cls, measured: dict[str, Any], **device: float) -> Costs:
         """Costs with the host figures of ``measured`` (``npugraph selftest --calibrate``)
         and the device figures given (per layer: ``attention_us``, ``other_us``)."""
-        names = {f.name for f in attrs.fields(cls)} - {"attention_us", "other_us", "update_lands", "gil_handoff"}
+        names = {f.name for f in attrs.fields(cls)} - {
+            "attention_us",
+            "other_us",
+            "update_lands",
+            "gil_handoff",
+            "metadata_device_us",
+        }
         unknown = [k for k in measured if k not in names and k != "device"]
         if unknown:
             raise ValueError(f"unknown host costs {unknown}; expected some of {sorted(names)}")
@@ -108,6 +118,8 @@ class Costs:
             return self.pa_update_end
         if call.kind == "fused":
             return self.update_begin + self.op_launch_fia + self.update_end + self.event_record
+        if call.kind == "metadata":
+            return self.metadata_launch
         return float(getattr(self, call.kind, 0.0))
 
 
@@ -142,6 +154,7 @@ class RecordingDevice:
         self.npu = _Npu(self)
         self.ops = _Ops(self)
         self.fused_fia_update = self.ops._C._npu_fused_infer_attention_score_out_graph
+        self.device_length_ops = _SinkOps(self)
         self.memory = memory  # the memory of the device it stands in for (where the tables live)
         self.overhead_us = 0.0  # the recorder's own time per logged call (calibrate())
         self.deadlock_errors: tuple[type[BaseException], ...] = ()
@@ -219,6 +232,9 @@ class _Event(_Tagged):
     def record(self, stream: Any = None) -> None:
         self.dev.log("event_record", self.task, stream)
 
+    def query(self) -> bool:
+        return True  # the recorded device has no pending work
+
 
 class _Stream:
     def __init__(self, dev: RecordingDevice, index: int = 0) -> None:
@@ -286,6 +302,18 @@ class _Kernel:
         self.dev.log("op_launch")
 
 
+class _SinkOps:
+    """The tiling-sink pair: the metadata op is a logged call (its launch and the length
+    copy's, modeled together); the kernel is never issued outside a capture."""
+
+    def __init__(self, dev: RecordingDevice) -> None:
+        self.dev = dev
+        self.npu_fused_infer_attention_score_v2_sink = _Kernel(dev)
+
+    def _npu_fused_infer_attention_score_v2_sink_metadata(self, *args: Any, **kwargs: Any) -> None:
+        self.dev.log("metadata")
+
+
 class _FusedNamespace:
     def __init__(self, dev: RecordingDevice) -> None:
         self.dev = dev
@@ -344,6 +372,7 @@ def _host_threads(
     trace: list[dict[str, Any]] = []
     main_done = 0
     heap: list[tuple[float, int]] = [(t0, 0)]
+    stream_ready = t0  # when the update stream's device work (metadata ops) is done
     started = {0}
     end = t0
     while heap:
@@ -373,8 +402,12 @@ def _host_threads(
         if c.python_us:
             trace.append(_ev("python", th, start, c.python_us))
         trace.append(_ev(c.kind + (f" #{c.task}" if c.task >= 0 else ""), th, call_start, call_end - call_start))
+        if c.kind == "metadata":
+            # the AI-CPU op runs on the update stream after its launch, and after the previous
+            # replay, which reads the lengths and plan it rewrites (the update stream waits for it)
+            stream_ready = max(stream_ready, call_end, device_idle) + costs.metadata_device_us
         if c.kind in ("event_record", "fused") and c.task >= 0:
-            events[c.task] = call_end
+            events[c.task] = max(call_end, stream_ready)  # an event lands after the stream's work
         if c.kind == "replay":
             replay_at = call_end
         pos[th] += 1

@@ -76,7 +76,7 @@ def test_demo_replay_first_adversarial_and_policy_flag(capsys):
     )
     out = capsys.readouterr().out
     assert code == 0 and "15 steps, 0 mismatches" in out
-    assert " 8     pa" in out and " 2    fia" in out
+    assert f"{8:>5} {'pa':>8}" in out and f"{2:>5} {'fia_sink':>8}" in out  # FIA: lengths on the device
 
 
 @pytest.mark.parametrize("argv", [["demo", "--sizes", "0,2"], ["demo", "--sizes", "a"], ["bogus"], []])
@@ -164,5 +164,7 @@ def test_selftest_on_the_simulator_passes(tmp_path, capsys):
     assert "torch 2" in out and "0 failed" in out
     doc = json.loads(path.read_text())
     names = [c["name"] for c in doc["checks"]]
-    assert len(names) == 9 and all(c["passed"] for c in doc["checks"])
+    assert len(names) == 10 and all(c["passed"] for c in doc["checks"])
     assert {"weak aliases after capture", "two graphs, one pool", "argument placement"} <= set(names)
+    sink = next(c for c in doc["checks"] if c["name"] == "fia tiling sink, size 8")
+    assert "no per-layer update" in sink["detail"], "the simulator has the tiling-sink pair: the check runs"

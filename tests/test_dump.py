@@ -49,7 +49,7 @@ def test_manifest_describes_what_the_test_knows_independently(tmp_path):
     layer_names = [layer.attn.layer_name for layer in model.layers]
     for k in keys:
         size = k["tokens"]
-        assert k["kernel"] == ("pa" if size in (1, 4) else "fia"), "the static policy: PA for 1-4"
+        assert k["kernel"] == ("pa" if size in (1, 4) else "fia_sink"), "the static policy: PA for 1-4"
         assert k["replays"] == k["steps"] == count.get(size, 0)
         assert k["output_bytes"] >= size * cfg.vocab_size * 4, "float32 logits of every padded row"
         assert [t["layer"] for t in k["tasks"]] == layer_names
@@ -61,17 +61,16 @@ def test_manifest_describes_what_the_test_knows_independently(tmp_path):
             assert arg["bytes"] == layer.k_cache.numel() * layer.k_cache.element_size() and arg["dtype"] == "bfloat16"
             assert t["workspace_required"] <= ws_need
             assert t["host_at_capture"] == (
-                {"context_lens": [1] * size}
-                if t["op"] == "pa"
-                else {"actual_seq_lengths": list(range(1, size + 1)), "actual_seq_lengths_kv": [1] * size}
+                {"context_lens": [1] * size} if t["op"] == "pa" else {}  # tiling sink: no host lengths captured
             )
+            assert (t["lens_on_device"] is None) == (t["op"] == "pa") and (t["task_group"] is None) == (t["op"] != "pa")
             b = last.get(size)
             if b is None:
                 assert t["last_update"] is None
                 continue
             mine = b.meta.seq_lens.tolist() + [0] * (size - b.num_reqs)  # padding requests: 0
             host = t["last_update"]["host"]
-            assert (host.get("context_lens") or host["actual_seq_lengths_kv"]) == mine
+            assert (host.get("context_lens") or host["actual_seq_kvlen"]) == mine
             assert t["num_reqs"] == b.num_reqs
         if size in last:
             rec = k["trace"][-1]
@@ -90,7 +89,7 @@ def _broken(doc, how):
     elif how == "handles":
         keys[1]["tasks"][1]["task_group"] = keys[0]["tasks"][0]["task_group"]
     elif how == "events":
-        keys[2]["tasks"][0]["event"] = keys[2]["tasks"][2]["event"]
+        keys[2]["tasks"][0]["event"] = keys[0]["tasks"][2]["event"]  # another graph's (sharing is per graph)
     elif how == "lengths":
         t = keys[0]["tasks"][0]
         name = next(iter(t["host_at_capture"]))

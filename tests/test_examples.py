@@ -11,7 +11,7 @@ import torch
 def test_quickstart_runs_and_its_last_logits_are_right(capsys):
     ns = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "quickstart.py"), run_name="__main__")
     out = capsys.readouterr().out
-    assert "size 4: pa (" in out and "size 8: fia (" in out
+    assert "size 4: pa (" in out and "size 8: fia_sink (" in out
     assert out.rstrip().endswith("OK"), out
     model, b, logits = ns["model"], ns["b"], ns["logits"]
     dev = ns["rt"].device.memory

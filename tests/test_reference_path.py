@@ -55,7 +55,7 @@ def test_adversarial_scheduling_against_the_reference():
 def test_speculative_steps_against_the_reference():
     """Two tokens per request, causal; padding requests take the spare tokens, never a real one."""
     h = Harness([4], tokens_per_request=2, dtype=torch.float32)
-    assert h.rt.manager.entry("main", 4).choice.kernel == "fia"
+    assert h.rt.manager.entry("main", 4).choice.kernel == "fia_sink"  # causal (sparse_mode=3), lengths on the device
     for step, r in enumerate([4, 3, 1, 2, 4]):
         meta = h.random_meta(r)
         q = query_for(h, 4, step)
@@ -88,8 +88,9 @@ def test_an_empty_step_gives_zeros_on_both_kernels():
 
 
 def test_per_layer_metadata_that_differs_between_layers():
-    """Keyed by layer name, each layer gets its own lengths (sharing one table), never another's."""
-    h = Harness([8], layers=3, policy=StaticPolicy())
+    """Keyed by layer name, each layer gets its own lengths (sharing one table), never another's
+    (FIA updated per layer: a tiling-sink graph takes one set of lengths per KV-cache group)."""
+    h = Harness([8], layers=3, policy=StaticPolicy(), device_lengths=False)
     for step in range(4):
         base = h.random_meta(6, [MAX_LEN] * 6)
         metas = {}
@@ -250,7 +251,7 @@ def test_event_groups_against_the_reference(order, adversarial, kernel):
 
 def test_event_groups_count_a_namespace_first_and_fall_back_for_another_task_count():
     calls = []
-    h = Harness([8], layers=5, event_group=2, capture=False)
+    h = Harness([8], layers=5, event_group=2, capture=False, device_lengths=False)  # FIA updated per layer
     real = h.forward
 
     def counted(query, metas):

@@ -76,11 +76,18 @@ BAD_KINDS = [
 class System:
     """One runtime under test and the path its steps take."""
 
-    def __init__(self, order: str, path: str, event_group: int = 1) -> None:
+    def __init__(self, order: str, path: str, event_group: int = 1, device_lengths: bool = True) -> None:
         self.order, self.path = order, path
         # with event groups, 4 layers: groups [0, 1], [2], [3]
         self.layers = LAYERS if event_group == 1 else 4
-        self.h = Harness(SIZES, layers=self.layers, order=order, capture=path != "vllm", event_group=event_group)
+        self.h = Harness(
+            SIZES,
+            layers=self.layers,
+            order=order,
+            capture=path != "vllm",
+            event_group=event_group,
+            device_lengths=device_lengths,
+        )
         self.rt = self.h.rt
         self.captured = set() if path == "vllm" else set(SIZES)
         if path == "vllm":
@@ -165,13 +172,16 @@ class StepProtocol(RuleBasedStateMachine):
     order = "replay-first"
     path = "step"
     event_group = 1
+    device_lengths = True  # FIA graphs take the tiling-sink path (the default)
 
     @initialize(adversarial=st.sampled_from([None, 3, 8]))
     def setup(self, adversarial):
         sim.configure(adversarial_seed=adversarial)
-        self.sys = System(self.order, self.path, self.event_group)
+        self.sys = System(self.order, self.path, self.event_group, self.device_lengths)
         # a runtime that only ever sees good steps: the "fresh runtime" every good step must equal
-        self.fresh = Harness([*SIZES, LATE], layers=self.sys.layers, order=self.order)
+        self.fresh = Harness(
+            [*SIZES, LATE], layers=self.sys.layers, order=self.order, device_lengths=self.device_lengths
+        )
         self.goods = 0
 
     def _meta(self, size: int, nreq: int, seed: int) -> AttentionMetadata:
@@ -211,6 +221,9 @@ class StepProtocol(RuleBasedStateMachine):
             return
         good = self._meta(size, max(1, size // 2), seed)
         bad = attrs.evolve(good, seq_lens=torch.full((good.num_reqs,), 10**6, dtype=torch.int32))
+        if self.sys.rt.entry(self.sys._key(size)).lens_groups:
+            self._sink_kernel_rejects(size, bad, seed)
+            return
         self.sys.rt.updater.validate = False
         try:
             with pytest.raises(UpdateFailed, match="layer 'layer1'"):
@@ -218,6 +231,17 @@ class StepProtocol(RuleBasedStateMachine):
                 self.sys.step(size, metadata, query_for(self.sys.h, size, seed))
         finally:
             self.sys.rt.updater.validate = True
+
+    def _sink_kernel_rejects(self, size, bad, seed):
+        """A tiling-sink graph has no update for the device to reject: the unvalidated
+        lengths go to device memory, and its kernel refuses them inside the replay."""
+        self.sys.rt.updater.validate = False
+        try:
+            self.sys.step(size, {"default": bad}, query_for(self.sys.h, size, seed))
+        finally:
+            self.sys.rt.updater.validate = True
+        with pytest.raises(ReplayFailed, match=r"replay of main/.*actual_seq_lengths_kv"):
+            self.sys.rt.synchronize()
 
     @rule(size=sizes, seed=st.integers(0, 1 << 20))
     def replay_faults(self, size, seed):
@@ -281,9 +305,10 @@ class StepProtocol(RuleBasedStateMachine):
             assert self.sys.rt.updater.state(e).phase in StepPhase
 
 
-def _machine(order: str, path: str, event_group: int = 1) -> type[StepProtocol]:
-    name = f"StepProtocol_{order}_{path}_g{event_group}"
-    return type(name, (StepProtocol,), {"order": order, "path": path, "event_group": event_group})
+def _machine(order: str, path: str, event_group: int = 1, device_lengths: bool = True) -> type[StepProtocol]:
+    name = f"StepProtocol_{order}_{path}_g{event_group}" + ("" if device_lengths else "_per_layer")
+    attrs_ = {"order": order, "path": path, "event_group": event_group, "device_lengths": device_lengths}
+    return type(name, (StepProtocol,), attrs_)
 
 
 _SETTINGS = {
@@ -301,6 +326,14 @@ def test_a_bad_step_never_stops_serving(order, path):
         pytest.importorskip("vllm")
     machine = _machine(order, path)
     machine.TestCase.settings = settings(max_examples=15, stateful_step_count=14, **_SETTINGS)
+    machine.TestCase().runTest()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_bad_step_never_stops_serving_with_fia_updated_per_layer(order):
+    """FIA with host lengths (a device without the tiling-sink kernel): updated per layer."""
+    machine = _machine(order, "manual" if order == "update-first" else "step", device_lengths=False)
+    machine.TestCase.settings = settings(max_examples=10, stateful_step_count=14, **_SETTINGS)
     machine.TestCase().runTest()
 
 

@@ -85,6 +85,7 @@ class Runner:
         dtype=torch.bfloat16,
         event_group=1,
         max_num_seqs=8,
+        device_lengths=True,
     ):
         self.cfg = DecoderConfig(layers=3, num_blocks=96, max_model_len=128, dtype=dtype)
         vc = VllmConfig()
@@ -98,7 +99,9 @@ class Runner:
         cc.max_cudagraph_capture_size = max(SIZES)
         vc.scheduler_config.max_num_seqs = max_num_seqs
         self.vllm_config = vc
-        rt = Runtime("sim", max_model_len=self.cfg.max_model_len, event_group=event_group)
+        rt = Runtime(
+            "sim", max_model_len=self.cfg.max_model_len, event_group=event_group, device_lengths=device_lengths
+        )
         self.rt = integ.attach_runtime(vc, rt)
         self.decoder = Decoder(self.cfg, self.rt)
         if piecewise_head:
@@ -181,7 +184,8 @@ def test_continuous_batching_through_the_wrapper_equals_eager():
 
 
 def test_event_grouping_through_the_wrapper_equals_eager_and_records_fewer_events(monkeypatch):
-    runner = Runner(event_group=2)  # 3 layers: events after layers 1 and 2 (the last alone)
+    # FIA updated per layer, 3 layers: events after layers 1 and 2 (the last alone)
+    runner = Runner(event_group=2, device_lengths=False)
     runner.capture()
     entry = runner.rt.manager.entries("main")[0]
     assert [t.records for t in entry.tasks] == [False, True, True]
@@ -199,8 +203,18 @@ def test_event_grouping_through_the_wrapper_equals_eager_and_records_fewer_event
     # the setting vLLM users reach: NPUGRAPH_EVENT_GROUP, checked like NPUGRAPH_DEVICE
     vc = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=64))
     monkeypatch.setenv(integ.ENV_DEVICE, "sim")
+    monkeypatch.delenv(integ.ENV_EVENT_GROUP, raising=False)
+    assert integ.runtime_for(vc).manager.event_group is None, "unset: chosen per namespace at capture"
     monkeypatch.setenv(integ.ENV_EVENT_GROUP, "4")
+    vc = types.SimpleNamespace(model_config=vc.model_config)
     assert integ.runtime_for(vc).manager.event_group == 4
+    monkeypatch.setenv(integ.ENV_DEVICE_LENGTHS, "0")
+    vc = types.SimpleNamespace(model_config=vc.model_config)
+    assert integ.runtime_for(vc).manager.device_lengths is False
+    monkeypatch.setenv(integ.ENV_DEVICE_LENGTHS, "maybe")
+    with pytest.raises(ConfigError, match="NPUGRAPH_DEVICE_LENGTHS='maybe' is not a switch"):
+        integ.runtime_for(types.SimpleNamespace(model_config=vc.model_config))
+    monkeypatch.delenv(integ.ENV_DEVICE_LENGTHS)
     monkeypatch.setenv(integ.ENV_EVENT_GROUP, "0")
     with pytest.raises(ConfigError, match="NPUGRAPH_EVENT_GROUP='0' is not a group size; use an integer >= 1"):
         integ.runtime_for(types.SimpleNamespace(model_config=vc.model_config))

@@ -1,6 +1,14 @@
 """Capture of device graphs with their updatable attention tasks."""
 
-from npugraph.capture.manager import CaptureManager, Phase
+from npugraph.capture.manager import AUTO_EVENT_GROUP, AUTO_EVENT_GROUP_MIN, SINK_MIN_LAYERS, CaptureManager, Phase
 from npugraph.capture.records import CapturedGraph, TaskRecord
 
-__all__ = ["CaptureManager", "CapturedGraph", "Phase", "TaskRecord"]
+__all__ = [
+    "AUTO_EVENT_GROUP",
+    "AUTO_EVENT_GROUP_MIN",
+    "SINK_MIN_LAYERS",
+    "CaptureManager",
+    "CapturedGraph",
+    "Phase",
+    "TaskRecord",
+]

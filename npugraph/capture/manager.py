@@ -23,10 +23,24 @@ from tqdm import tqdm
 from npugraph.capture.records import CapturedGraph, TaskRecord
 from npugraph.device import Device
 from npugraph.errors import CaptureFailed, ConfigError, UnknownKeyError
-from npugraph.ops import SPECS, AttentionCall, OpSpec, StepLens
+from npugraph.ops import FIA_SINK, SPECS, AttentionCall, LensArena, LensGroup, OpSpec, StepLens
 from npugraph.policy import KernelChoice, KernelPolicy, StaticPolicy
 
-__all__ = ["Phase", "CaptureManager", "EventSchedule"]
+__all__ = ["AUTO_EVENT_GROUP", "AUTO_EVENT_GROUP_MIN", "Phase", "CaptureManager", "EventSchedule", "SINK_MIN_LAYERS"]
+
+# Below this many attention layers a graph keeps FIA's per-layer update: one FIA layer's
+# update costs ~184 us of host time (begin + re-issue + end + record, vllm-ascend #13058),
+# the tiling-sink step ~150-190 us of launches for the metadata op and the length copy
+# (#15336) plus one event record, so the sink path saves host time from the second layer.
+SINK_MIN_LAYERS = 2
+
+# Event grouping by default (``event_group=None``): a namespace whose graphs have at least
+# AUTO_EVENT_GROUP_MIN tasks updated per layer records one ExternalEvent per
+# AUTO_EVENT_GROUP of them.  Modeled on A2 host costs (npugraph bench): +5% steps/s on
+# host-bound FIA decode at 20 layers and +26% on PA at batch 4, step latency +4%, within
+# 1.05 of UpdatableGraph's; below 20 layers the gain is within the model's noise.
+AUTO_EVENT_GROUP = 10
+AUTO_EVENT_GROUP_MIN = 2 * AUTO_EVENT_GROUP
 
 logger = logging.getLogger("npugraph")
 
@@ -55,6 +69,12 @@ class _Capture:
     # (the update records there); None: one event per task
     schedule: EventSchedule | None = None
     group_event: Any = None  # the ExternalEvent of the group being recorded
+    device_lengths: bool = True  # whether FIA may take the tiling-sink path in this capture
+    sink_refusal: str = ""  # why not, when it may not
+    lens_groups: dict[tuple[Any, ...], LensGroup] = attrs.field(factory=dict)
+    lens_event: Any = None  # the one ExternalEvent of the graph's tiling-sink tasks
+    lens_arena: LensArena | None = None  # their device memory, allocated before the capture
+    lens_short: tuple[int, int] | None = None  # (groups, rows) the arena lacked: capture again
 
     @property
     def choice(self) -> KernelChoice | None:
@@ -123,18 +143,27 @@ class CaptureManager:
         policy: KernelPolicy | None = None,
         progress: bool = False,
         on_captured: Callable[[CapturedGraph], None] | None = None,
-        event_group: int = 1,
+        event_group: int | None = None,
+        device_lengths: bool = True,
     ) -> None:
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ConfigError(f"max_model_len must be an int >= 1, got {max_model_len!r}")
         self.device = device
-        if isinstance(event_group, bool) or not isinstance(event_group, int) or event_group < 1:
-            raise ConfigError(f"event_group must be an int >= 1 (tasks per ExternalEvent), got {event_group!r}")
+        if event_group is not None and (
+            isinstance(event_group, bool) or not isinstance(event_group, int) or event_group < 1
+        ):
+            raise ConfigError(
+                f"event_group must be an int >= 1 (tasks per ExternalEvent) or None (chosen per namespace), "
+                f"got {event_group!r}"
+            )
         self.max_model_len = max_model_len
         # tasks per ExternalEvent (1: one per task); the schedule needs a namespace's task
         # count, learned from its first capture (captured twice: to count, then grouped)
         self.event_group = event_group
+        # FIA graphs take the tiling-sink kernel where the device has it and the call is eligible
+        self.device_lengths = device_lengths
         self._task_counts: dict[str, int] = {}
+        self._lens_groups: dict[str, int] = {}  # tiling-sink groups a namespace's graphs had
         self.policy: KernelPolicy = policy if policy is not None else StaticPolicy()
         self.progress = progress
         # told of each graph before it is registered (the updater builds its plan there);
@@ -190,6 +219,10 @@ class CaptureManager:
         ctx.seen.add((ubatch, layer))
         ctx.layer = layer
         spec, need = self._prepare(ctx, call, lens)
+        if spec.lens_on_device:
+            self._attention_on_device(ctx, spec, layer, group, call, lens, ubatch)
+            ctx.layer = None
+            return
         kwargs = spec.arguments(call, lens, ctx.workspace)
         npu = self.device.npu
         stream = npu.current_stream()
@@ -225,16 +258,91 @@ class CaptureManager:
         )
         ctx.layer = None
 
+    def _attention_on_device(
+        self, ctx: _Capture, spec: OpSpec, layer: str, group: str, call: AttentionCall, lens: StepLens, ubatch: int
+    ) -> None:
+        """Record a tiling-sink task: the kernel alone, reading the lengths and plan of its
+        KV-cache group's :class:`LensGroup`; the graph waits for one event before the first."""
+        slot = group if ubatch == 0 else f"{group}#ubatch{ubatch}"
+        assert spec.plan_args is not None  # a lens_on_device declaration names its plan arguments
+        plan_args = spec.plan_args(call)
+        batch = int(call.block_table.shape[0])
+        gkey = (slot, batch, tuple(sorted(plan_args.items())))
+        buffers = ctx.lens_groups.get(gkey)
+        if buffers is None:
+            # from the arena made before the capture (never the graph's pool), held by the record
+            found = ctx.lens_arena.take(batch, plan_args, slot) if ctx.lens_arena is not None else None
+            if found is None:  # the arena is too small: this capture is discarded and run again
+                groups, rows = ctx.lens_short or (0, 0)
+                ctx.lens_short = (max(groups, len(ctx.lens_groups) + 1), max(rows, batch))
+                found = LensGroup.make(call.query.device, batch, plan_args, slot)
+            buffers = ctx.lens_groups[gkey] = found
+        npu = self.device.npu
+        first = ctx.lens_event is None
+        if first:
+            ctx.lens_event = npu.ExternalEvent()
+            ctx.lens_event.wait(npu.current_stream())
+            if hasattr(ctx.lens_event, "label"):  # the simulator names it in hang reports
+                ctx.lens_event.label = f"{ctx.namespace}/{ctx.key!r}/device lengths"
+        kwargs = spec.arguments(call, lens, None, buffers=buffers)
+        spec.launch(self.device, kwargs)
+        ctx.tasks.append(
+            TaskRecord(
+                index=len(ctx.tasks),
+                layer=layer,
+                ubatch=ubatch,
+                group=group,
+                spec=spec,
+                handle=None,
+                event=ctx.lens_event,
+                args={k: self._alias(v) for k, v in kwargs.items()},
+                host_at_capture={},
+                workspace_bytes=0,
+                waits=first,
+                records=False,  # the graph's last tiling-sink task records (set when the capture ends)
+                lens=buffers,
+            )
+        )
+
+    def _upgrade(self, ctx: _Capture, choice: KernelChoice, call: AttentionCall) -> KernelChoice:
+        """FIA with host lengths becomes the tiling-sink kernel where that is possible; a
+        tiling-sink kernel chosen as it is must be possible."""
+        if choice.kernel != "fia_sink" and (choice.fixed or choice.kernel not in ("fia", "fia_v2")):
+            return choice
+        why: str | None
+        if self.device.device_length_ops is None:
+            why = "the device has no tiling-sink FIA (torch.ops._C_ascend without PRs #15215/#15336)"
+        else:
+            why = FIA_SINK.unsupported(call)
+        if choice.kernel == "fia_sink":
+            if why is not None:
+                raise CaptureFailed(
+                    f"capture of {ctx.namespace}/{ctx.key!r}: the kernel policy chose fia_sink, but {why}; "
+                    "choose fia (lengths updated per layer) for this graph"
+                )
+            return choice
+        if not self.device_lengths:
+            return choice
+        if why is None and not ctx.device_lengths:
+            why = ctx.sink_refusal
+        if why is None:
+            return KernelChoice(
+                kernel="fia_sink", reason=f"{choice.reason}; lengths on the device, no per-layer update"
+            )
+        return KernelChoice(kernel=choice.kernel, reason=f"{choice.reason}; per-layer update: {why}")
+
     def _prepare(self, ctx: _Capture, call: AttentionCall, lens: StepLens) -> tuple[OpSpec, int]:
         """The kernel for this call's shape, and a workspace that covers it (grown if needed)."""
         shape = _shape(call)
         found = ctx.choices.get(shape)
         if found is None:
-            choice = self.policy.choose(ctx.namespace, ctx.key, ctx.tokens, [call])
+            choice = self._upgrade(ctx, self.policy.choose(ctx.namespace, ctx.key, ctx.tokens, [call]), call)
             if choice.kernel not in SPECS:
                 raise CaptureFailed(f"kernel policy chose {choice.kernel!r}; expected one of {sorted(SPECS)}")
             found = ctx.choices[shape] = (SPECS[choice.kernel], choice)
         spec = found[0]
+        if spec.lens_on_device:
+            return spec, 0  # no workspace: its plan is its tiling
         need = ctx.needs.get(shape)
         if need is None:
             need = ctx.needs[shape] = spec.workspace_bytes(
@@ -307,23 +415,26 @@ class CaptureManager:
             if isinstance(key, bool) or not isinstance(key, int):
                 raise CaptureFailed(f"capture of {namespace}/{key!r}: the key is not a token count; pass tokens=")
             tokens = key
-        schedule = self._schedule(namespace)
-        if self.event_group > 1 and schedule is None:
-            # the schedule needs the namespace's task count: a first capture counts them
-            counted = self._capture_once(
-                fn, args, kwargs, namespace, key, int(tokens), static_inputs, require_attention, None, count_only=True
-            )
-            self._task_counts[namespace] = counted
-            schedule = self._schedule(namespace)
+        # the schedule needs the namespace's task count: its first capture counts them (and
+        # is captured again, grouped, if it has tasks updated per layer and groups apply)
         return self._capture_once(
-            fn, args, kwargs, namespace, key, int(tokens), static_inputs, require_attention, schedule
+            fn, args, kwargs, namespace, key, int(tokens), static_inputs, require_attention, self._schedule(namespace)
         )
+
+    def group_size(self, namespace: str) -> int:
+        """Tasks per ExternalEvent in ``namespace``'s graphs updated per layer: ``event_group``,
+        or (``None``) AUTO_EVENT_GROUP once the namespace has AUTO_EVENT_GROUP_MIN tasks, else 1."""
+        if self.event_group is not None:
+            return self.event_group
+        count = self._task_counts.get(namespace, 0)
+        return AUTO_EVENT_GROUP if count >= AUTO_EVENT_GROUP_MIN else 1
 
     def _schedule(self, namespace: str) -> EventSchedule | None:
         count = self._task_counts.get(namespace)
-        if self.event_group == 1 or count is None or count < 3:
+        size = self.group_size(namespace)
+        if size == 1 or count is None or count < 3:
             return None
-        return EventSchedule(tasks=count, size=self.event_group)
+        return EventSchedule(tasks=count, size=size)
 
     def _capture_once(
         self,
@@ -337,12 +448,24 @@ class CaptureManager:
         require_attention: bool,
         schedule: EventSchedule | None,
         *,
-        count_only: bool = False,
+        sink_refusal: str = "",
+        lens_room: tuple[int, int] | None = None,
     ) -> Any:
         npu = self.device.npu
         for spec in SPECS.values():
             spec.prepare(self.device.memory)
-        ctx = _Capture(namespace=namespace, key=key, tokens=tokens, schedule=schedule)
+        ctx = _Capture(
+            namespace=namespace,
+            key=key,
+            tokens=tokens,
+            schedule=schedule,
+            device_lengths=not sink_refusal,
+            sink_refusal=sink_refusal,
+        )
+        if self.device_lengths and self.device.device_length_ops is not None and not sink_refusal:
+            # outside the graph's pool: a step writes it from outside the graph
+            groups, rows = lens_room or (self._lens_groups.get(namespace, 1), tokens)
+            ctx.lens_arena = LensArena.make(self.device.memory, groups, max(rows, tokens))
         graph = npu.NPUGraph()
         t0 = time.perf_counter()
         self._ctx = ctx
@@ -362,9 +485,78 @@ class CaptureManager:
                     f"capture of {namespace}/{key!r}: the callable made no attention call "
                     "through the runtime; nothing would be updated"
                 )
-            if count_only:
+            if namespace not in self._task_counts and ctx.tasks:
+                self._task_counts[namespace] = len(ctx.tasks)  # the namespace's first graph counts
+                learned = self._schedule(namespace)
+                if schedule is None and learned is not None and any(t.lens is None for t in ctx.tasks):
+                    graph.reset()
+                    self._ctx = None
+                    return self._capture_once(
+                        fn,
+                        args,
+                        kwargs,
+                        namespace,
+                        key,
+                        tokens,
+                        static_inputs,
+                        require_attention,
+                        learned,
+                        sink_refusal=sink_refusal,
+                        lens_room=lens_room,
+                    )
+            if ctx.lens_short is not None:
                 graph.reset()
-                return len(ctx.tasks)
+                self._ctx = None
+                self._lens_groups[namespace] = max(self._lens_groups.get(namespace, 1), ctx.lens_short[0])
+                return self._capture_once(
+                    fn,
+                    args,
+                    kwargs,
+                    namespace,
+                    key,
+                    tokens,
+                    static_inputs,
+                    require_attention,
+                    schedule,
+                    lens_room=ctx.lens_short,
+                )
+            on_device = [t for t in ctx.tasks if t.lens is not None]
+            forced = any(c.fixed and c.kernel == "fia_sink" for _, c in ctx.choices.values())
+            mixed = on_device and schedule is not None and len(on_device) < len(ctx.tasks)
+            if forced and mixed:
+                raise CaptureFailed(
+                    f"capture of {namespace}/{key!r}: the kernel policy chose fia_sink for some layers and "
+                    "another kernel, updated per layer, for others, with event grouping on; capture with "
+                    "event_group=1 or one kernel for every layer"
+                )
+            again = ""
+            if forced:
+                pass  # the policy's choice, taken as it is
+            elif on_device and len(on_device) < SINK_MIN_LAYERS:
+                again = (
+                    f"{len(on_device)} attention layer(s): below the {SINK_MIN_LAYERS} from which the "
+                    "tiling-sink path saves host time"
+                )
+            elif mixed:
+                again = "the graph mixes tiling-sink and per-layer tasks, and event grouping is on"
+            if again:
+                graph.reset()
+                self._ctx = None
+                return self._capture_once(
+                    fn,
+                    args,
+                    kwargs,
+                    namespace,
+                    key,
+                    tokens,
+                    static_inputs,
+                    require_attention,
+                    schedule if schedule is not None else self._schedule(namespace),
+                    sink_refusal=again,
+                )
+            if on_device:  # the graph's last tiling-sink task records the shared event
+                last = on_device[-1].index
+                ctx.tasks[last] = attrs.evolve(ctx.tasks[last], records=True)
             if schedule is not None and len(ctx.tasks) != schedule.tasks:
                 graph.reset()
                 # this graph has another task count than its namespace's first: its last group
@@ -373,11 +565,20 @@ class CaptureManager:
                 warnings.warn(
                     f"capture of {namespace}/{key!r}: {len(ctx.tasks)} attention calls, but the first graph "
                     f"of namespace {namespace!r} had {schedule.tasks}; this graph records one ExternalEvent "
-                    f"per layer (event_group={self.event_group} does not apply to it)",
+                    f"per layer (event_group={schedule.size} does not apply to it)",
                     stacklevel=2,
                 )
                 return self._capture_once(
-                    fn, args, kwargs, namespace, key, tokens, static_inputs, require_attention, None
+                    fn,
+                    args,
+                    kwargs,
+                    namespace,
+                    key,
+                    tokens,
+                    static_inputs,
+                    require_attention,
+                    None,
+                    sink_refusal=sink_refusal,
                 )
             entry = CapturedGraph(
                 namespace=namespace,
@@ -392,6 +593,7 @@ class CaptureManager:
                 static_inputs=dict(static_inputs or {}),
                 capture_seconds=time.perf_counter() - t0,
                 pool=self.pool,
+                lens_groups=tuple(ctx.lens_groups.values()),
             )
             if self.on_captured is not None:
                 self.on_captured(entry)
@@ -470,7 +672,35 @@ class CaptureManager:
             + ", ".join(f"{n} {k}" for k, n in sorted(kernels.items()))
             + f") in {took:.1f} s"
             + (f", graph pool {pool / 2**20:.1f} MiB" if pool is not None else "")
+            + self._choices_said(entries)
         )
+
+    def _choices_said(self, entries: Sequence[CapturedGraph]) -> str:
+        """What capture chose, and why: each kernel's sizes (with why FIA's lengths are or are
+        not on the device), and the ExternalEvents per namespace."""
+        if not entries:
+            return ""
+        sizes: dict[str, list[int]] = {}
+        why: dict[str, str] = {}
+        for e in sorted(entries, key=lambda e: e.tokens):
+            sizes.setdefault(e.choice.kernel, []).append(e.tokens)
+            _, _, detail = e.choice.reason.partition("; ")
+            if detail:
+                why.setdefault(e.choice.kernel, detail)
+        kernels = ", ".join(f"{k} at {v}" + (f" ({why[k]})" if k in why else "") for k, v in sorted(sizes.items()))
+        events = []
+        for ns in sorted({e.namespace for e in entries}):
+            per_layer = any(t.lens is None for e in entries if e.namespace == ns for t in e.tasks)
+            if not per_layer:
+                continue
+            g = self.group_size(ns)
+            how = "set" if self.event_group is not None else f"auto, {self._task_counts.get(ns, 0)} tasks"
+            events.append(
+                f"{ns!r}: one per layer ({how})" if g == 1 else f"{ns!r}: one per {g} layers updated per layer ({how})"
+            )
+        sink = any(t.lens is not None for e in entries for t in e.tasks)
+        said = (["one per step for tiling-sink graphs"] if sink else []) + events
+        return f"; kernels: {kernels}; ExternalEvents: " + ", ".join(said)
 
     # --- lookup ----------------------------------------------------------------------
     def entry(self, namespace: str, key: Hashable) -> CapturedGraph:

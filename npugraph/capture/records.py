@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 import torch
 
-from npugraph.ops import OpSpec
+from npugraph.ops import LensGroup, OpSpec
 from npugraph.policy import KernelChoice
 
 __all__ = ["TaskRecord", "CapturedGraph"]
@@ -22,6 +22,8 @@ class TaskRecord:
     (``Device.weak_ref_tensor``): the graph's pool keeps the memory of its own
     intermediates, and the model keeps its KV caches; the record keeps nothing alive.
     ``host_at_capture`` are the host-side arguments the task was captured with.
+    A tiling-sink task (``spec.lens_on_device``) has no task group (``handle`` is None) and
+    reads ``lens``; all of a graph's such tasks share one event, waited before the first.
     """
 
     index: int
@@ -38,6 +40,7 @@ class TaskRecord:
     # and the update records ``event`` after this task (the last of its group)
     waits: bool = True
     records: bool = True
+    lens: LensGroup | None = None
 
     @property
     def slot(self) -> str:
@@ -75,6 +78,9 @@ class CapturedGraph:
     static_inputs: Mapping[str, torch.Tensor]
     capture_seconds: float
     pool: Any
+    # the device memory its tiling-sink tasks read their lengths and plan from: held here,
+    # as the graph reads it on every replay (one per KV-cache group and shape)
+    lens_groups: tuple[LensGroup, ...] = ()
 
     @property
     def layers(self) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ import torch
 from npugraph import sim
 from npugraph.errors import DeviceUnavailable
 
-__all__ = ["Device", "load_device"]
+__all__ = ["SINK_OPS", "Device", "load_device"]
 
 
 @attrs.frozen(kw_only=True)
@@ -39,6 +39,9 @@ class Device:
     deadlock_errors: tuple[type[BaseException], ...] = ()
     race_errors: tuple[type[BaseException], ...] = ()
     fault_errors: tuple[type[BaseException], ...] = ()
+    # the tiling-sink FIA and its metadata op (vllm-ascend's ``torch.ops._C_ascend`` where
+    # built with them; the simulator's), or None: graphs then update FIA's lengths per layer
+    device_length_ops: Any = None
     # read on every step's path: a field, not a property
     is_sim: bool = attrs.field(init=False)
 
@@ -84,6 +87,20 @@ class Device:
         return self.ops._C._weak_ref_tensor(t)  # type: ignore[no-any-return]
 
 
+# The tiling-sink pair (vllm-ascend PRs #15215 / #15336): both or neither.
+SINK_OPS = ("npu_fused_infer_attention_score_v2_sink", "_npu_fused_infer_attention_score_v2_sink_metadata")
+
+
+def _c_ascend_sink_ops() -> Any:
+    """vllm-ascend's custom-op namespace if it has the tiling-sink FIA and its metadata op
+    (a build with PRs #15215 / #15336), else None."""
+    ns = getattr(torch.ops, "_C_ascend", None)
+    try:
+        return ns if ns is not None and all(hasattr(ns, n) for n in SINK_OPS) else None
+    except Exception:  # torch.ops raises when a namespace has no such op
+        return None
+
+
 def load_device(kind: str | Device = "sim") -> Device:
     """Return the device adapter for ``kind``: ``"sim"``, ``"npu"`` (the current NPU) or
     ``"npu:N"`` (NPU ``N``: made current with ``torch.npu.set_device``)."""
@@ -108,6 +125,7 @@ def load_device(kind: str | Device = "sim") -> Device:
             deadlock_errors=(sim.DeadlockError,),
             race_errors=(sim.RaceError,),
             fault_errors=(sim.ReplayFault,),
+            device_length_ops=sim,
         )
     if kind == "npu":
         try:
@@ -121,7 +139,13 @@ def load_device(kind: str | Device = "sim") -> Device:
             ) from exc
         if index:
             torch.npu.set_device(int(index))  # type: ignore[attr-defined]
-        return Device(name="npu", ops=torch_npu, npu=torch.npu, memory=torch.device("npu", torch.npu.current_device()))  # type: ignore[attr-defined]
+        return Device(
+            name="npu",
+            ops=torch_npu,
+            npu=torch.npu,  # type: ignore[attr-defined]
+            memory=torch.device("npu", torch.npu.current_device()),  # type: ignore[attr-defined]
+            device_length_ops=_c_ascend_sink_ops(),
+        )
     raise DeviceUnavailable(
         f"unknown device {kind!r}: expected 'sim' (the built-in simulator), 'npu' (the current Ascend NPU) "
         "or 'npu:N' (NPU number N)"

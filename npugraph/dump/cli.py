@@ -100,13 +100,13 @@ def inspect(doc: dict[str, Any], key: str | None = None, namespace: str | None =
         lines.append(f"namespace {ns}:")
         w = max([3, *(len(str(k["key"])) for k in nsdoc["keys"])])  # long keys (BatchDescriptor) stay aligned
         lines.append(
-            f"  {'key':>{w}} {'tokens':>6} {'kernel':>6} {'tasks':>6} {'workspace B':>12} {'replays':>8} "
+            f"  {'key':>{w}} {'tokens':>6} {'kernel':>8} {'tasks':>6} {'workspace B':>12} {'replays':>8} "
             f"{'last step':>9}  phase"
         )
         for k in nsdoc["keys"]:
             phase = k.get("phase", "idle" if k["replayable"] else "broken")
             lines.append(
-                f"  {k['key']:>{w}} {k['tokens']:>6} {k['kernel']:>6} {len(k['tasks']):>6} "
+                f"  {k['key']:>{w}} {k['tokens']:>6} {k['kernel']:>8} {len(k['tasks']):>6} "
                 f"{k['workspace']['bytes']:>12} {k['replays']:>8} {k['steps']:>9}  {phase}"
             )
     return "\n".join(lines)

@@ -90,9 +90,12 @@ def build_manifest(
             tasks = []
             state = updater.state(e) if updater is not None else None
             steps = state.steps if state is not None else 0
+            # a tiling-sink task's lengths are its group's, written once (at its first task)
+            writer = {id(t.lens): t.index for t in reversed(e.tasks) if t.lens is not None}
             for t in e.tasks:
                 kw = t.kwargs()
-                applied = state.applied[t.index] if state is not None else None
+                i = writer.get(id(t.lens), t.index) if t.lens is not None else t.index
+                applied = state.applied[i] if state is not None else None
                 host_now = None
                 if applied is not None:  # this task's own lengths, as last written into it
                     host_now = {
@@ -107,8 +110,13 @@ def build_manifest(
                         "ubatch": t.ubatch,
                         "op": t.spec.name,
                         "kernel": t.spec.kernel + (f".{t.spec.overload}" if t.spec.overload else ""),
-                        "task_group": _obj_id(t.handle),
+                        "task_group": None if t.handle is None else _obj_id(t.handle),
                         "event": _obj_id(t.event),
+                        "waits": t.waits,
+                        "records": t.records,
+                        "lens_on_device": None
+                        if t.lens is None
+                        else {"lengths": _arg(t.lens.lens, False), "plan": _arg(t.lens.meta, False)},
                         "args": {k: _arg(v, k in t.spec.host_args) for k, v in kw.items()},
                         "host_at_capture": {k: list(v) for k, v in t.host_at_capture.items()},
                         "workspace_required": t.workspace_bytes,

@@ -39,7 +39,7 @@ def validate_manifest(doc: dict[str, Any]) -> list[Violation]:
     out: list[Violation] = []
     max_len = int(doc.get("max_model_len", 0))
     handles: dict[Any, str] = {}
-    events: dict[Any, str] = {}
+    events: dict[Any, tuple[str, str]] = {}  # event -> (its graph, its first task)
     for ns, nsdoc in doc.get("namespaces", {}).items():
         keys = nsdoc.get("keys", [])
         tokens = [k["tokens"] for k in keys]
@@ -78,17 +78,27 @@ def validate_manifest(doc: dict[str, Any]) -> list[Violation]:
             ws_bytes = int(k.get("workspace", {}).get("bytes", 0))
             for t in k["tasks"]:
                 tw = f"{where} task {t['index']} ({t['layer']})"
-                for table, name, rule in (
-                    (handles, "task_group", "unique-handles"),
-                    (events, "event", "unique-events"),
-                ):
-                    ident = t.get(name)
-                    if ident in table:
-                        out.append(
-                            Violation(rule=rule, where=tw, message=f"{name} {ident} is also used by {table[ident]}")
+                ident = t.get("task_group")
+                if ident is not None and ident in handles:  # a tiling-sink task has none
+                    out.append(
+                        Violation(
+                            rule="unique-handles",
+                            where=tw,
+                            message=f"task_group {ident} is also used by {handles[ident]}",
                         )
-                    else:
-                        table[ident] = tw
+                    )
+                elif ident is not None:
+                    handles[ident] = tw
+                # tasks of one graph may share an event (event grouping, tiling-sink tasks); graphs may not
+                ident = t.get("event")
+                if ident in events and events[ident][0] != where:
+                    out.append(
+                        Violation(
+                            rule="unique-events", where=tw, message=f"event {ident} is also used by {events[ident][1]}"
+                        )
+                    )
+                elif ident not in events:
+                    events[ident] = (where, tw)
                 need = int(t.get("workspace_required", 0))
                 have = _arg_bytes(t["args"].get("workspace"))
                 if have is None:

@@ -62,6 +62,7 @@ logger = logging.getLogger("vllm.npugraph")
 ENV_ENABLE = "NPUGRAPH_ENABLE"
 ENV_DEVICE = "NPUGRAPH_DEVICE"
 ENV_EVENT_GROUP = "NPUGRAPH_EVENT_GROUP"
+ENV_DEVICE_LENGTHS = "NPUGRAPH_DEVICE_LENGTHS"
 WRAPPER_PATH = "npugraph.integrations.vllm.NpuGraphWrapper"
 _RUNTIME_ATTR = "_npugraph_runtime"
 
@@ -83,7 +84,12 @@ def runtime_for(vllm_config: Any) -> Runtime:
                 "npugraph.integrations.vllm.attach_runtime(vllm_config, Runtime(...)) first"
             )
         device = _env_device() or ("npu" if _platform_has_npu_graphs() else "sim")
-        rt = Runtime(device, max_model_len=int(model.max_model_len), event_group=_env_event_group())
+        rt = Runtime(
+            device,
+            max_model_len=int(model.max_model_len),
+            event_group=_env_event_group(),
+            device_lengths=_env_device_lengths(),
+        )
         attach_runtime(vllm_config, rt)
     return rt
 
@@ -175,17 +181,29 @@ def _env_device() -> str | None:
     return value
 
 
-def _env_event_group() -> int:
-    """``NPUGRAPH_EVENT_GROUP``: tasks per ExternalEvent (default 1: one per layer)."""
+def _env_event_group() -> int | None:
+    """``NPUGRAPH_EVENT_GROUP``: tasks per ExternalEvent (unset: chosen per namespace at
+    capture, :data:`npugraph.capture.AUTO_EVENT_GROUP`; 1: one per layer)."""
     value = os.environ.get(ENV_EVENT_GROUP, "").strip()
     if not value:
-        return 1
+        return None
     if not value.isdigit() or int(value) < 1:
         raise ConfigError(
             f"{ENV_EVENT_GROUP}={value!r} is not a group size; use an integer >= 1 (layers per "
-            "ExternalEvent; 1, the default, records one per layer) or unset it"
+            "ExternalEvent; 1 records one per layer) or unset it (chosen per namespace at capture)"
         )
     return int(value)
+
+
+def _env_device_lengths() -> bool:
+    """``NPUGRAPH_DEVICE_LENGTHS``: ``0`` keeps FIA's lengths on the host, updated per layer
+    (default ``1``: the tiling-sink kernel where the device has it)."""
+    value = os.environ.get(ENV_DEVICE_LENGTHS, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{ENV_DEVICE_LENGTHS}={value!r} is not a switch; use 1 (the default) or 0, or unset it")
 
 
 def _noop_call(*args: Any, **kwargs: Any) -> None:
@@ -483,6 +501,7 @@ def register() -> None:
     try:
         device = _env_device()
         _env_event_group()
+        _env_device_lengths()
     except ConfigError as exc:
         logger.error("npugraph: %s; vLLM left untouched", exc)
         return

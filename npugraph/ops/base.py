@@ -10,7 +10,7 @@ import torch
 
 from npugraph.errors import ConfigError
 
-__all__ = ["AttentionCall", "StepLens", "OpSpec", "pad_lens", "batch_refusal"]
+__all__ = ["AttentionCall", "LensArena", "LensGroup", "StepLens", "OpSpec", "pad_lens", "batch_refusal"]
 
 
 @attrs.frozen(kw_only=True)
@@ -130,6 +130,64 @@ def batch_refusal(
     return None
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class LensGroup:
+    """Device memory a tiling-sink kernel reads one KV-cache group's lengths and plan from.
+
+    Made once per graph and group at capture (held by the graph's record: the graph reads
+    it on every replay), written once per step before the replay: the lengths by one copy
+    into ``lens``, the plan by the metadata op.  ``qlen`` / ``kvlen`` are ``lens``'s rows.
+    """
+
+    lens: torch.Tensor  # int32 [2, batch]: cumulative query ends, then key lengths
+    qlen: torch.Tensor
+    kvlen: torch.Tensor
+    meta: torch.Tensor  # uint32 [1024]: the tiling plan
+    plan_args: Mapping[str, Any]  # the metadata op's shape arguments (heads, head dim, block size, mask)
+    slot: str
+    batch: int
+
+    @classmethod
+    def make(cls, memory: torch.device, batch: int, plan_args: Mapping[str, Any], slot: str) -> LensGroup:
+        arena = LensArena.make(memory, 1, batch)
+        found = arena.take(batch, plan_args, slot)
+        assert found is not None  # an arena of one group of this batch
+        return found
+
+
+@attrs.define(kw_only=True, eq=False)
+class LensArena:
+    """Device memory for a graph's :class:`LensGroup` s, allocated **before** its capture.
+
+    Memory a step writes from outside the graph must not come from the graph's pool: a
+    block freed earlier in the same capture is handed to the next allocation, so a node
+    recorded before (a layer's intermediate) would overwrite it on every replay.
+    ``groups`` groups of up to ``rows`` request rows; :meth:`take` returns ``None`` when
+    it is full (the capture then runs again with a larger one).
+    """
+
+    lens: torch.Tensor  # int32 [groups, 2, rows]
+    meta: torch.Tensor  # uint32 [groups, 1024]
+    used: int = 0
+
+    @classmethod
+    def make(cls, memory: torch.device, groups: int, rows: int) -> LensArena:
+        return cls(
+            lens=torch.zeros(groups, 2, rows, dtype=torch.int32, device=memory),
+            meta=torch.zeros(groups, 1024, dtype=torch.uint32, device=memory),
+        )
+
+    def take(self, batch: int, plan_args: Mapping[str, Any], slot: str) -> LensGroup | None:
+        if self.used >= int(self.lens.shape[0]) or batch > int(self.lens.shape[2]):
+            return None
+        g = self.used
+        self.used += 1
+        lens = self.lens[g, :, :batch]
+        return LensGroup(
+            lens=lens, qlen=lens[0], kvlen=lens[1], meta=self.meta[g], plan_args=plan_args, slot=slot, batch=batch
+        )
+
+
 def _never(args: Mapping[str, Any]) -> bool:
     return False
 
@@ -160,7 +218,11 @@ class OpSpec:
       them wrongly;
     * ``prepare(memory)``: make the per-device constants its arguments share across
       graphs (FIA's causal mask) — called before every capture, since a tensor made
-      inside one comes from that graph's pool and is written only by its replay.
+      inside one comes from that graph's pool and is written only by its replay;
+    * ``lens_on_device``: the kernel reads its lengths (and a tiling plan) from device memory
+      (a :class:`LensGroup`, passed to ``arguments`` as ``buffers``): it is captured with no
+      task group, and a step writes the group's lengths and issues ``metadata_kernel`` once
+      (``plan_args(call)``: its shape arguments), with no per-layer update.
     """
 
     name: str
@@ -169,19 +231,42 @@ class OpSpec:
     host_args: tuple[str, ...]
     refreshed_buffers: tuple[str, ...]
     cache_arg: str
-    arguments: Callable[[AttentionCall, StepLens, torch.Tensor | None], dict[str, Any]]
+    # (call, lens, workspace) -> kwargs; a lens_on_device kernel also takes ``buffers=``
+    arguments: Callable[..., dict[str, Any]]
     host_values: Callable[[StepLens], dict[str, Any]]
     workspace_bytes: Callable[[Any, dict[str, Any], int], int]
     unsupported: Callable[[AttentionCall], str | None]
     fused_update: bool = False
     prepare: Callable[[torch.device], object] = _no_constants
     one_query_token: Callable[[Mapping[str, Any]], bool] = _never
+    lens_on_device: bool = False
+    metadata_kernel: str | None = None
+    plan_args: Callable[[AttentionCall], dict[str, Any]] | None = None
 
     def kernel_fn(self, device: Any) -> Callable[..., Any]:
         """Resolve the entry point on ``device`` (once per capture, not per step)."""
-        fn = getattr(device.ops, self.kernel)
+        fn = getattr(device.device_length_ops if self.lens_on_device else device.ops, self.kernel)
         return getattr(fn, self.overload) if self.overload else fn
 
     def launch(self, device: Any, kwargs: dict[str, Any]) -> None:
         """Issue the kernel: run eagerly, record during capture, rewrite inside an update."""
         self.kernel_fn(device)(**kwargs)
+
+    def issue_metadata(self, device: Any, group: LensGroup) -> None:
+        """Issue the metadata op of a ``lens_on_device`` kernel on the current stream: the plan
+        for the lengths in ``group`` (outside any graph: a captured one is not re-run)."""
+        fn = getattr(device.device_length_ops, self.metadata_kernel or "")
+        fn(group.qlen, group.kvlen, meta_data=group.meta, **group.plan_args)
+
+    def run_eager(self, device: Any, call: AttentionCall, lens: StepLens) -> None:
+        """Run the kernel outside a graph on ``lens`` (a tiling-sink kernel gets its lengths
+        in fresh device memory, copied from page-locked memory, and its plan first)."""
+        if not self.lens_on_device:
+            self.launch(device, self.arguments(call, lens, None))
+            return
+        assert self.plan_args is not None  # a lens_on_device declaration names its plan arguments
+        group = LensGroup.make(call.query.device, len(lens.kv_lens), self.plan_args(call), "eager")
+        host = device.staged(torch.tensor([list(lens.q_ends), list(lens.kv_lens)], dtype=torch.int32, device="cpu"))
+        group.lens.copy_(host, non_blocking=True)
+        self.issue_metadata(device, group)
+        self.launch(device, self.arguments(call, lens, None, buffers=group))

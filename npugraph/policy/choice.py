@@ -14,10 +14,15 @@ __all__ = ["KernelChoice", "KernelPolicy"]
 
 @attrs.frozen(kw_only=True)
 class KernelChoice:
-    """The attention kernel of one graph (``"pa"``, ``"fia"``, or ``"none"``), and why."""
+    """The attention kernel of one graph (``"pa"``, ``"fia"``, ``"fia_sink"``, or ``"none"``), and why.
+
+    ``fixed``: take it as it is.  Otherwise capture turns ``"fia"`` / ``"fia_v2"`` into
+    ``"fia_sink"`` (lengths on the device) where the device and the call allow it.
+    """
 
     kernel: str
     reason: str
+    fixed: bool = False
 
 
 class KernelPolicy(Protocol):

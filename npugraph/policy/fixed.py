@@ -14,9 +14,10 @@ __all__ = ["FixedPolicy"]
 
 @attrs.frozen
 class FixedPolicy:
-    """Always ``kernel`` (``"pa"``, ``"fia"``, ``"fia_v2"`` or ``"mla"``)."""
+    """Always ``kernel`` (``"pa"``, ``"fia"``, ``"fia_v2"``, ``"fia_sink"`` or ``"mla"``), as it is:
+    ``"fia"`` stays FIA with host lengths, updated per layer."""
 
-    kernel: str = attrs.field(validator=attrs.validators.in_(("pa", "fia", "fia_v2", "mla")))
+    kernel: str = attrs.field(validator=attrs.validators.in_(("pa", "fia", "fia_v2", "fia_sink", "mla")))
 
     def choose(self, namespace: str, key: Hashable, tokens: int, calls: Sequence[AttentionCall]) -> KernelChoice:
-        return KernelChoice(kernel=self.kernel, reason=f"fixed: {self.kernel}")
+        return KernelChoice(kernel=self.kernel, reason=f"fixed: {self.kernel}", fixed=True)

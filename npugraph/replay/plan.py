@@ -6,15 +6,16 @@ no lookups, no sorting, no string matching on the step path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import torch
 
 from npugraph.capture import CapturedGraph
-from npugraph.ops import OpSpec, batch_refusal, pad_lens
+from npugraph.ops import LensGroup, OpSpec, batch_refusal, pad_lens
 
-__all__ = ["Geometry", "TaskPlan", "UpdatePlan", "build_plan"]
+__all__ = ["Geometry", "LensWrite", "TaskPlan", "UpdatePlan", "build_plan"]
 
 
 @attrs.frozen(kw_only=True)
@@ -61,6 +62,52 @@ class TaskPlan:
     null_host: dict[str, Any]
     where: str  # "namespace/key layer name", for errors (made once, not per step)
     one_query_token: bool  # as captured, it runs one query token per request (OpSpec.one_query_token)
+    lens: LensGroup | None = None  # a tiling-sink task's lengths and plan (never re-issued)
+
+
+@attrs.define(kw_only=True, eq=False)
+class _Staging:
+    """Page-locked host memory one step's lengths are copied from, and the event of that copy."""
+
+    host: torch.Tensor
+    values: Any  # its numpy view: filled without a torch op or an allocation
+    event: Any
+    used: bool = False
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class LensWrite:
+    """A step's write of one tiling-sink group: its lengths by one copy from page-locked
+    memory, then the metadata op for its plan, on the current (update) stream.
+
+    ``task`` is the first task reading the group: its host values are the group's.  The
+    page-locked buffers form a ring: one is refilled only once the copy that last read it
+    has run (its event says so, without a wait); if none has, the ring grows by one.
+    """
+
+    group: LensGroup
+    spec: OpSpec
+    task: int
+    device: Any
+    ring: list[_Staging] = attrs.field(factory=list)
+
+    def write(self, hv: Mapping[str, Any]) -> None:
+        staging = self._free()
+        for row, values in enumerate(hv.values()):  # the spec's host values: query ends, key lengths
+            staging.values[row, :] = values
+        self.group.lens.copy_(staging.host, non_blocking=True)
+        staging.event.record()
+        staging.used = True
+        self.spec.issue_metadata(self.device, self.group)
+
+    def _free(self) -> _Staging:
+        for staging in self.ring:
+            if not staging.used or staging.event.query():
+                return staging
+        host = self.device.staged(torch.zeros(2, self.group.batch, dtype=torch.int32, device="cpu"))
+        staging = _Staging(host=host, values=host.numpy(), event=self.device.npu.Event())
+        self.ring.append(staging)
+        return staging
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -78,6 +125,9 @@ class UpdatePlan:
     uniform: bool
     shapes: tuple[tuple[int, int, bool], ...]  # distinct (request rows, query tokens, one query token each)
     tokens: int  # the graph's token count (what a graph without attention takes)
+    updatable: tuple[TaskPlan, ...] = ()  # the tasks re-issued in task updates (not tiling-sink ones)
+    lens_writes: tuple[LensWrite, ...] = ()  # one per tiling-sink group: written once per step
+    lens_recorder: TaskPlan | None = None  # the tiling-sink task that records the graph's shared event
 
     def refusal(self, num_tokens: int, num_reqs: int) -> str | None:
         """Why a step of ``num_reqs`` real requests and ``num_tokens`` real query tokens
@@ -105,7 +155,7 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
     for t in entry.tasks:
         kw = {k: v for k, v in t.kwargs().items() if k not in t.spec.host_args}
         # the 4-in-1 always records the event: only for the task that ends its event group
-        fused = bool(t.spec.fused_update and fused_fn is not None and t.records)
+        fused = bool(t.spec.fused_update and fused_fn is not None and t.records and t.lens is None)
         qkv = (kw.pop("query"), kw.pop("key"), kw.pop("value")) if fused else None
         (table_arg,) = t.spec.refreshed_buffers  # the block table, refreshed by copy
         bt, kc, q = t.args[table_arg], t.args[t.spec.cache_arg], t.args["query"]  # every spec has them
@@ -127,7 +177,7 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
                 handle=t.handle,
                 event=t.event,
                 records=t.records,
-                kernel=t.spec.kernel_fn(device),
+                kernel=_not_reissued if t.lens is not None else t.spec.kernel_fn(device),
                 fused=fused,
                 kwargs=kw,
                 qkv=qkv,
@@ -136,10 +186,15 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
                 null_host=t.spec.host_values(pad_lens([], None, geometry.batch, geometry.tokens)),
                 where=f"{entry.namespace}/{entry.key!r} layer {t.layer!r}",
                 one_query_token=t.spec.one_query_token(t.args),
+                lens=t.lens,
             )
         )
     specs = {t.spec.name for t in tasks}
     distinct = tuple({id(t.block_table): t.block_table for t in tasks}.values())
+    writes: dict[int, LensWrite] = {}
+    for tp in tasks:
+        if tp.lens is not None and id(tp.lens) not in writes:
+            writes[id(tp.lens)] = LensWrite(group=tp.lens, spec=tp.spec, task=tp.index, device=device)
     return UpdatePlan(
         tasks=tuple(tasks),
         buffers=distinct,
@@ -148,7 +203,14 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
         uniform=len(specs) == 1 and len({t.geometry for t in tasks}) == 1,
         shapes=tuple(dict.fromkeys((t.geometry.batch, t.geometry.tokens, t.one_query_token) for t in tasks)),
         tokens=entry.tokens,
+        updatable=tuple(t for t in tasks if t.lens is None),
+        lens_writes=tuple(writes.values()),
+        lens_recorder=next((t for t in tasks if t.lens is not None and t.records), None),
     )
+
+
+def _not_reissued(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("a tiling-sink task is never re-issued: its lengths are written to the device")
 
 
 def _span(t: Any) -> tuple[int, int]:

@@ -63,7 +63,8 @@ class GraphState:
     """The per-step state of one captured graph (what capture recorded stays frozen).
 
     ``pending[i]``: task ``i`` recorded its event (it ends its event group) and no replay
-    consumed it yet;
+    consumed it yet (``last_reissued``: tasks re-issued by the last update, each tiling-sink
+    group written counting as one);
     ``applied[i]``: the host values last written into task ``i`` (identity tells an
     unchanged task; ``None``: unknown, re-issue it); ``lens_of[i]`` / ``host_of[i]``: the
     lengths task ``i`` was last given and their host values (a step with equal lengths
@@ -544,9 +545,21 @@ class ReplayUpdater:
         us = self.stream
         with self.device.npu.stream(us):
             self._order_update(us)
+            for w in plan.lens_writes:
+                null = plan.tasks[w.task].null_host
+                i = w.task
+                if state.applied[i] is not null and (keep is None or state.applied[i] is not keep[i]):
+                    try:
+                        w.write(null)
+                        state.applied[i] = null
+                    except Exception:
+                        state.applied[i] = None
+                        ok = False
             for t in plan.tasks:
                 i = t.index
-                if state.applied[i] is not t.null_host and (keep is None or state.applied[i] is not keep[i]):
+                if t.lens is not None:
+                    pass  # written above
+                elif state.applied[i] is not t.null_host and (keep is None or state.applied[i] is not keep[i]):
                     try:
                         self._reissue(us, t, t.null_host)
                         state.applied[i] = t.null_host
@@ -600,6 +613,7 @@ class ReplayUpdater:
         deferred: list[_DeferredCheck] = []
         lens_by: dict[tuple[int, Any], StepLens] = {}
         host_by: dict[tuple[int, str], dict[str, Any]] = {}
+        lens_seen: dict[int, tuple[StepLens, str]] = {}
         new_lens: dict[str, StepLens] = {}
         host: list[dict[str, Any]] = []
         for i, meta in enumerate(metas):
@@ -621,6 +635,15 @@ class ReplayUpdater:
                     "read one captured block-table buffer; give those layers their own buffers (capture "
                     "them with separate block tables or KV-cache groups) or the same block table"
                 )
+            if t.lens is not None:
+                other = lens_seen.setdefault(id(t.lens), (lens, t.layer))
+                if other[0] is not lens and (other[0].kv_lens, other[0].q_ends) != (lens.kv_lens, lens.q_ends):
+                    raise MetadataError(
+                        f"{entry.namespace}/{entry.key!r} layer {t.layer!r}: its metadata has other lengths than "
+                        f"layer {other[1]!r}, but both layers read one device-length buffer (KV-cache group "
+                        f"{t.group!r}); pass one metadata per KV-cache group, or capture those layers in "
+                        "separate groups"
+                    )
             name = t.spec.name
             cached = state.host_of[i]
             if cached is not None and cached[0] is lens:
@@ -760,11 +783,32 @@ class ReplayUpdater:
             raise _TaskFailed(-1, exc) from exc
 
     def _issue_tasks(self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]]) -> int:
-        """Re-issue every task whose host values changed; record every task's event once."""
+        """Re-issue every task whose host values changed; record every task's event once.
+
+        Tiling-sink groups first: each group's lengths are written and its plan made once
+        (when they changed), then the graph's one event for them is recorded."""
         applied, pending, skip, fused_fn = state.applied, state.pending, self.skip_unchanged, self._fused
         reissue = self._reissue
         reissued = 0
-        for t in plan.tasks:
+        for w in plan.lens_writes:
+            i = w.task
+            hv = host[i]
+            if skip and applied[i] is hv:
+                continue
+            try:
+                w.write(hv)
+            except Exception as exc:
+                raise _TaskFailed(i, exc) from exc
+            applied[i] = hv
+            reissued += 1
+        rec = plan.lens_recorder
+        if rec is not None and not pending[rec.index]:
+            try:
+                rec.event.record(us)
+            except Exception as exc:
+                raise _TaskFailed(rec.index, exc) from exc
+            pending[rec.index] = True
+        for t in plan.updatable:
             i = t.index
             try:
                 hv = host[i]

@@ -21,6 +21,11 @@ from npugraph.sim import _device, _hccl, _torch_npu, npu
 from npugraph.sim._cache import PAD_SLOT_ID, _npu_reshape_and_cache, npu_scatter_pa_kv_cache
 from npugraph.sim._dense import _npu_matmul_add_fp32, _npu_rotary_embedding, npu_add_rms_norm, npu_rms_norm, npu_swiglu
 from npugraph.sim._fia import _npu_fused_infer_attention_score_get_max_workspace, npu_fused_infer_attention_score
+from npugraph.sim._fia_sink import (
+    StaleTilingError,
+    _npu_fused_infer_attention_score_v2_sink_metadata,
+    npu_fused_infer_attention_score_v2_sink,
+)
 from npugraph.sim._fia_v2 import (
     _npu_fused_infer_attention_score_v2_get_max_workspace,
     npu_fused_infer_attention_score_v2,
@@ -52,6 +57,9 @@ __all__ = [
     "_npu_fused_infer_attention_score_get_max_workspace",
     "npu_fused_infer_attention_score_v2",
     "_npu_fused_infer_attention_score_v2_get_max_workspace",
+    "npu_fused_infer_attention_score_v2_sink",
+    "_npu_fused_infer_attention_score_v2_sink_metadata",
+    "StaleTilingError",
     "npu_fusion_attention",
     "npu_scatter_pa_kv_cache",
     "_npu_reshape_and_cache",
