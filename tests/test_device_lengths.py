@@ -295,3 +295,29 @@ def _shared_engine(order):
     cfg, rt, eng = _ENGINES[order]
     rt.order = order
     return cfg, rt, eng
+
+
+def test_a_page_locked_buffer_is_refilled_only_after_its_copy_ran():
+    """The lengths are copied from page-locked memory when the stream gets there: a step
+    issued while the previous copy still waits must take another buffer (the ring grows),
+    or the waiting copy would read the new step's lengths."""
+    cfg, rt, eng = _engine(sizes=(8,), layers=2)
+    write = rt.updater.plan(rt.entry(8)).lens_writes[0]
+    npu = rt.device.npu
+    blocked = npu.Stream()
+    gate = npu.ExternalEvent()
+    gate.wait(blocked)  # everything issued on it waits until the gate is recorded
+    first = {"actual_seq_qlen": tuple(range(1, 9)), "actual_seq_kvlen": (5,) * 8}
+    second = {"actual_seq_qlen": tuple(range(1, 9)), "actual_seq_kvlen": (9,) * 8}
+    with npu.stream(blocked):
+        write.write(first)
+        write.write(second)  # the first copy has not run: its buffer is still being read
+    assert len(write.ring) == 2
+    assert [int(x) for x in write.ring[0].values[1]] == [5] * 8, "the waiting copy's lengths are intact"
+    gate.record(npu.current_stream())
+    npu.synchronize()
+    assert write.group.kvlen.tolist() == [9] * 8
+    with npu.stream(blocked):
+        write.write(first)  # both copies ran: a buffer is free again
+    npu.synchronize()
+    assert len(write.ring) == 2 and write.group.kvlen.tolist() == [5] * 8
