@@ -295,3 +295,56 @@ def test_import_torch_npu_first_in_a_fresh_process_through_the_installed_pth():
     ]
     bare = _run("import sys\nprint('torch' in sys.modules)", env={ENV: "0"})
     assert bare.strip() == "False"
+
+
+def test_torch_accelerator_synchronize_reaches_the_simulators_streams():
+    """vLLM's capture_model calls ``torch.accelerator.synchronize()``: the device guard's
+    synchronizeDevice runs the simulator's synchronize, so a hang is reported, not waited on."""
+    import torch
+
+    from npugraph import sim
+
+    if not hasattr(torch, "accelerator"):
+        pytest.skip("torch.accelerator is new in torch 2.6")
+    sim.install_npu_device()
+    x = torch.ones(4, device="npu")
+    blocked = sim.npu.Stream()
+    gate = sim.npu.ExternalEvent()
+    gate.wait(blocked)
+    with sim.npu.stream(blocked):
+        y = x + 1
+    with pytest.raises(sim.DeadlockError, match="would block forever"):
+        torch.accelerator.synchronize()
+    gate.record(sim.npu.current_stream())
+    torch.accelerator.synchronize()
+    assert y.cpu().tolist() == [2.0] * 4
+
+
+def test_an_engines_custom_op_with_an_npu_kernel_is_captured_op_by_op():
+    """vLLM registers ``vllm::unified_attention_with_output`` with a Python kernel for the
+    platform's device: captured in a graph, its code runs with the recorder on, so the ops
+    inside it become graph nodes that a replay runs on the inputs of the moment."""
+    import torch
+
+    from npugraph import sim
+
+    sim.install_npu_device()
+    lib = torch.library.Library("npugraph_test", "FRAGMENT")
+    lib.define("scale_into(Tensor x, Tensor(a!) out) -> ()")
+
+    def scale_into(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x * 2 + 1)
+
+    lib.impl("scale_into", scale_into, "PrivateUse1")
+    x = torch.zeros(4, device="npu")
+    out = torch.zeros(4, device="npu")
+    g = sim.npu.NPUGraph()
+    with sim.npu.graph(g):
+        torch.ops.npugraph_test.scale_into(x, out)
+    assert out.cpu().tolist() == [0.0] * 4, "captured, not run"
+    x.copy_(torch.arange(4.0))
+    g.replay()
+    assert out.cpu().tolist() == [1.0, 3.0, 5.0, 7.0]
+    x.fill_(1.0)
+    g.replay()
+    assert out.cpu().tolist() == [3.0] * 4

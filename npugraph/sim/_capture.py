@@ -25,6 +25,14 @@ from npugraph.sim.errors import CaptureError
 
 __all__ = ["CaptureSession", "make_host_copy"]
 
+_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims"})
+_NPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
+
+
+def _has_npu_kernel(func: Any) -> bool:
+    """Whether ``func`` has a kernel of its own for the npu device (a custom op's)."""
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.PrivateUse1))
+
 
 class _Recorder(TorchDispatchMode):
     def __init__(self, session: CaptureSession) -> None:
@@ -98,6 +106,11 @@ class CaptureSession:
             self.append(ExtRecordNode(event, self.graph))
 
     def record_aten(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if func.namespace not in _TORCH_NAMESPACES and _has_npu_kernel(func):
+            # an engine's custom op whose npu kernel is Python (vLLM's unified attention): run
+            # that code with the recorder on, so that the ops inside it are recorded one by one
+            with self.recorder:
+                return func.redispatch(_NPU_KEYS, *args, **kwargs)
         if is_host_read(func, args, self.check_host_read) or func.is_view:
             return func(*args, **kwargs)  # a read of memory the capture did not write, or metadata only
         if op_device(args, kwargs).type != "npu":

@@ -83,6 +83,10 @@ def install(module: Any) -> None:
             "simulator's device cannot be installed beside it"
         )
     build()
+    # torch.accelerator.synchronize() reaches the device guard, which calls this op
+    torch.library.impl("npugraph_sim::synchronize_device", "CompositeExplicitAutograd")(
+        lambda index: module.synchronize()
+    )
     torch.utils.rename_privateuse1_backend(BACKEND)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     torch._register_device_module(BACKEND, module)

@@ -463,6 +463,14 @@ struct NpuGuard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceIndex deviceCount() const noexcept override {
     return device_count();
   }
+  // torch.accelerator.synchronize() (vLLM's capture_model calls it): the simulator's
+  // streams live in Python, which implements this op (npugraph.sim._device.install)
+  void synchronizeDevice(const c10::DeviceIndex index) const override {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("npugraph_sim::synchronize_device", "")
+                         .typed<void(int64_t)>();
+    op.call(static_cast<int64_t>(index));
+  }
 };
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, NpuGuard);
@@ -555,6 +563,7 @@ TORCH_LIBRARY(npugraph_sim, m) {
   m.def("current_device() -> int", current_device_op);
   m.def("set_device(int index) -> ()", set_device_op);
   m.def("device_count() -> int", device_count_op);
+  m.def("synchronize_device(int index) -> ()");  // implemented in Python: the streams are there
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
