@@ -122,6 +122,9 @@ def test_layers_with_other_block_tables_on_one_buffer_are_refused():
 def test_several_kv_cache_groups():
     groups = {"layer0": "window", "layer1": "global", "layer2": "window"}
     h = Harness([4, 8], layers=3, groups=groups)
+    # FIA's lengths on the device: one length buffer and plan per group (the first capture's
+    # arena held one: the capture ran again with room for two)
+    assert [g.slot for g in h.rt.entry(8).lens_groups] == ["window", "global"]
     for step in range(6):
         size = 8 if step % 2 else 4
         r = h.rng.randint(1, size)
