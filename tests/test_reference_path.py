@@ -133,16 +133,19 @@ def test_several_kv_cache_groups():
         h.check(h.step(size, by_group, q), q, {n: by_group[g] for n, g in groups.items()})
 
 
-def test_micro_batches_each_from_their_own_metadata():
+@pytest.mark.parametrize("size", [4, 8])  # PA; FIA with its lengths on the device
+def test_micro_batches_each_from_their_own_metadata(size):
     groups = {"layer0": "a", "layer1": "b"}
-    h = Harness([4], layers=2, groups=groups, ubatches=2)
+    h = Harness([size], layers=2, groups=groups, ubatches=2)
+    if size == 8:  # a length buffer and plan per group and micro-batch
+        assert [g.slot for g in h.rt.entry(8).lens_groups] == ["a", "b", "a#ubatch1", "b#ubatch1"]
     for step in range(4):
         per = []
         for _ in range(2):
-            r = h.rng.randint(1, 4)
+            r = h.rng.randint(1, size)
             per.append({"a": h.random_meta(r), "b": h.random_meta(r)})
-        q = query_for(h, 4, step)
-        out = h.step(4, per, q)
+        q = query_for(h, size, step)
+        out = h.step(size, per, q)
         for u in range(2):
             h.check(out, q, {n: per[u][g] for n, g in groups.items()}, ubatch=u)
 
