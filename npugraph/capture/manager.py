@@ -467,6 +467,27 @@ class CaptureManager:
             groups, rows = lens_room or (self._lens_groups.get(namespace, 1), tokens)
             ctx.lens_arena = LensArena.make(self.device.memory, groups, max(rows, tokens))
         graph = npu.NPUGraph()
+
+        def again(
+            sched: EventSchedule | None, *, refusal: str = sink_refusal, room: tuple[int, int] | None = lens_room
+        ) -> Any:
+            """Drop this capture and capture the callable again (nothing was registered)."""
+            graph.reset()
+            self._ctx = None
+            return self._capture_once(
+                fn,
+                args,
+                kwargs,
+                namespace,
+                key,
+                tokens,
+                static_inputs,
+                require_attention,
+                sched,
+                sink_refusal=refusal,
+                lens_room=room,
+            )
+
         t0 = time.perf_counter()
         self._ctx = ctx
         failure: BaseException | None = None
@@ -489,37 +510,10 @@ class CaptureManager:
                 self._task_counts[namespace] = len(ctx.tasks)  # the namespace's first graph counts
                 learned = self._schedule(namespace)
                 if schedule is None and learned is not None and any(t.lens is None for t in ctx.tasks):
-                    graph.reset()
-                    self._ctx = None
-                    return self._capture_once(
-                        fn,
-                        args,
-                        kwargs,
-                        namespace,
-                        key,
-                        tokens,
-                        static_inputs,
-                        require_attention,
-                        learned,
-                        sink_refusal=sink_refusal,
-                        lens_room=lens_room,
-                    )
+                    return again(learned)
             if ctx.lens_short is not None:
-                graph.reset()
-                self._ctx = None
                 self._lens_groups[namespace] = max(self._lens_groups.get(namespace, 1), ctx.lens_short[0])
-                return self._capture_once(
-                    fn,
-                    args,
-                    kwargs,
-                    namespace,
-                    key,
-                    tokens,
-                    static_inputs,
-                    require_attention,
-                    schedule,
-                    lens_room=ctx.lens_short,
-                )
+                return again(schedule, room=ctx.lens_short)
             on_device = [t for t in ctx.tasks if t.lens is not None]
             forced = any(c.fixed and c.kernel == "fia_sink" for _, c in ctx.choices.values())
             mixed = on_device and schedule is not None and len(on_device) < len(ctx.tasks)
@@ -529,57 +523,31 @@ class CaptureManager:
                     "another kernel, updated per layer, for others, with event grouping on; capture with "
                     "event_group=1 or one kernel for every layer"
                 )
-            again = ""
+            refused = ""
             if forced:
                 pass  # the policy's choice, taken as it is
             elif on_device and len(on_device) < SINK_MIN_LAYERS:
-                again = (
+                refused = (
                     f"{len(on_device)} attention layer(s): below the {SINK_MIN_LAYERS} from which the "
                     "tiling-sink path saves host time"
                 )
             elif mixed:
-                again = "the graph mixes tiling-sink and per-layer tasks, and event grouping is on"
-            if again:
-                graph.reset()
-                self._ctx = None
-                return self._capture_once(
-                    fn,
-                    args,
-                    kwargs,
-                    namespace,
-                    key,
-                    tokens,
-                    static_inputs,
-                    require_attention,
-                    schedule if schedule is not None else self._schedule(namespace),
-                    sink_refusal=again,
-                )
+                refused = "the graph mixes tiling-sink and per-layer tasks, and event grouping is on"
+            if refused:
+                return again(schedule if schedule is not None else self._schedule(namespace), refusal=refused)
             if on_device:  # the graph's last tiling-sink task records the shared event
                 last = on_device[-1].index
                 ctx.tasks[last] = attrs.evolve(ctx.tasks[last], records=True)
             if schedule is not None and len(ctx.tasks) != schedule.tasks:
-                graph.reset()
                 # this graph has another task count than its namespace's first: its last group
                 # would never record; capture it again with one event per task
-                self._ctx = None
                 warnings.warn(
                     f"capture of {namespace}/{key!r}: {len(ctx.tasks)} attention calls, but the first graph "
                     f"of namespace {namespace!r} had {schedule.tasks}; this graph records one ExternalEvent "
                     f"per layer (event_group={schedule.size} does not apply to it)",
                     stacklevel=2,
                 )
-                return self._capture_once(
-                    fn,
-                    args,
-                    kwargs,
-                    namespace,
-                    key,
-                    tokens,
-                    static_inputs,
-                    require_attention,
-                    None,
-                    sink_refusal=sink_refusal,
-                )
+                return again(None, room=None)
             entry = CapturedGraph(
                 namespace=namespace,
                 key=key,

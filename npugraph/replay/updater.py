@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import os
 import sys
 import time
@@ -543,31 +544,27 @@ class ReplayUpdater:
         """
         ok = True
         us = self.stream
+
+        def reset(i: int, null: dict[str, Any], write: Callable[[dict[str, Any]], None]) -> None:
+            nonlocal ok
+            if state.applied[i] is null or (keep is not None and state.applied[i] is keep[i]):
+                return
+            try:
+                write(null)
+                state.applied[i] = null
+            except Exception:
+                state.applied[i] = None
+                ok = False
+
         with self.device.npu.stream(us):
             self._order_update(us)
-            for w in plan.lens_writes:
-                null = plan.tasks[w.task].null_host
-                i = w.task
-                if state.applied[i] is not null and (keep is None or state.applied[i] is not keep[i]):
-                    try:
-                        w.write(null)
-                        state.applied[i] = null
-                    except Exception:
-                        state.applied[i] = None
-                        ok = False
+            for w in plan.lens_writes:  # a tiling-sink group: its lengths and plan, once
+                reset(w.task, plan.tasks[w.task].null_host, w.write)
             for t in plan.tasks:
-                i = t.index
-                if t.lens is not None:
-                    pass  # written above
-                elif state.applied[i] is not t.null_host and (keep is None or state.applied[i] is not keep[i]):
-                    try:
-                        self._reissue(us, t, t.null_host)
-                        state.applied[i] = t.null_host
-                    except Exception:
-                        state.applied[i] = None
-                        ok = False
-                if t.records and not state.pending[i]:
-                    state.pending[i] = True
+                if t.lens is None:
+                    reset(t.index, t.null_host, functools.partial(self._reissue, us, t))
+                if t.records and not state.pending[t.index]:
+                    state.pending[t.index] = True
                     with contextlib.suppress(Exception):
                         t.event.record(us)
         self._waiting_ran(state)

@@ -476,12 +476,18 @@ def _fia_default(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
     return p["out"][0], p["out"][1]
 
 
-def fia_out(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Any:
-    p = _fia_params(query, key, value, **kwargs)
+def out_pair(p: dict[str, Any]) -> list[Any]:
+    """An FIA ``.out`` overload's ``out``: [attention_out, softmax_lse], as a list in ``p``."""
     outs = p.get("out")
     if not isinstance(outs, (list, tuple)) or len(outs) != 2:
         raise ValueError("out must have 2 tensors (attention_out, softmax_lse)")
     p["out"] = list(outs)
+    return p["out"]
+
+
+def fia_out(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Any:
+    p = _fia_params(query, key, value, **kwargs)
+    outs = out_pair(p)
     if rt.get_state().current_stream._updating is None:  # an update compares with the captured outs
         _check_out_shapes(_FIA_OUT, p)
     launch(_FIA_OUT, p)

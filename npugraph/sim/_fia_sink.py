@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from npugraph.sim import _runtime as rt
-from npugraph.sim._fia import INT_MAX, fia_check, fia_compute
+from npugraph.sim._fia import INT_MAX, fia_check, fia_compute, out_pair
 from npugraph.sim._launch import OpPacket, SimOp, fail, launch, need_tensor
 from npugraph.sim.errors import SimError
 
@@ -244,9 +244,7 @@ def _kernel_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     if plan[0] != _MAGIC:
         raise StaleTilingError(f"{_OP}: meta_data holds no tiling plan." + hint)
     head_dim = int(p["query"].shape[2])
-    want = _meta_header(
-        {**p, "head_dim": head_dim, "block_size": p["block_size"], "sparse_mode": p.get("sparse_mode", 0)}, len(kv)
-    )
+    want = _meta_header({**p, "head_dim": head_dim}, len(kv))
     if plan[: len(want)] != want:
         raise StaleTilingError(
             f"{_OP}: meta_data's plan was computed for another shape (batch, heads, kv heads, head dim, "
@@ -318,10 +316,7 @@ def _sink_default(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
 
 def _sink_out(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Any:
     p = _sink_params(query, key, value, **kwargs)
-    outs = p.get("out")
-    if not isinstance(outs, (list, tuple)) or len(outs) != 2:
-        raise ValueError(f"{_OP}.out: out must have 2 tensors (attention_out, softmax_lse)")
-    p["out"] = list(outs)
+    outs = out_pair(p)
     launch(_SINK_OUT, p)
     return outs[0], outs[1]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from npugraph.sim._fia import FIA, INT_MAX, alloc_outputs, fia_check, fia_compute, fia_workspace
+from npugraph.sim._fia import FIA, INT_MAX, alloc_outputs, fia_check, fia_compute, fia_workspace, out_pair
 from npugraph.sim._launch import OpPacket, SimOp, host_copy, launch, max_workspace
 
 __all__ = ["npu_fused_infer_attention_score_v2", "_npu_fused_infer_attention_score_v2_get_max_workspace"]
@@ -99,10 +99,7 @@ def _v2_default(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **k
 
 def _v2_out(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Any:
     p = _v2_params(query, key, value, **kwargs)
-    outs = p.get("out")
-    if not isinstance(outs, (list, tuple)) or len(outs) != 2:
-        raise ValueError("out must have 2 tensors (attention_out, softmax_lse)")
-    p["out"] = list(outs)
+    outs = out_pair(p)
     launch(_V2_OUT, p)
     return outs[0], outs[1]
 
