@@ -76,8 +76,52 @@ class _TorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """The simulator is initialised already."""
 
 
+class _TritonFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Triton on the simulator (:mod:`npugraph.sim._triton`), wired in as Triton's modules load:
+    its backend joins ``triton.backends``, interpreted launches become simulator kernels, and
+    ``import triton.language.extra.cann.extension`` (triton-ascend's) gives a stand-in."""
+
+    AFTER = {
+        "triton.backends": "register_backend",
+        "triton.runtime.interpreter": "launch_as_kernels",
+    }
+    STAND_INS = ("triton.language.extra.cann", "triton.language.extra.cann.extension")
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name in self.STAND_INS:
+            return importlib.util.spec_from_loader(name, self, is_package=not name.endswith("extension"))
+        if name not in self.AFTER:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run, then = spec.loader.exec_module, self.AFTER[name]
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            from npugraph.sim import _triton
+
+            getattr(_triton, then)(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        if spec.name.endswith("extension"):
+            from npugraph.sim import _triton
+
+            return _triton.cann_extension()
+        return None
+
+    def exec_module(self, module: Any) -> None:
+        """The stand-in is complete when made."""
+
+
 def from_pth() -> None:
-    """Called by ``npugraph-sim.pth`` at interpreter start: install the finder if asked."""
+    """Called by ``npugraph-sim.pth`` at interpreter start: install the finders if asked.
+
+    Triton kernels then run in Triton's interpreter (``TRITON_INTERPRET=1`` unless set),
+    the only way they run on a CPU."""
     asked = os.environ.get(ENV, "").strip() == "1"
     if (
         asked
@@ -85,3 +129,5 @@ def from_pth() -> None:
         and importlib.machinery.PathFinder.find_spec("torch_npu") is None  # a real one wins
     ):
         sys.meta_path.append(_TorchNpuFinder())
+        sys.meta_path.insert(0, _TritonFinder())
+        os.environ.setdefault("TRITON_INTERPRET", "1")

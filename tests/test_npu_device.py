@@ -15,6 +15,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -348,3 +349,127 @@ def test_an_engines_custom_op_with_an_npu_kernel_is_captured_op_by_op():
     x.fill_(1.0)
     g.replay()
     assert out.cpu().tolist() == [3.0] * 4
+
+
+def test_torch_npu_dense_kernels_are_torch_ops_that_compile_keeps_opaque():
+    """torch_npu's kernels are torch ops: ``torch.compile(fullgraph=True)`` (vLLM's
+    VLLM_COMPILE mode) keeps each call as one node, shaped by its fake implementation,
+    instead of tracing into the simulator.  Checked against a float64 reference."""
+    import torch
+
+    from npugraph import sim
+
+    sim.install_npu_device()
+    assert sim.npu_rms_norm is torch.ops.npu.npu_rms_norm
+    assert sim.npu_add_rms_norm is torch.ops.npu.npu_add_rms_norm
+    assert sim.npu_swiglu is torch.ops.npu.npu_swiglu
+    gen = torch.Generator().manual_seed(3)
+    x1 = torch.randn(5, 16, generator=gen).half()
+    x2 = torch.randn(5, 16, generator=gen).half()
+    w = torch.randn(16, generator=gen).half()
+
+    def block(a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        y, _, s = sim.npu_add_rms_norm(a, b, g, 1e-6)
+        z, _ = sim.npu_rms_norm(s, g, 1e-6)
+        return sim.npu_swiglu(torch.cat([y, z], dim=-1))
+
+    seen: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
+    out = compiled(x1.npu(), x2.npu(), w.npu()).cpu()
+    assert {"npu.npu_add_rms_norm", "npu.npu_rms_norm", "npu.npu_swiglu"} <= {s.removesuffix(".default") for s in seen}
+
+    def rms(v: torch.Tensor) -> torch.Tensor:
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+
+    s = x1.double() + x2.double()
+    both = torch.cat([rms(s), rms(s.half().double())], dim=-1)
+    a, b = both.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(a) * b
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    with pytest.raises(Exception, match="odd size"):
+        sim.npu_swiglu(torch.ones(2, 3, device="npu"))
+
+
+def test_a_compiled_graph_with_a_mutating_custom_op_is_captured_and_replays_right():
+    """A compiled graph calls a mutating custom op through ``auto_functionalized_v2`` (a
+    higher-order op) where no compiler re-inplaced it, as vllm-ascend's backend does: the
+    capture runs the higher-order op's dense implementation with the recorder on."""
+    import torch
+
+    from npugraph import sim
+
+    sim.install_npu_device()
+    lib = torch.library.Library("npugraph_test_hop", "FRAGMENT")
+    lib.define("shift_into(Tensor x, Tensor(a!) out) -> ()")
+
+    def shift_into(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x + 10)
+
+    lib.impl("shift_into", shift_into, "PrivateUse1")
+    lib.impl("shift_into", lambda x, out: None, "Meta")
+
+    def step(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        y = sim.npu_rms_norm(x, torch.ones(4, device=x.device), 1e-6)[0]
+        torch.ops.npugraph_test_hop.shift_into(y, out)
+        return out * 2
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    # like vLLM, keep the backend's compiled callable and call it without Dynamo's guards
+    kept: list[Any] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        kept.append(aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs))
+        return kept[-1]
+
+    x = torch.ones(3, 4, device="npu")
+    out = torch.zeros(3, 4, device="npu")
+    torch.compile(step, backend=backend, fullgraph=True)(x, out)  # compiles outside the capture
+    (compiled,) = kept
+    g = sim.npu.NPUGraph()
+    with sim.npu.graph(g):
+        (res,) = compiled(x, out)
+    for fill in (2.0, -3.0):
+        x.copy_(torch.full((3, 4), fill).npu() * torch.arange(1.0, 5.0).npu())
+        g.replay()
+        v = x.cpu().double()
+        ref = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) + 10
+        torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(res.cpu().double(), 2 * ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_copy_made_by_a_composite_op_inside_a_custom_ops_kernel_is_graph_memory():
+    """Inside a custom op's npu kernel autograd is below the recorder, so ``contiguous()``
+    arrives whole (its schema says "may alias").  vllm-ascend's Triton rope makes its query
+    contiguous there: the copy must come from the graph's pool, or the replay reads memory
+    freed after the capture (what the simulator first did with vLLM's ACL graph mode)."""
+    import gc
+
+    import torch
+
+    from npugraph import sim
+
+    sim.install_npu_device()
+    lib = torch.library.Library("npugraph_test_composite", "FRAGMENT")
+    lib.define("double_left(Tensor x) -> Tensor")
+
+    def double_left(x: torch.Tensor) -> torch.Tensor:
+        q = x[:, :3]
+        return q.contiguous().reshape(-1) * 2
+
+    lib.impl("double_left", double_left, "PrivateUse1")
+    x = torch.zeros(4, 5, device="npu")
+    g = sim.npu.NPUGraph()
+    with sim.npu.graph(g):
+        out = torch.ops.npugraph_test_composite.double_left(x)
+    gc.collect()
+    for k in (1.0, 7.0):
+        src = torch.arange(20.0).reshape(4, 5) * k
+        x.copy_(src.npu())
+        g.replay()
+        assert out.cpu().tolist() == (src[:, :3].reshape(-1) * 2).tolist()

@@ -7,6 +7,7 @@ as written.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import npugraph.sim as torch_npu
@@ -408,3 +409,48 @@ def test_pa_auto_dispatch_update_against_golden():
             p = torch.softmax(s, -1).half().float()
             golden[i, h] = p @ v[:, h // group]
     assert torch.allclose(output.cpu().float(), golden, atol=2e-3, rtol=1e-3)
+
+
+def test_pa_captured_with_lengths_past_its_table_is_accepted_and_faults_only_if_replayed_so():
+    """vllm-ascend captures PA at a context length past the block table (its
+    SEQ_LEN_WITH_MAX_PA_WORKSPACE, for the largest workspace), then updates every task with
+    the step's lengths before each replay.  A capture only records the arguments and the
+    device accepts them; the kernel reads past the table only if it runs so: the replay."""
+    npu.set_device(0)
+    tokens, heads, kv_heads, head_size, block_size = 2, 4, 2, 64, 16
+    query = torch.randn(tokens, heads, head_size, dtype=torch.float16, device=DEVICE)
+    cache = torch.randn(8, block_size, kv_heads, head_size, dtype=torch.float16, device=DEVICE)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)  # 32 positions per request
+    past = torch.tensor([6144, 6144], dtype=torch.int32)
+    args = dict(query=query, key_cache=cache, value_cache=cache, num_kv_heads=kv_heads, num_heads=heads)
+    args.update(scale_value=head_size**-0.5, block_table=table)
+    workspace = torch_npu._npu_paged_attention_get_workspace(**args, context_lens=past, out=torch.empty_like(query))
+    out = torch.empty_like(query)
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        stream = npu.current_stream()
+        event = npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        npu.graph_task_group_begin(stream)
+        torch_npu._npu_paged_attention(**args, context_lens=past, out=out, workspace=workspace)
+        handle = npu.graph_task_group_end(stream)
+    event.record(npu.current_stream())
+    g.replay()  # not updated: the kernel would read past the table
+    with pytest.raises(torch_npu.ReplayFault, match=r"context_lens\[0\]. = 6144 is outside \[0, 32\]"):
+        npu.synchronize()
+    lens = torch.tensor([32, 5], dtype=torch.int32)
+    stream = npu.current_stream()
+    # as vllm-ascend 0.23.0.post1's update does: a workspace for the step's lengths
+    workspace = torch_npu._npu_paged_attention_get_workspace(**args, context_lens=lens, out=out)
+    npu.graph_task_update_begin(stream, handle)
+    torch_npu._npu_paged_attention(**args, context_lens=lens, out=out, workspace=workspace)
+    npu.graph_task_update_end(stream)
+    event.record(stream)
+    g.replay()
+    npu.synchronize()
+    eager = torch.empty_like(query)
+    torch_npu._npu_paged_attention(**args, context_lens=lens, out=eager)
+    assert torch.equal(out.cpu(), eager.cpu())
+    with pytest.raises(ValueError, match="outside"):  # eagerly it runs at once: said at the call
+        torch_npu._npu_paged_attention(**args, context_lens=past, out=eager)

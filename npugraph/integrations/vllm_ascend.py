@@ -45,6 +45,7 @@ __all__ = ["Replaced", "capturing", "detect", "install", "uninstall", "metadata_
 
 logger = logging.getLogger("vllm.npugraph")
 
+_OPS = "vllm_ascend.ops"
 _ATTENTION = "vllm_ascend.attention.attention_v1"
 _ACL_GRAPH = "vllm_ascend.compilation.acl_graph"
 _UPDATABLE = ("vllm_ascend.compilation.updatable_graph", "vllm_ascend.worker.v2.updatable_graph")
@@ -103,6 +104,12 @@ def install() -> Replaced | None:
     Returns what was replaced (None where vllm-ascend is not installed); logs it, and
     warns once per expected name that was not found.
     """
+    # vllm-ascend 0.23.0.post1's modules import each other in a cycle (attention_v1 ->
+    # device_op -> ops -> fused_moe -> experts_selector -> device_op) that closes only from
+    # its ops package, which its worker imports first.  The plugin loads before that, so it
+    # imports in the same order: from attention_v1 the import fails halfway and leaves the
+    # cycle's modules half-initialised for vLLM's own imports (a generation then fails).
+    _module(_OPS)
     generation = detect()
     if generation is None:
         return None
@@ -161,10 +168,20 @@ def _warn_missing(name: str) -> None:
 
 
 def _module(name: str) -> Any:
+    """The module ``name``, or None where it does not exist (another failure is logged)."""
     try:
         return __import__(name, fromlist=["_"])
-    except Exception:
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (name == exc.name or name.startswith(f"{exc.name}.")):
+            _log_import_failure(name, exc)
         return None
+    except Exception as exc:
+        _log_import_failure(name, exc)
+        return None
+
+
+def _log_import_failure(name: str, exc: Exception) -> None:
+    logger.warning("npugraph: importing %s failed (%s: %s); its names are not replaced", name, type(exc).__name__, exc)
 
 
 def _replace_attr(owner: Any, name: str, value: Any, label: str, replaced: list[str], missing: list[str]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import _device, _hccl, _torch_npu, npu
+from npugraph.sim import _device, _hccl, _torch_npu, _torch_ops, npu
 from npugraph.sim._cache import PAD_SLOT_ID, _npu_reshape_and_cache, npu_scatter_pa_kv_cache
 from npugraph.sim._dense import _npu_matmul_add_fp32, _npu_rotary_embedding, npu_add_rms_norm, npu_rms_norm, npu_swiglu
 from npugraph.sim._fia import _npu_fused_infer_attention_score_get_max_workspace, npu_fused_infer_attention_score
@@ -240,6 +240,8 @@ def install_npu_device() -> None:
     the life of the process), without swapping any module for ``torch_npu``."""
     _device.install(npu)
     _hccl.register()
+    # torch_npu's kernels are torch ops (torch.compile keeps a call as one node)
+    _torch_ops.register(sys.modules[__name__])
 
 
 def uninstall_torch_npu() -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from npugraph.sim import _runtime as rt
@@ -34,7 +35,16 @@ def _has_npu_kernel(func: Any) -> bool:
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.PrivateUse1))
 
 
+def _composite(func: Any) -> bool:
+    """Whether ``func`` is a composite of other ops (it has a CompositeImplicitAutograd kernel)."""
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
+
+
 class _Recorder(TorchDispatchMode):
+    # a compiled graph calls higher-order ops (auto_functionalized_v2 around an engine's
+    # mutating custom op, when no compiler re-inplaced it): they reach the recorder too
+    supports_higher_order_operators = True
+
     def __init__(self, session: CaptureSession) -> None:
         super().__init__()
         self.session = session
@@ -42,9 +52,22 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return self.run_higher_order(func, args, kwargs)
         if self.passthrough:
             return func(*args, **kwargs)
         return self.session.record_aten(func, tuple(args), kwargs)
+
+    def run_higher_order(self, func: HigherOrderOperator, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Run a higher-order op as the device runs it, its dense implementation, with the
+        recorder on: the ops it issues (clones, the wrapped op) are recorded one by one."""
+        dense = func.py_kernels.get(torch._C.DispatchKey.CompositeExplicitAutograd)
+        if dense is None:
+            raise CaptureError(
+                f"cannot capture the higher-order op {func.name()}: it has no dense implementation to record"
+            )
+        with self:
+            return dense(*args, **kwargs)
 
 
 class CaptureSession:
@@ -111,6 +134,14 @@ class CaptureSession:
             # that code with the recorder on, so that the ops inside it are recorded one by one
             with self.recorder:
                 return func.redispatch(_NPU_KEYS, *args, **kwargs)
+        if _composite(func):
+            # inside such a kernel autograd is below us, so composite ops (``contiguous``,
+            # ``reshape``) arrive whole: their schema says "may alias", but a copy they make
+            # is new memory, which the graph's pool must hold, so run their decomposition
+            with self.recorder:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if is_host_read(func, args, self.check_host_read) or func.is_view:
             return func(*args, **kwargs)  # a read of memory the capture did not write, or metadata only
         if op_device(args, kwargs).type != "npu":

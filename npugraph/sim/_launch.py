@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from npugraph.sim import _runtime as rt
 from npugraph.sim._capture import CaptureSession, make_host_copy
@@ -62,8 +63,14 @@ class SimOp:
         auto: bool,
         max_workspace: Callable[[dict[str, Any], dict[str, Any]], int] | None = None,
         anchor: str = "query",
+        bounds: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
     ) -> None:
         self._max_workspace = max_workspace
+        # checks of what the kernel reads when it runs (lengths within the block table):
+        # a capture or a task update only records the arguments, and the device accepts
+        # them (vllm-ascend captures PA with a length past the table, for its workspace);
+        # the kernel reads out of bounds only when it runs, where the simulator raises
+        self._bounds = bounds
         # the device argument the others must share a device with (check_placement)
         self.anchor = anchor
         self.name, self.overload = name, overload
@@ -100,8 +107,14 @@ class SimOp:
                 "Size the workspace for the worst case over all lengths the graph may see."
             )
 
+    def check_bounds(self, params: dict[str, Any], info: dict[str, Any]) -> None:
+        """Raise if running the kernel on ``params`` would read out of bounds."""
+        if self._bounds is not None:
+            self._bounds(params, info)
+
     def execute(self, params: dict[str, Any], where: str) -> None:
         info = self._check(params)
+        self.check_bounds(params, info)
         self.check_workspace(params, where, info)
         st = rt.get_state()
         t0 = time.perf_counter()
@@ -170,7 +183,10 @@ def check_placement(op: SimOp, params: dict[str, Any]) -> None:
 
 @rt.locked
 def launch(op: SimOp, params: dict[str, Any]) -> None:
-    """Issue ``op`` on the current stream in whatever mode the stream is in."""
+    """Issue ``op`` on the current stream in whatever mode the stream is in (nothing for
+    fake tensors: a torch op's fake implementation, tracing shapes only)."""
+    if isinstance(params.get(op.anchor), FakeTensor):
+        return
     st = rt.get_state()
     st.charge("op_launch")
     st.counters["op:" + op.name] += 1
@@ -195,6 +211,7 @@ def launch(op: SimOp, params: dict[str, Any]) -> None:
         op.check_workspace(params, f"capture of {op.qualname}", info)
         session.record_kernel(op, params)
         return
+    op.check_bounds(params, info)  # it runs as soon as the stream reaches it: say so now
     op.check_workspace(params, f"launch of {op.qualname}", info)
     where = f"{op.qualname} on {stream!r}"
     # device memory from now on: eager ops on it are ordered after this kernel

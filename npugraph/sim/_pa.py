@@ -69,14 +69,19 @@ def _pa_check(p: dict[str, Any]) -> dict[str, Any]:
         raise fail(op, "out", f"must have shape {[t, n, vc.shape[3]]}, got {list(out.shape)}")
     cap = bt.shape[1] * bs
     lens = cl.tolist()
-    for i, length in enumerate(lens):
+    return {"max_len": max(lens, default=0), "max_kv": cap, "max_q": 1, "lens": lens, "block_size": bs}
+
+
+def _pa_bounds(p: dict[str, Any], info: dict[str, Any]) -> None:
+    cap, blocks = info["max_kv"], p["block_table"].shape[1]
+    for i, length in enumerate(info["lens"]):
         if length < 0 or length > cap:
             raise fail(
-                op,
+                "_npu_paged_attention",
                 f"context_lens[{i}]",
-                f"= {length} is outside [0, {cap}] (block_table has {bt.shape[1]} blocks of {bs} per request)",
+                f"= {length} is outside [0, {cap}] (block_table has {blocks} blocks of {info['block_size']} per "
+                "request): the kernel would read past the table",
             )
-    return {"max_len": max(lens, default=0), "max_kv": cap, "max_q": 1}
 
 
 def _pa_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
@@ -121,6 +126,7 @@ _PA = SimOp(
     workspace=_pa_workspace,
     auto=True,
     max_workspace=_pa_max_workspace,
+    bounds=_pa_bounds,
 )
 
 

@@ -67,7 +67,12 @@ def submodules(c: Any) -> dict[str, types.ModuleType]:
         profile=_not_simulated("torch_npu.profiler.profile"),
         tensorboard_trace_handler=_not_simulated("torch_npu.profiler.tensorboard_trace_handler"),
     )
+    # torch_npu's inductor backend: vllm-ascend's worker imports it when Triton is on, for
+    # what it registers with inductor; the simulator has none (vllm-ascend compiles without
+    # inductor on the simulator, as its own backend does by default)
+    inductor = _module("torch_npu._inductor")
     modules = {
+        "torch_npu._inductor": inductor,
         "torch_npu._C._distributed_c10d": c10d,
         "torch_npu.op_plugin": op_plugin,
         "torch_npu.op_plugin.atb": atb,
