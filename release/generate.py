@@ -1,6 +1,7 @@
 """A real generation on vllm-ascend's platform, on npugraph's simulator (release/run.sh).
 
     generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | aclgraph | npugraph
+    generate.py OUT_DIR                        each mode in its own process, into OUT_DIR
 
 ``vllm.LLM`` on a tiny Llama checkpoint (written by :func:`write_model` with Hugging Face
 transformers, seeded) with token-id prompts, greedy, requests arriving while others decode
@@ -14,9 +15,9 @@ FIA at 4 and 8.
 * ``npugraph``: the same with npugraph's plugin (``NPUGRAPH_ENABLE=1``): npugraph captures,
   updates and replays.
 
-Writes the tokens per request, how many decode steps ran, how many times vllm-ascend's
-own per-step update ran, how many steps npugraph's runtime ran (with the host seconds
-they took), and npugraph's capture report.  The comparison (tokens identical across
+Writes the tokens per request, how many engine steps ran, the host seconds of each
+per-step graph update by vllm-ascend (``update_full_graph_params``) and by npugraph
+(``ReplayUpdater._write``), less the simulated device's time, and npugraph's capture report.  The comparison (tokens identical across
 modes, and equal to Hugging Face's float32 forward within float16's noise) is
 tests/test_release_generate.py's.
 
@@ -28,11 +29,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+MODES = ("eager", "aclgraph", "npugraph")
 CAPTURE_SIZES = [1, 2, 4, 8]
 PA_SIZES = [1, 2]
 MAX_TOKENS = 48
@@ -77,45 +80,54 @@ def prompts() -> list[list[int]]:
     ]
 
 
-def _count_vllm_ascend_updates() -> dict[str, int]:
-    """Count calls of vllm-ascend's per-step graph update (every module's copy of it)."""
+def _timed(owner: Any, name: str, samples: list[float]) -> Any:
+    """Wrap ``owner.name`` to record each call's host seconds, less the simulated device's
+    (the simulator runs device work inside whichever host call unblocks it)."""
+    from npugraph import sim
+
+    original = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0, d0 = time.perf_counter(), sim.device_seconds()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            samples.append((time.perf_counter() - t0) - (sim.device_seconds() - d0))
+
+    timed.__wrapped__ = original  # type: ignore[attr-defined]
+    return timed
+
+
+def _time_vllm_ascend_updates(samples: list[float]) -> None:
+    """Time vllm-ascend's per-step graph update, ``update_full_graph_params``, wherever it
+    was imported (under npugraph's plugin it is replaced, and never called)."""
     import vllm_ascend.compilation.acl_graph as acl
 
-    counts = {"calls": 0}
     original = acl.update_full_graph_params
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        counts["calls"] += 1
-        return original(*args, **kwargs)
-
+    timed = _timed(acl, "update_full_graph_params", samples)
     for module in list(sys.modules.values()):
         if (
             getattr(module, "__name__", "").startswith("vllm_ascend")
             and vars(module).get("update_full_graph_params") is original
         ):
-            module.update_full_graph_params = counted
-    return counts
+            module.update_full_graph_params = timed
 
 
-def _time_npugraph_steps() -> dict[str, Any]:
-    """Count npugraph's steps and their host time (``Runtime.step``: update, replay, events)."""
+def _time_npugraph(update_samples: list[float], runtimes: list[Any]) -> None:
+    """Time npugraph's per-step update (``ReplayUpdater._write``: the lengths and block
+    tables into the graph, events included) and note the runtimes that stepped."""
+    from npugraph.replay.updater import ReplayUpdater
     from npugraph.runtime import Runtime
 
-    stats: dict[str, Any] = {"steps": 0, "seconds": 0.0, "runtimes": []}
-    original = Runtime.step
+    ReplayUpdater._write = _timed(ReplayUpdater, "_write", update_samples)  # type: ignore[method-assign]
+    step = Runtime.step
 
-    def step(self: Runtime, *args: Any, **kwargs: Any) -> Any:
-        if self not in stats["runtimes"]:
-            stats["runtimes"].append(self)
-        t0 = time.perf_counter()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            stats["seconds"] += time.perf_counter() - t0
-            stats["steps"] += 1
+    def noted(self: Runtime, *args: Any, **kwargs: Any) -> Any:
+        if self not in runtimes:
+            runtimes.append(self)
+        return step(self, *args, **kwargs)
 
-    Runtime.step = step  # type: ignore[method-assign]
-    return stats
+    Runtime.step = noted  # type: ignore[method-assign]
 
 
 def run(model: Path, mode: str) -> dict[str, Any]:
@@ -143,8 +155,11 @@ def run(model: Path, mode: str) -> dict[str, Any]:
             "pa_shape_list": PA_SIZES,
             "ascend_compilation_config": dict.fromkeys(_FUSION, False),
         }
-    updates = _count_vllm_ascend_updates()
-    npugraph_steps = _time_npugraph_steps()
+    ascend_updates: list[float] = []
+    npugraph_updates: list[float] = []
+    runtimes: list[Any] = []
+    _time_vllm_ascend_updates(ascend_updates)
+    _time_npugraph(npugraph_updates, runtimes)
     llm = LLM(**kwargs)
     engine = llm.llm_engine
     tokens: dict[str, list[int]] = {}
@@ -161,22 +176,49 @@ def run(model: Path, mode: str) -> dict[str, Any]:
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
         steps += 1
     seconds = time.perf_counter() - t0
-    report = [rt.capture_report() for rt in npugraph_steps["runtimes"]]
     return {
         "mode": mode,
         "tokens": [tokens[str(i)] for i in range(len(REQUESTS))],
         "prompts": prompts(),
         "engine_steps": steps,
         "seconds": seconds,
-        "vllm_ascend_update_calls": updates["calls"],
-        "npugraph_steps": npugraph_steps["steps"],
-        "npugraph_step_seconds": npugraph_steps["seconds"],
-        "npugraph_capture_report": report,
+        "vllm_ascend_update_seconds": ascend_updates,
+        "npugraph_update_seconds": npugraph_updates,
+        "npugraph_capture_report": [rt.capture_report() for rt in runtimes],
     }
 
 
+def generate(out_dir: Path) -> None:
+    """Run release/generate.py for each mode, each in its own process, into ``out_dir``."""
+    env = {
+        **os.environ,
+        "NPUGRAPH_SIM_TORCH_NPU": "1",
+        "NPUGRAPH_SIM_MEMORY_GB": "4",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        # torch 2.14's AOT-autograd cache expects inductor's output; vllm-ascend's backend
+        # (written for torch 2.10) returns an FX module: off, as torch 2.10 has it for it
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+        "VLLM_CACHE_ROOT": str(out_dir / "vllm-cache"),
+    }
+    for mode in MODES:
+        done = subprocess.run(
+            [sys.executable, __file__, str(out_dir / "model"), mode, str(out_dir / f"{mode}.json")],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=out_dir,
+            timeout=900,
+        )
+        (out_dir / f"{mode}.log").write_text(done.stdout + done.stderr)
+        assert done.returncode == 0, f"{mode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 4 or argv[2] not in ("eager", "aclgraph", "npugraph"):
+    if len(argv) == 2:
+        generate(Path(argv[1]))
+        return 0
+    if len(argv) != 4 or argv[2] not in MODES:
         print(__doc__.splitlines()[2].strip(), file=sys.stderr)
         return 2
     model = Path(argv[1])

@@ -4,7 +4,11 @@
 #   2. runs vllm-ascend 0.23.0.post1's own NPU tests from its sdist, with only its
 #      tests/ut/conftest.py replaced by release/conftest_ut.py (no torch_npu mock: the
 #      simulator is torch_npu), and prints collected / passed / failed per file;
-#   3. runs npugraph's plugin test against the release (every name it replaces is found).
+#   3. runs npugraph's plugin test against the release (every name it replaces is found);
+#   4. a real generation (release/generate.py): eager, vllm-ascend's ACL graph mode and
+#      npugraph's plugin, each in its own process; release/test_generate.py checks that
+#      their tokens are identical and Hugging Face's, and that npugraph did every update;
+#      release/update_cost.py prints the per-step update cost of the two graph modes.
 # Fails if any of them fails.
 set -euo pipefail
 
@@ -39,4 +43,12 @@ done
 echo "== npugraph's plugin against vllm-ascend $(basename "$SRC")"
 (cd "$REPO" && NPUGRAPH_REQUIRE_VLLM_ASCEND=1 NPUGRAPH_VLLM_ASCEND_SRC="$SRC" "$PYTHON" -m pytest -q \
     -p no:cacheprovider tests/test_vllm_ascend.py -k real_vllm_ascend) || status=1
+
+echo "== a real generation on vllm-ascend's platform: eager, ACL graph, npugraph"
+GENERATED="$RESULTS/generate"
+mkdir -p "$GENERATED"
+"$PYTHON" "$HERE/generate.py" "$GENERATED" || status=1
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider release/test_generate.py) \
+    || status=1
+"$PYTHON" "$HERE/update_cost.py" "$GENERATED" || status=1
 exit $status

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,9 @@ import pytest
 
 pytest.importorskip("vllm_ascend", reason="needs the release environment (release/env.sh)")
 
-HERE = Path(__file__).parent
-MODES = ("eager", "aclgraph", "npugraph")
+sys.path.insert(0, str(Path(__file__).parent))
+from generate import MODES, generate
+
 # Hugging Face in float32 against the simulator's float16 kernels: a token counts as the
 # reference's choice when its logit is within this of the best one (the checkpoint's
 # logits spread over about 10; float16's rounding through two layers moves them by < 0.01)
@@ -29,33 +29,13 @@ LOGIT_TOLERANCE = 0.05
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("generate")
-    env = {
-        **os.environ,
-        "NPUGRAPH_SIM_TORCH_NPU": "1",
-        "NPUGRAPH_SIM_MEMORY_GB": "4",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        # torch 2.14's AOT-autograd cache expects inductor's output; vllm-ascend's backend
-        # (written for torch 2.10) returns an FX module: off, as torch 2.10 has it for it
-        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+    given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/run.sh generated them already
+    out_dir = Path(given) if given else tmp_path_factory.mktemp("generate")
+    if not given:
+        generate(out_dir)
+    return {
+        mode: json.loads((out_dir / f"{mode}.json").read_text()) | {"model": str(out_dir / "model")} for mode in MODES
     }
-    out: dict[str, dict[str, Any]] = {}
-    for mode in MODES:
-        result = tmp / f"{mode}.json"
-        done = subprocess.run(
-            [sys.executable, str(HERE / "generate.py"), str(tmp / "model"), mode, str(result)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp,
-            timeout=900,
-        )
-        assert done.returncode == 0, f"{mode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-        out[mode] = json.loads(result.read_text())
-        out[mode]["model"] = str(tmp / "model")
-    return out
 
 
 def test_the_three_modes_give_identical_greedy_tokens(runs: dict[str, dict[str, Any]]) -> None:
@@ -87,11 +67,9 @@ def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_
     runs: dict[str, dict[str, Any]],
 ) -> None:
     acl, npg = runs["aclgraph"], runs["npugraph"]
-    assert acl["vllm_ascend_update_calls"] > 0 and acl["npugraph_steps"] == 0
-    assert npg["vllm_ascend_update_calls"] == 0, "vllm-ascend's own update ran under npugraph's plugin"
-    assert npg["npugraph_steps"] > 0
-    # every graph step vllm-ascend replayed itself, npugraph replays with the plugin
-    assert npg["npugraph_steps"] == acl["vllm_ascend_update_calls"]
+    assert acl["vllm_ascend_update_seconds"] and not acl["npugraph_update_seconds"]
+    assert not npg["vllm_ascend_update_seconds"], "vllm-ascend's own update ran under npugraph's plugin"
+    # every graph step vllm-ascend updated itself, npugraph updates with the plugin
+    assert len(npg["npugraph_update_seconds"]) == len(acl["vllm_ascend_update_seconds"]) >= 32
     (report,) = npg["npugraph_capture_report"]
-    for size in (1, 2, 4, 8):
-        assert f"{size}" in report
+    assert report.startswith("4 graphs captured"), report

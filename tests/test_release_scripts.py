@@ -52,3 +52,23 @@ def test_the_hub_cache_is_laid_out_as_huggingface_hub_reads_it(tmp_path):
     repo = tmp_path / "models--Qwen--Qwen3-8B"
     snapshot = (repo / "refs" / "main").read_text()
     assert (repo / "snapshots" / snapshot / "config.json").is_file()
+
+
+def test_the_update_cost_row_is_a_ratio_of_medians_with_its_interval(tmp_path):
+    import json
+
+    sys.path.insert(0, str(RELEASE))
+    try:
+        from update_cost import main
+    finally:
+        sys.path.remove(str(RELEASE))
+    ascend = [300e-6 + i * 1e-6 for i in range(40)]  # median 319.5 us
+    npugraph = [100e-6 + (i % 5) * 1e-6 for i in range(40)]  # median 102 us
+    (tmp_path / "aclgraph.json").write_text(json.dumps({"vllm_ascend_update_seconds": ascend}))
+    (tmp_path / "npugraph.json").write_text(json.dumps({"npugraph_update_seconds": npugraph}))
+    assert main(["update_cost.py", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "update-cost.json").read_text())
+    assert abs(row["speedup_median"] - 319.5 / 102) < 1e-9
+    low, high = row["speedup_95"]
+    assert low <= row["speedup_median"] <= high and high - low < 0.5
+    assert row["steps"] == {"vllm_ascend": 40, "npugraph": 40}
