@@ -726,7 +726,7 @@ def test_an_update_failing_at_the_first_layer_names_it(tmp_path):
     h = Harness([4], layers=2, validate=False, postmortem_dir=str(tmp_path))
     bad = attrs.evolve(h.random_meta(2), seq_lens=torch.tensor([9999, 3], dtype=torch.int32))
     with pytest.raises(
-        UpdateFailed, match=r"^update of main/4 failed at layer 'layer0' \(task 0\): ValueError: "
+        UpdateFailed, match=r"^update of main/4 failed at layer 'layer0' \(task 0\): WorkspaceTooSmall: "
     ) as info:
         h.rt.update(4, {"default": bad})
     assert ".." not in str(info.value).split(" [post-mortem")[0]

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from npugraph.sim import _device
 from npugraph.sim._launch import SimOp, launch
 from npugraph.sim.kernels import AI_CORES
 
@@ -93,8 +94,6 @@ def register_backend(backends: types.ModuleType) -> None:
 
         @classmethod
         def is_active(cls) -> bool:
-            from npugraph.sim import _device
-
             return _device.installed()
 
         def map_python_to_cpp_type(self, ty: str) -> str:
