@@ -24,11 +24,12 @@ import importlib.util
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 ENV = "NPUGRAPH_SIM_TORCH_NPU"
 
-__all__ = ["ENV", "enabled", "from_pth", "torch_backend"]
+__all__ = ["ENV", "after_import", "enabled", "from_pth", "torch_backend"]
 
 
 def enabled() -> bool:
@@ -54,6 +55,7 @@ def torch_backend() -> None:
     from npugraph import sim
 
     sim.install_torch_npu(device=True)
+    _install_triton()  # where no .pth ran (an editable install): before any Triton kernel is defined
 
 
 class _TorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -76,35 +78,42 @@ class _TorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """The simulator is initialised already."""
 
 
-class _TritonFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Triton on the simulator (:mod:`npugraph.sim._triton`), wired in as Triton's modules load:
-    its backend joins ``triton.backends``, interpreted launches become simulator kernels, and
-    ``import triton.language.extra.cann.extension`` (triton-ascend's) gives a stand-in."""
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then(module)`` once the module ``name`` has been executed, wherever it is imported from."""
 
-    AFTER = {
-        "triton.backends": "register_backend",
-        "triton.runtime.interpreter": "launch_as_kernels",
-    }
-    STAND_INS = ("triton.language.extra.cann", "triton.language.extra.cann.extension")
+    def __init__(self, name: str, then: Callable[[Any], None]) -> None:
+        self.name, self.then = name, then
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name in self.STAND_INS:
-            return importlib.util.spec_from_loader(name, self, is_package=not name.endswith("extension"))
-        if name not in self.AFTER:
+        if name != self.name:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
-        run, then = spec.loader.exec_module, self.AFTER[name]
+        run, then = spec.loader.exec_module, self.then
 
         def exec_module(module: Any) -> None:
             run(module)
-            from npugraph.sim import _triton
-
-            getattr(_triton, then)(module)
+            then(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
+
+
+def after_import(name: str, then: Callable[[Any], None]) -> None:
+    """Call ``then(module)`` when ``name`` is first imported (before whoever imported it goes on)."""
+    sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+class _TritonStandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import triton.language.extra.cann.extension`` (triton-ascend's) gives the simulator's stand-in."""
+
+    NAMES = ("triton.language.extra.cann", "triton.language.extra.cann.extension")
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name not in self.NAMES:
+            return None
+        return importlib.util.spec_from_loader(name, self, is_package=not name.endswith("extension"))
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
         if spec.name.endswith("extension"):
@@ -117,11 +126,30 @@ class _TritonFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """The stand-in is complete when made."""
 
 
-def from_pth() -> None:
-    """Called by ``npugraph-sim.pth`` at interpreter start: install the finders if asked.
+def _simulator_triton(then: str) -> Callable[[Any], None]:
+    def run(module: Any) -> None:
+        from npugraph.sim import _triton
 
-    Triton kernels then run in Triton's interpreter (``TRITON_INTERPRET=1`` unless set),
-    the only way they run on a CPU."""
+        getattr(_triton, then)(module)
+
+    return run
+
+
+def _install_triton() -> None:
+    """Triton on the simulator (:mod:`npugraph.sim._triton`), wired in as Triton's modules load:
+    kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` unless set, the only way they
+    run on a CPU), the simulator's backend joins ``triton.backends``, interpreted launches
+    become simulator kernels, and triton-ascend's language extension has a stand-in."""
+    if any(isinstance(f, _TritonStandIns) for f in sys.meta_path):
+        return
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.meta_path.insert(0, _TritonStandIns())
+    after_import("triton.backends", _simulator_triton("register_backend"))
+    after_import("triton.runtime.interpreter", _simulator_triton("launch_as_kernels"))
+
+
+def from_pth() -> None:
+    """Called by ``npugraph-sim.pth`` at interpreter start: install the finders if asked."""
     asked = os.environ.get(ENV, "").strip() == "1"
     if (
         asked
@@ -129,5 +157,4 @@ def from_pth() -> None:
         and importlib.machinery.PathFinder.find_spec("torch_npu") is None  # a real one wins
     ):
         sys.meta_path.append(_TorchNpuFinder())
-        sys.meta_path.insert(0, _TritonFinder())
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        _install_triton()

@@ -11,30 +11,6 @@ here it cannot, so the answer ("disabled", logged once) is settled as soon as
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-from typing import Any
+from npugraph_hook import after_import
 
-_MODULE = "vllm_ascend.utils"
-
-
-class _AfterUtils(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != _MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            module.enable_custom_op()
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-if not any(isinstance(f, _AfterUtils) for f in sys.meta_path):
-    sys.meta_path.insert(0, _AfterUtils())
+after_import("vllm_ascend.utils", lambda utils: utils.enable_custom_op())
