@@ -473,3 +473,34 @@ def test_a_copy_made_by_a_composite_op_inside_a_custom_ops_kernel_is_graph_memor
         x.copy_(src.npu())
         g.replay()
         assert out.cpu().tolist() == (src[:, :3].reshape(-1) * 2).tolist()
+
+
+def test_after_import_runs_once_the_module_has_executed(tmp_path, monkeypatch):
+    """What wires Triton into the simulator as Triton's modules load (and the release
+    environment's ``vllm_ascend.utils`` settlement)."""
+    import sys
+
+    import npugraph_hook
+
+    (tmp_path / "npugraph_after_import_probe.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[int] = []
+    before = list(sys.meta_path)
+    try:
+        npugraph_hook.after_import("npugraph_after_import_probe", lambda m: seen.append(m.VALUE + 1))
+        import npugraph_after_import_probe  # noqa: F401
+
+        assert seen == [42]
+    finally:
+        sys.meta_path[:] = before
+        sys.modules.pop("npugraph_after_import_probe", None)
+
+
+def test_triton_ascends_language_extension_stand_in_says_what_it_is():
+    from npugraph.sim import _triton
+
+    ext = _triton.cann_extension()
+    assert ext.__name__ == "triton.language.extra.cann.extension"
+    for name in ("insert_slice", "extract_slice", "get_element"):
+        with pytest.raises(NotImplementedError, match=f"triton-ascend's {name} is not simulated"):
+            getattr(ext, name)()
