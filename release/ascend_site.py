@@ -1,4 +1,4 @@
-"""What the release environment adds at interpreter start (``ascend_site.pth``), for the one
+"""What the release environment runs at interpreter start (``ascend_site.pth``), for the one
 piece of vllm-ascend it cannot have: ``vllm_ascend_C``, its C++ custom ops (built against CANN).
 
 vllm-ascend decides lazily whether its custom ops exist (``vllm_ascend.utils.enable_custom_op``,

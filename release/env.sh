@@ -98,8 +98,8 @@ cp "$SRC/tests/ut/conftest.py" "$ENV_DIR/conftest.release.py"  # the release's o
 # npugraph, as torch_npu
 quiet "$BIN/pip" install -q -e "$REPO"
 cp "$REPO/npugraph-sim.pth" "$SITE/"
-cp "$HERE/ascend_site.py" "$SITE/"
-echo "import ascend_site" >"$SITE/ascend_site.pth"
+# run from this checkout at every interpreter start, so that an edit needs no rebuild
+echo "import runpy; runpy.run_path('$HERE/ascend_site.py')" >"$SITE/ascend_site.pth"
 echo "$SRC" >"$SITE/vllm_ascend_release.pth"
 NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "from npugraph.sim import _device; _device.build()"
 

@@ -23,7 +23,14 @@ def _quantiles(xs: list[float]) -> dict[str, float]:
     return {"median_us": statistics.median(xs) * 1e6, "p25_us": q[0] * 1e6, "p75_us": q[2] * 1e6}
 
 
-def row(ascend: list[float], npugraph: list[float], *, seed: int = 0, draws: int = 2000) -> dict[str, object]:
+def row(
+    ascend: list[float],
+    npugraph: list[float],
+    calls: dict[str, dict[str, int]] | None = None,
+    *,
+    seed: int = 0,
+    draws: int = 2000,
+) -> dict[str, object]:
     rng = random.Random(seed)
     ratios = sorted(
         statistics.median(rng.choices(ascend, k=len(ascend)))
@@ -37,6 +44,11 @@ def row(ascend: list[float], npugraph: list[float], *, seed: int = 0, draws: int
         "npugraph_update": _quantiles(npugraph),
         "speedup_median": statistics.median(ascend) / statistics.median(npugraph),
         "speedup_95": [ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]],
+        # device calls per step (update sessions, launches, records, workspace queries)
+        "device_calls_per_step": {
+            who: {k: round(v / max(1, n), 2) for k, v in (calls or {}).get(who, {}).items()}
+            for who, n in (("vllm_ascend", len(ascend)), ("npugraph", len(npugraph)))
+        },
     }
 
 
@@ -47,14 +59,18 @@ def main(argv: list[str]) -> int:
     results = Path(argv[1])
     acl = json.loads((results / "aclgraph.json").read_text())
     npg = json.loads((results / "npugraph.json").read_text())
-    out = row(acl["vllm_ascend_update_seconds"], npg["npugraph_update_seconds"])
+    calls = {
+        "vllm_ascend": acl.get("vllm_ascend_update_device_calls", {}),
+        "npugraph": npg.get("npugraph_update_device_calls", {}),
+    }
+    out = row(acl["vllm_ascend_update_seconds"], npg["npugraph_update_seconds"], calls)
     (results / "update-cost.json").write_text(json.dumps(out, indent=1))
     a, n = out["vllm_ascend_update_full_graph_params"], out["npugraph_update"]
     low, high = out["speedup_95"]  # type: ignore[misc]
     print(
         f"per-step update (simulator host time, median over {len(npg['npugraph_update_seconds'])} steps): "
         f"vllm-ascend {a['median_us']:.0f} us, npugraph {n['median_us']:.0f} us: "  # type: ignore[index]
-        f"{out['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]"
+        f"{out['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]; device calls per step: {out['device_calls_per_step']}"
     )
     return 0
 
