@@ -17,9 +17,10 @@ FIA at 4 and 8.
 
 Writes the tokens per request, how many engine steps ran, the host seconds of each
 per-step graph update by vllm-ascend (``update_full_graph_params``) and by npugraph
-(``ReplayUpdater._write``), less the simulated device's time, and npugraph's capture report.  The comparison (tokens identical across
-modes, and equal to Hugging Face's float32 forward within float16's noise) is
-tests/test_release_generate.py's.
+(``ReplayUpdater._write``) less the simulated device's time, the device calls those
+updates made, and npugraph's capture report.  The comparison (tokens identical across
+modes, and Hugging Face's float32 choices within float16's noise) is
+release/test_generate.py's; the update-cost row is release/update_cost.py's.
 
 vllm-ascend's graph-fusion passes and its ``npugraph_ex`` backend are turned off in the
 graph modes: they compile with torchair, Ascend's graph compiler, which is not simulated.
