@@ -37,7 +37,7 @@ TORCH_VERSION=2.14.1
 TORCHVISION_VERSION=0.29.1
 TRANSFORMERS_VERSION=5.5.4  # vllm-ascend 0.23.0.post1's requirements.txt
 TRITON_VERSION=3.8.0  # PyPI's, run in its interpreter (vllm-ascend pins triton-ascend)
-ENV_REVISION=2  # bump when what this script installs changes: a cached environment is rebuilt
+ENV_REVISION=3  # bump when what this script installs changes: a cached environment is rebuilt
 SOC_VERSION_FOR_SDIST=ascend910b1  # an Atlas A2: vllm-ascend's "A2" device type
 
 STAMP="$ENV_DIR/.built-$VLLM_VERSION-$ASCEND_VERSION-$TORCH_VERSION-r$ENV_REVISION"
