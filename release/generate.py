@@ -213,6 +213,11 @@ def generate(out_dir: Path) -> None:
         "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
         "VLLM_CACHE_ROOT": str(out_dir / "vllm-cache"),
     }
+    # torch reads CI as "torch's own CI" and turns its deprecation warnings into errors there:
+    # vllm-ascend 0.23.0.post1's maybe_pad_and_reduce returns its input at TP 1, which torch
+    # 2.14 warns about on a user's host and refuses under CI=1.  Run as users run.
+    env.pop("CI", None)
+    out_dir.mkdir(parents=True, exist_ok=True)
     for mode in MODES:
         done = subprocess.run(
             [sys.executable, __file__, str(out_dir / "model"), mode, str(out_dir / f"{mode}.json")],
