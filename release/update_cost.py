@@ -6,7 +6,9 @@ against npugraph's, from one run of release/generate.py in each mode (release/ru
 Simulator host time: each update call's wall time less the simulated device's, on this
 machine's CPU; the simulator's own Python costs are in it, an NPU host's driver costs are
 not.  The ratio is of medians over the decode steps of one run, with a bootstrap 95%
-interval over those steps (the noise); a claim needs the interval clear of 1.
+interval over those steps.  That interval is not the whole noise: runs on the same machine
+have spread wider than it (docs/vllm-ascend-release.md), so a claim needs several runs
+whose intervals all clear 1.
 """
 
 from __future__ import annotations
