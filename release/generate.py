@@ -1,7 +1,8 @@
 """A real generation on vllm-ascend's platform, on npugraph's simulator (release/run.sh).
 
     generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | aclgraph | npugraph
-    generate.py OUT_DIR                        each mode in its own process, into OUT_DIR
+    generate.py OUT_DIR [RUNS]                 each mode in its own process, into OUT_DIR;
+                                               the graph modes RUNS times (default 1), in turn
 
 ``vllm.LLM`` on a tiny Llama checkpoint (written by :func:`write_model` with Hugging Face
 transformers, seeded) with token-id prompts, greedy, requests arriving while others decode
@@ -19,8 +20,10 @@ Writes the tokens per request, how many engine steps ran, the host seconds of ea
 per-step graph update by vllm-ascend (``update_full_graph_params``) and by npugraph
 (``ReplayUpdater._write``) less the simulated device's time, the device calls those
 updates made, and npugraph's capture report.  The comparison (tokens identical across
-modes, and Hugging Face's float32 choices within float16's noise) is
-release/test_generate.py's; the update-cost row is release/update_cost.py's.
+modes and runs, and Hugging Face's float32 choices within float16's noise) is
+release/test_generate.py's; the update-cost row is release/update_cost.py's.  The graph
+modes run more than once, alternating, because the update cost's noise between runs is
+wider than within one (docs/vllm-ascend-release.md).
 
 vllm-ascend's graph-fusion passes and its ``npugraph_ex`` backend are turned off in the
 graph modes: they compile with torchair, Ascend's graph compiler, which is not simulated.
@@ -200,8 +203,26 @@ def run(model: Path, mode: str) -> dict[str, Any]:
     }
 
 
-def generate(out_dir: Path) -> None:
-    """Run release/generate.py for each mode, each in its own process, into ``out_dir``."""
+def result_path(out_dir: Path, mode: str, run: int = 1) -> Path:
+    """Where run ``run`` (from 1) of ``mode`` writes its result: ``aclgraph.json``,
+    ``aclgraph.run2.json``, ..."""
+    return out_dir / (f"{mode}.json" if run == 1 else f"{mode}.run{run}.json")
+
+
+def results(out_dir: Path, mode: str) -> list[Path]:
+    """Every run's result of ``mode`` in ``out_dir``, in run order."""
+    found = []
+    while (path := result_path(out_dir, mode, len(found) + 1)).is_file():
+        found.append(path)
+    return found
+
+
+def generate(out_dir: Path, runs: int = 1) -> None:
+    """Run release/generate.py for each mode, each in its own process, into ``out_dir``:
+    eager once, then the two graph modes ``runs`` times, in turn (so that a drift of the
+    machine over the minutes falls on both alike)."""
+    if runs < 1:
+        raise ValueError(f"runs must be at least 1, not {runs}")
     env = {
         **os.environ,
         "NPUGRAPH_SIM_TORCH_NPU": "1",
@@ -218,26 +239,31 @@ def generate(out_dir: Path) -> None:
     # 2.14 warns about on a user's host and refuses under CI=1.  Run as users run.
     env.pop("CI", None)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for mode in MODES:
+    for stale in out_dir.glob("*.json"):  # a result of an earlier call must not count as this one's
+        stale.unlink()
+    order = [("eager", 1)] + [(mode, run) for run in range(1, runs + 1) for mode in MODES[1:]]
+    for mode, run in order:
+        out = result_path(out_dir, mode, run)
+        log = out.with_suffix(".log")
         done = subprocess.run(
-            [sys.executable, __file__, str(out_dir / "model"), mode, str(out_dir / f"{mode}.json")],
+            [sys.executable, __file__, str(out_dir / "model"), mode, str(out)],
             capture_output=True,
             text=True,
             env=env,
             cwd=out_dir,
             timeout=900,
         )
-        (out_dir / f"{mode}.log").write_text(done.stdout + done.stderr)
+        log.write_text(done.stdout + done.stderr)
         if done.returncode != 0:  # not an assert: python -O would drop it, and the run would pass
-            raise RuntimeError(f"generate.py {mode} failed (log: {out_dir / f'{mode}.log'}):\n{done.stderr[-6000:]}")
+            raise RuntimeError(f"generate.py {mode} (run {run}) failed (log: {log}):\n{done.stderr[-6000:]}")
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) == 2:
-        generate(Path(argv[1]))
+    if len(argv) == 2 or (len(argv) == 3 and argv[2].isdigit() and int(argv[2]) >= 1):
+        generate(Path(argv[1]), int(argv[2]) if len(argv) == 3 else 1)
         return 0
     if len(argv) != 4 or argv[2] not in MODES:
-        print(__doc__.splitlines()[2].strip(), file=sys.stderr)
+        print("usage:\n" + "\n".join(__doc__.splitlines()[2:5]), file=sys.stderr)
         return 2
     model = Path(argv[1])
     write_model(model)

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm_ascend", reason="needs the release environment (release/env.sh)")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from generate import MODES, generate
+from generate import MODES, generate, results
 
 # Hugging Face in float32 against the simulator's float16 kernels: a token counts as the
 # reference's choice when its logit is within this of the best one (the checkpoint's
@@ -28,11 +28,18 @@ LOGIT_TOLERANCE = 0.05
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/run.sh generated them already
-    out_dir = Path(given) if given else tmp_path_factory.mktemp("generate")
-    if not given:
-        generate(out_dir)
+    if given:
+        return Path(given)
+    out = tmp_path_factory.mktemp("generate")
+    generate(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(out_dir: Path) -> dict[str, dict[str, Any]]:
+    """The first run of each mode."""
     return {
         mode: json.loads((out_dir / f"{mode}.json").read_text()) | {"model": str(out_dir / "model")} for mode in MODES
     }
@@ -73,3 +80,16 @@ def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_
     assert len(npg["npugraph_update_seconds"]) == len(acl["vllm_ascend_update_seconds"]) >= 32
     (report,) = npg["npugraph_capture_report"]
     assert report.startswith("4 graphs captured"), report
+
+
+def test_every_run_of_a_graph_mode_gives_the_same_tokens_and_updates(
+    out_dir: Path, runs: dict[str, dict[str, Any]]
+) -> None:
+    """release/run.sh runs the graph modes more than once (for the update cost's noise):
+    each run is a fresh engine, captured anew, and must serve the same tokens."""
+    for mode in ("aclgraph", "npugraph"):
+        for path in results(out_dir, mode)[1:]:
+            again = json.loads(path.read_text())
+            assert again["tokens"] == runs["eager"]["tokens"], f"{path.name} differs from eager"
+            who = "vllm_ascend" if mode == "aclgraph" else "npugraph"
+            assert len(again[f"{who}_update_seconds"]) == len(runs[mode][f"{who}_update_seconds"]), path.name

@@ -1,14 +1,14 @@
 """The per-step graph update on the real engine: vllm-ascend's own (``update_full_graph_params``)
-against npugraph's, from one run of release/generate.py in each mode (release/run.sh).
+against npugraph's, from the runs of release/generate.py in the two graph modes (release/run.sh).
 
-    update_cost.py RESULTS_DIR        (reads aclgraph.json and npugraph.json, writes update-cost.json)
+    update_cost.py RESULTS_DIR     (reads each run's aclgraph and npugraph results, writes update-cost.json)
 
 Simulator host time: each update call's wall time less the simulated device's, on this
 machine's CPU; the simulator's own Python costs are in it, an NPU host's driver costs are
-not.  The ratio is of medians over the decode steps of one run, with a bootstrap 95%
+not.  Per run, the ratio is of medians over the decode steps, with a bootstrap 95%
 interval over those steps.  That interval is not the whole noise: runs on the same machine
-have spread wider than it (docs/vllm-ascend-release.md), so a claim needs several runs
-whose intervals all clear 1.
+have spread wider than it (docs/vllm-ascend-release.md).  So the verdict takes every run:
+a side is faster only where every run's interval is clear of 1 on that side.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ import random
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
+
+import generate  # this folder's: the results' names
 
 
 def _quantiles(xs: list[float]) -> dict[str, float]:
@@ -32,7 +35,7 @@ def row(
     *,
     seed: int = 0,
     draws: int = 2000,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     rng = random.Random(seed)
     ratios = sorted(
         statistics.median(rng.choices(ascend, k=len(ascend)))
@@ -54,26 +57,51 @@ def row(
     }
 
 
+def verdict(rows: list[dict[str, Any]]) -> str:
+    """What the runs support: a side faster only where every run's interval clears 1."""
+    if all(row["speedup_95"][0] > 1 for row in rows):
+        return "npugraph's update is faster in every run"
+    if all(row["speedup_95"][1] < 1 for row in rows):
+        return "vllm-ascend's update is faster in every run"
+    return "no claim: the runs' intervals do not all clear 1 on one side"
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.splitlines()[3].strip(), file=sys.stderr)
         return 2
     results = Path(argv[1])
-    acl = json.loads((results / "aclgraph.json").read_text())
-    npg = json.loads((results / "npugraph.json").read_text())
-    calls = {
-        "vllm_ascend": acl.get("vllm_ascend_update_device_calls", {}),
-        "npugraph": npg.get("npugraph_update_device_calls", {}),
+    pairs = list(zip(generate.results(results, "aclgraph"), generate.results(results, "npugraph")))
+    if not pairs:
+        print(f"update_cost.py: no aclgraph.json and npugraph.json in {results}", file=sys.stderr)
+        return 2
+    rows = []
+    for acl_path, npg_path in pairs:
+        acl = json.loads(acl_path.read_text())
+        npg = json.loads(npg_path.read_text())
+        calls = {
+            "vllm_ascend": acl.get("vllm_ascend_update_device_calls", {}),
+            "npugraph": npg.get("npugraph_update_device_calls", {}),
+        }
+        rows.append(row(acl["vllm_ascend_update_seconds"], npg["npugraph_update_seconds"], calls))
+    ratios = [r["speedup_median"] for r in rows]
+    out = {
+        "what": rows[0]["what"],
+        "runs": rows,
+        "speedup_median_range": [min(ratios), max(ratios)],
+        "verdict": verdict(rows),
     }
-    out = row(acl["vllm_ascend_update_seconds"], npg["npugraph_update_seconds"], calls)
     (results / "update-cost.json").write_text(json.dumps(out, indent=1))
-    a, n = out["vllm_ascend_update_full_graph_params"], out["npugraph_update"]
-    low, high = out["speedup_95"]  # type: ignore[misc]
-    print(
-        f"per-step update (simulator host time, median over {len(npg['npugraph_update_seconds'])} steps): "
-        f"vllm-ascend {a['median_us']:.0f} us, npugraph {n['median_us']:.0f} us: "  # type: ignore[index]
-        f"{out['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]; device calls per step: {out['device_calls_per_step']}"
-    )
+    for i, r in enumerate(rows, 1):
+        a, n = r["vllm_ascend_update_full_graph_params"], r["npugraph_update"]
+        low, high = r["speedup_95"]
+        print(
+            f"run {i}: per-step update (simulator host time, median over {r['steps']['npugraph']} steps): "
+            f"vllm-ascend {a['median_us']:.0f} us, npugraph {n['median_us']:.0f} us: "
+            f"{r['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]"
+        )
+    print(f"device calls per step (run 1): {rows[0]['device_calls_per_step']}")
+    print(f"{len(rows)} run(s), ratios {min(ratios):.2f}x to {max(ratios):.2f}x: {out['verdict']}")
     return 0
 
 

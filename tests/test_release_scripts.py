@@ -54,21 +54,79 @@ def test_the_hub_cache_is_laid_out_as_huggingface_hub_reads_it(tmp_path):
     assert (repo / "snapshots" / snapshot / "config.json").is_file()
 
 
-def test_the_update_cost_row_is_a_ratio_of_medians_with_its_interval(tmp_path):
-    import json
+def _release_module(name):
+    import importlib
 
     sys.path.insert(0, str(RELEASE))
     try:
-        from update_cost import main
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(RELEASE))
+
+
+def _write_run(tmp_path, run, ascend, npugraph):
+    import json
+
+    generate = _release_module("generate")
+    generate.result_path(tmp_path, "aclgraph", run).write_text(json.dumps({"vllm_ascend_update_seconds": ascend}))
+    generate.result_path(tmp_path, "npugraph", run).write_text(json.dumps({"npugraph_update_seconds": npugraph}))
+
+
+def test_the_update_cost_row_is_a_ratio_of_medians_with_its_interval(tmp_path, capsys):
+    import json
+
+    update_cost = _release_module("update_cost")
     ascend = [300e-6 + i * 1e-6 for i in range(40)]  # median 319.5 us
     npugraph = [100e-6 + (i % 5) * 1e-6 for i in range(40)]  # median 102 us
-    (tmp_path / "aclgraph.json").write_text(json.dumps({"vllm_ascend_update_seconds": ascend}))
-    (tmp_path / "npugraph.json").write_text(json.dumps({"npugraph_update_seconds": npugraph}))
-    assert main(["update_cost.py", str(tmp_path)]) == 0
-    row = json.loads((tmp_path / "update-cost.json").read_text())
+    _write_run(tmp_path, 1, ascend, npugraph)
+    assert update_cost.main(["update_cost.py", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "update-cost.json").read_text())
+    (row,) = out["runs"]
     assert abs(row["speedup_median"] - 319.5 / 102) < 1e-9
     low, high = row["speedup_95"]
     assert low <= row["speedup_median"] <= high and high - low < 0.5
     assert row["steps"] == {"vllm_ascend": 40, "npugraph": 40}
+    assert out["verdict"] == "npugraph's update is faster in every run"
+    assert "1 run(s)" in capsys.readouterr().out
+
+
+def test_the_update_cost_verdict_takes_every_run(tmp_path):
+    """One run's interval is not the noise between runs: a run that disagrees (or whose
+    interval spans 1) takes the claim away."""
+    import json
+
+    update_cost = _release_module("update_cost")
+    fast = [100e-6 + (i % 5) * 1e-6 for i in range(40)]
+    slow = [300e-6 + (i % 7) * 1e-6 for i in range(40)]
+    _write_run(tmp_path, 1, slow, fast)  # npugraph about 3x faster
+    _write_run(tmp_path, 2, slow, fast)
+    assert update_cost.main(["update_cost.py", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "update-cost.json").read_text())
+    assert len(out["runs"]) == 2 and out["verdict"].startswith("npugraph's update is faster")
+    _write_run(tmp_path, 3, fast, slow)  # this run: the other way round
+    assert update_cost.main(["update_cost.py", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "update-cost.json").read_text())
+    assert len(out["runs"]) == 3 and out["verdict"].startswith("no claim")
+    low, high = out["speedup_median_range"]
+    assert low < 1 < high
+    for p in tmp_path.glob("*.json"):
+        p.unlink()
+    _write_run(tmp_path, 1, fast, slow)
+    assert update_cost.main(["update_cost.py", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "update-cost.json").read_text())["verdict"].startswith(
+        "vllm-ascend's update is faster"
+    )
+
+
+def test_update_cost_and_generate_refuse_what_they_cannot_use(tmp_path, capsys):
+    update_cost = _release_module("update_cost")
+    generate = _release_module("generate")
+    assert update_cost.main(["update_cost.py", str(tmp_path)]) == 2  # no results there
+    assert "no aclgraph.json" in capsys.readouterr().err
+    assert generate.main(["generate.py", str(tmp_path), "0"]) == 2  # zero runs: usage, nothing run
+    assert generate.main(["generate.py", str(tmp_path), "x", "y", "z"]) == 2
+    assert not list(tmp_path.iterdir())
+    # a second run's name does not shadow the first's, and results() stops at a gap
+    _write_run(tmp_path, 1, [1e-6, 2e-6], [1e-6, 2e-6])
+    _write_run(tmp_path, 3, [1e-6, 2e-6], [1e-6, 2e-6])
+    assert [p.name for p in generate.results(tmp_path, "aclgraph")] == ["aclgraph.json"]
