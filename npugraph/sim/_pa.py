@@ -12,9 +12,11 @@ from npugraph.sim._launch import SimOp, fail, host_copy, launch, need_tensor
 
 __all__ = ["_npu_paged_attention", "_npu_paged_attention_get_workspace"]
 
+_NAME = "_npu_paged_attention"  # the op's name, in its errors and its declaration
+
 
 def _pa_check(p: dict[str, Any]) -> dict[str, Any]:
-    op = "_npu_paged_attention"
+    op = _NAME
     q = need_tensor(op, "query", p["query"], 3)
     kc = need_tensor(op, "key_cache", p["key_cache"], 4)
     vc = need_tensor(op, "value_cache", p["value_cache"], 4)
@@ -77,7 +79,7 @@ def _pa_bounds(p: dict[str, Any], info: dict[str, Any]) -> None:
     for i, length in enumerate(info["lens"]):
         if length < 0 or length > cap:
             raise fail(
-                "_npu_paged_attention",
+                _NAME,
                 f"context_lens[{i}]",
                 f"= {length} is outside [0, {cap}] (block_table has {blocks} blocks of {info['block_size']} per "
                 "request): the kernel would read past the table",
@@ -92,8 +94,8 @@ def _pa_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     if lmax == 0 or t == 0:
         out.zero_()
         return
-    k = K.gather_paged(kc, bt, cl, lmax, kc.shape[1], "_npu_paged_attention: block_table")
-    v = K.gather_paged(vc, bt, cl, lmax, kc.shape[1], "_npu_paged_attention: block_table")
+    k = K.gather_paged(kc, bt, cl, lmax, kc.shape[1], f"{_NAME}: block_table")
+    v = K.gather_paged(vc, bt, cl, lmax, kc.shape[1], f"{_NAME}: block_table")
     o, _ = K.attention(
         q.unsqueeze(2),
         k.permute(0, 2, 1, 3),
@@ -117,7 +119,7 @@ def _pa_max_workspace(p: dict[str, Any], info: dict[str, Any]) -> int:
 
 
 _PA = SimOp(
-    "_npu_paged_attention",
+    _NAME,
     "default",
     host_args=("context_lens",),
     output_args=("out",),
