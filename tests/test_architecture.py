@@ -34,6 +34,19 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 CORE = ("npugraph.capture", "npugraph.replay")
 
+# Inside the simulator (one layer above), its rooms, lower first: what a device is, CANN's
+# runtime rules, kernels, the surfaces other people's code imports, then the two faces
+# torch_npu has at its top (``torch_npu.npu`` is ``npugraph.sim.npu``, ``torch_npu`` the package).
+SIM_LAYERS: list[tuple[str, ...]] = [
+    ("npugraph.sim.errors",),  # every room raises them
+    ("npugraph.sim.device",),
+    ("npugraph.sim.runtime",),
+    ("npugraph.sim.kernels",),
+    ("npugraph.sim.surfaces",),
+    ("npugraph.sim.npu",),
+    ("npugraph.sim",),
+]
+
 
 def _module_name(path: pathlib.Path) -> str:
     rel = path.relative_to(ROOT.parent).with_suffix("")
@@ -86,14 +99,30 @@ def _imports(path: pathlib.Path, own: str, modules: dict[str, pathlib.Path] = MO
 GRAPH = {mod: _imports(path, mod) for mod, path in MODULES.items()}
 
 
-def _package(mod: str) -> str:
-    """The longest layer entry ``mod`` belongs to (``npugraph.sim`` for ``npugraph.sim._pa``)."""
-    return max((p for g in LAYERS for p in g if mod == p or mod.startswith(p + ".")), key=len, default="")
+def _package(mod: str, layers: list[tuple[str, ...]] = LAYERS) -> str:
+    """The longest layer entry ``mod`` belongs to (``npugraph.sim`` for ``npugraph.sim.kernels.pa``)."""
+    return max((p for g in layers for p in g if mod == p or mod.startswith(p + ".")), key=len, default="")
 
 
-def _layer(mod: str) -> int:
-    pkg = _package(mod)
-    return next((i for i, group in enumerate(LAYERS) if pkg in group), -1)
+def _layer(mod: str, layers: list[tuple[str, ...]] = LAYERS) -> int:
+    pkg = _package(mod, layers)
+    return next((i for i, group in enumerate(layers) if pkg in group), -1)
+
+
+def _upward_imports(
+    graph: dict[str, list[tuple[str, int, bool]]], layers: list[tuple[str, ...]], within: str = "npugraph"
+) -> list[str]:
+    """Every import, among the modules under ``within``, of a module that is not in a lower
+    layer than the importer (a module may import its own layer entry's modules)."""
+    bad = []
+    inside = [m for m in graph if m == within or m.startswith(within + ".")]
+    for m in inside:
+        for t, line, _ in graph[m]:
+            if not (t == within or t.startswith(within + ".")) or _package(t, layers) == _package(m, layers):
+                continue
+            if _layer(t, layers) >= _layer(m, layers):
+                bad.append(f"{m}:{line} imports {t}, which is not below it")
+    return bad
 
 
 def test_every_module_has_a_layer():
@@ -129,14 +158,56 @@ def test_no_function_level_imports_of_npugraph():
 
 
 def test_imports_only_run_downward():
-    bad = []
-    for m, imps in GRAPH.items():
-        for t, line, _ in imps:
-            if _package(t) == _package(m):
-                continue
-            if _layer(t) >= _layer(m):
-                bad.append(f"{m}:{line} imports {t}, which is not below it")
+    bad = _upward_imports(GRAPH, LAYERS)
     assert bad == [], "\n".join(bad)
+
+
+def test_every_simulator_module_is_in_a_room():
+    sim = [m for m in MODULES if m.startswith("npugraph.sim")]
+    assert all(_layer(m, SIM_LAYERS) >= 0 for m in sim), [m for m in sim if _layer(m, SIM_LAYERS) < 0]
+
+
+def test_the_simulators_imports_run_from_surfaces_to_kernels_to_runtime_to_device():
+    bad = _upward_imports(GRAPH, SIM_LAYERS, within="npugraph.sim")
+    assert bad == [], "\n".join(bad)
+
+
+def test_the_simulators_top_holds_few_modules_and_its_rooms_are_packages():
+    top = [p.name for p in (ROOT / "sim").glob("*.py")]
+    rooms = [p.name for p in (ROOT / "sim").iterdir() if (p / "__init__.py").exists()]
+    assert len(top) <= 10, top
+    assert sorted(rooms) == sorted(g[0].rpartition(".")[2] for g in SIM_LAYERS[1:5]), rooms
+    for room in rooms:  # each says what it models and what it must not know
+        doc = ast.get_docstring(ast.parse((ROOT / "sim" / room / "__init__.py").read_text()))
+        assert doc and len(doc) > 200, room
+
+
+def test_the_room_checker_reports_a_lower_room_importing_a_higher_one(tmp_path):
+    # the device importing the runtime, and a kernel importing a surface: both reported;
+    # the runtime importing the device and a kernel importing the runtime are not
+    sim = tmp_path / "npugraph" / "sim"
+    files = {
+        "__init__.py": "",
+        "errors.py": "",
+        "device/__init__.py": "",
+        "device/backend.py": "from npugraph.sim.runtime import state\n",
+        "runtime/__init__.py": "",
+        "runtime/state.py": "from npugraph.sim.device import backend\nfrom npugraph.sim import errors\n",
+        "kernels/__init__.py": "",
+        "kernels/pa.py": "from npugraph.sim.runtime import state\nfrom npugraph.sim.surfaces.torch_ops import x\n",
+        "surfaces/__init__.py": "",
+        "surfaces/torch_ops.py": "from npugraph.sim.kernels import pa\n",
+    }
+    for name, text in files.items():
+        (sim / name).parent.mkdir(parents=True, exist_ok=True)
+        (sim / name).write_text(text)
+    (tmp_path / "npugraph" / "__init__.py").write_text("")
+    mods = {_module_name_at(p, tmp_path): p for p in (tmp_path / "npugraph").rglob("*.py")}
+    graph = {m: _imports(p, m, mods) for m, p in mods.items()}
+    assert sorted(_upward_imports(graph, SIM_LAYERS, within="npugraph.sim")) == [
+        "npugraph.sim.device.backend:1 imports npugraph.sim.runtime.state, which is not below it",
+        "npugraph.sim.kernels.pa:2 imports npugraph.sim.surfaces.torch_ops, which is not below it",
+    ]
 
 
 def test_the_simulator_imports_nothing_of_npugraph_outside_itself():

@@ -497,9 +497,9 @@ def test_after_import_runs_once_the_module_has_executed(tmp_path, monkeypatch):
 
 
 def test_triton_ascends_language_extension_stand_in_says_what_it_is():
-    from npugraph.sim import _triton
+    from npugraph.sim.surfaces import triton_ascend
 
-    ext = _triton.cann_extension()
+    ext = triton_ascend.cann_extension()
     assert ext.__name__ == "triton.language.extra.cann.extension"
     for name in ("insert_slice", "extract_slice", "get_element"):
         with pytest.raises(NotImplementedError, match=f"triton-ascend's {name} is not simulated"):

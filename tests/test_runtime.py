@@ -24,7 +24,7 @@ from npugraph.errors import (
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.replay import StepPhase
-from npugraph.replay import updater as updater_mod
+from npugraph.replay import prepare as prepare_mod
 
 from .helpers import build, run
 
@@ -266,7 +266,7 @@ def test_unchanged_lengths_skip_the_reissue_but_record_events():
 def test_each_distinct_metadata_is_converted_once_per_step():
     cfg, rt, _, eng = build(sizes=[4], layers=4)
     b = _batch(cfg, 4)
-    with mock.patch.object(updater_mod, "convert", wraps=updater_mod.convert) as spy:
+    with mock.patch.object(prepare_mod, "convert", wraps=prepare_mod.convert) as spy:
         rt.update(4, {f"main.layers.{i}.attn": b.meta for i in range(4)})
         assert spy.call_count == 1
         rt.replay(4)

@@ -1,32 +1,26 @@
-"""Rewrite captured graphs' host-side kernel arguments, and sequence every step.
+"""Sequence every step of captured graphs: the step table, recovery, and synchronize.
 
-A captured graph's per-step state is one :class:`StepPhase` (and which of its tasks'
-events are recorded but not yet consumed).  :meth:`ReplayUpdater.step` is the one place
-that orders a step's update and replay; :meth:`~ReplayUpdater.update` and
-:meth:`~ReplayUpdater.replay` are its halves, for engines that call them apart, and
-follow the same table.  After any error the graph is left in a phase from which the
-next good step succeeds, in either order (see docs/step-protocol.md).
+:meth:`ReplayUpdater.step` is the one place that orders a step's update and replay;
+:meth:`~ReplayUpdater.update` and :meth:`~ReplayUpdater.replay` are its halves, for
+engines that call them apart, and follow the same table (:mod:`.phases`).  A step's
+metadata is made ready with no device call (:mod:`.prepare`), then its tasks are
+re-issued on the one update stream (:mod:`.tasks`); block ids of device tables are
+checked on the device (:mod:`.blockcheck`).  After any error the graph is left in a
+phase from which the next good step succeeds, in either order (see
+docs/step-protocol.md); device errors name their graph and layer (:mod:`.diagnose`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import enum
-import functools
-import os
-import sys
 import time
 import warnings
 import weakref
-from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from itertools import repeat
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import attrs
-import torch
 
-from npugraph.capture import CapturedGraph, CaptureManager, TaskRecord
+from npugraph.capture import CapturedGraph, CaptureManager
 from npugraph.errors import (
     ConfigError,
     GraphDeadlock,
@@ -38,66 +32,16 @@ from npugraph.errors import (
     StepOrderWarning,
     UpdateFailed,
 )
-from npugraph.ops import StepLens, batch_refusal
-from npugraph.replay.lens import AttentionMetadata, BadColumns, BlockIdCheck, convert, real_batch
-from npugraph.replay.plan import Geometry, TaskPlan, UpdatePlan, build_plan
+from npugraph.ops import batch_refusal
+from npugraph.replay.blockcheck import DeferredBlockChecks
+from npugraph.replay.diagnose import caller_level, describe_device_error, failed_task
+from npugraph.replay.lens import real_batch
+from npugraph.replay.phases import ORDERS, GraphState, StepMetadata, StepPhase
+from npugraph.replay.plan import Geometry, UpdatePlan, build_plan
+from npugraph.replay.prepare import PreparedStep, StepPreparer, resolve
+from npugraph.replay.tasks import TaskFailed, issue_tasks, null_tasks
 
 __all__ = ["ORDERS", "ReplayUpdater", "StepMetadata", "StepPhase", "GraphState", "describe_device_error"]
-
-# Layer or KV-cache-group name -> metadata; a list of those with micro-batching.
-StepMetadata = Mapping[str, AttentionMetadata] | Sequence[Mapping[str, AttentionMetadata]]
-
-ORDERS = ("replay-first", "update-first")
-
-
-class StepPhase(enum.Enum):
-    """Where a captured graph is in its step protocol (see :class:`ReplayUpdater`)."""
-
-    IDLE = "idle"  # no update pending, no replay waiting
-    UPDATED = "updated"  # an update landed; the next replay runs it
-    REPLAY_QUEUED = "replay-queued"  # a replay waits on the device for its update
-    BROKEN = "broken"  # an update or replay failed part-way: tasks may hold several steps' lengths
-
-
-@attrs.define(kw_only=True, eq=False)
-class GraphState:
-    """The per-step state of one captured graph (what capture recorded stays frozen).
-
-    ``pending[i]``: task ``i`` recorded its event (it ends its event group) and no replay
-    consumed it yet (``last_reissued``: tasks re-issued by the last update, each tiling-sink
-    group written counting as one);
-    ``applied[i]``: the host values last written into task ``i`` (identity tells an
-    unchanged task; ``None``: unknown, re-issue it); ``lens_of[i]`` / ``host_of[i]``: the
-    lengths task ``i`` was last given and their host values (a step with equal lengths
-    reuses both objects, so its tasks skip the re-issue); ``done``: two events its
-    replays record in turn (the next update is ordered after them); ``last_lens``: each
-    length slot's latest lengths (for dumps); ``last_update_s`` / ``last_replay_s``: host
-    seconds of the last step's two halves, without the simulator's device work (which
-    runs inside host calls).
-    """
-
-    phase: StepPhase = StepPhase.IDLE
-    pending: list[bool]
-    applied: list[Any]
-    lens_of: list[StepLens | None]
-    host_of: list[tuple[StepLens, dict[str, Any]] | None]
-    done: tuple[Any, Any]
-    # recorded on the engine's stream before a replay() that waits for its update: the
-    # update reads the engine's device tables after what the engine issued before it
-    ready: Any
-    waiting_done: Any = None  # the done event of the replay that waits for its update
-    last_lens: dict[str, StepLens] = attrs.field(factory=dict)
-    steps: int = 0
-    replays: int = 0
-    last_reissued: int = 0
-    last_update_s: float = 0.0
-    last_replay_s: float = 0.0
-    warned: set[str] = attrs.field(factory=set)  # the StepOrderWarning kinds said for this graph
-
-    @property
-    def replayable(self) -> bool:
-        """Whether a replay may run now without a complete update first."""
-        return self.phase is not StepPhase.BROKEN
 
 
 class ReplayUpdater:
@@ -172,16 +116,13 @@ class ReplayUpdater:
         self.manager = manager
         self.order = order
         self.device = manager.device
-        self.validate = validate
         # None: block ids of device-resident tables are checked on the device (a host read
         # would synchronize) and reported by check_deferred(); host tables on the host.
         # True treats every table as device memory (the simulator's live on the CPU).
-        self.defer_block_check = defer_block_check
-        # (step, graph and layer, each request's first bad column, on the device) of the
-        # recent deferred checks, oldest first (the message is made only if one fails)
-        self._flags: deque[tuple[int, str, BadColumns]] = deque(maxlen=_FLAG_SLOTS)
-        # their constants, one per table memory and width, made on first use
-        self._checks: dict[tuple[torch.device, int], BlockIdCheck] = {}
+        self._preparer = StepPreparer(
+            manager=manager, device=self.device, validate=validate, defer_block_check=defer_block_check
+        )
+        self._block_checks = DeferredBlockChecks()
         self.skip_unchanged = skip_unchanged
         if fused_update is None:
             # The 4-in-1 pays off where it is C++ without the GIL (hardware); the
@@ -216,6 +157,21 @@ class ReplayUpdater:
         if order not in ORDERS:
             raise ConfigError(f"order must be 'replay-first' or 'update-first', got {order!r}")
         self._order = order
+
+    @property
+    def validate(self) -> bool:
+        """Whether each step's lengths and block ids are checked (off: benchmarks of the bare update)."""
+        return self._preparer.validate
+
+    @validate.setter
+    def validate(self, validate: bool) -> None:
+        self._preparer.validate = validate
+
+    @property
+    def defer_block_check(self) -> bool | None:
+        """``None``: device tables' block ids checked on the device, host tables' on the host;
+        ``True``: every table is treated as device memory."""
+        return self._preparer.defer_block_check
 
     @property
     def stream(self) -> Any:
@@ -327,7 +283,7 @@ class ReplayUpdater:
         if not plan.tasks:
             return None
         try:
-            metas = _resolve(entry, plan, metadata)
+            metas = resolve(entry, plan, metadata)
         except MetadataError:
             return None
         seen: set[tuple[int, Geometry, bool]] = set()
@@ -346,9 +302,9 @@ class ReplayUpdater:
 
     def _prepare_checked(
         self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata
-    ) -> _Step:
+    ) -> PreparedStep:
         try:
-            return self._prepare(entry, plan, state, metadata)
+            return self._preparer.prepare(entry, plan, state, metadata)
         except NpuGraphError as bad:
             if state.phase is StepPhase.REPLAY_QUEUED and self.order == "replay-first":
                 # this step's replay is already queued: let it run empty rather than wait forever
@@ -356,7 +312,9 @@ class ReplayUpdater:
             self._report(bad, entry)
             raise
 
-    def _write(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: _Step, *, staged: bool) -> None:
+    def _write(
+        self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: PreparedStep, *, staged: bool
+    ) -> None:
         """Issue a prepared update and move the graph to its next phase (``staged``: its
         block tables were checked and copied already, on the engine's stream)."""
         t0, d0 = time.perf_counter(), self.device.device_seconds()
@@ -371,7 +329,7 @@ class ReplayUpdater:
         waiting = state.phase is StepPhase.REPLAY_QUEUED
         try:
             reissued = self._issue(entry, plan, state, step, staged=staged)
-        except _TaskFailed as failed:
+        except TaskFailed as failed:
             err = self._update_error(entry, plan, failed)
             if waiting:
                 self._release(plan, state, keep=step.host)
@@ -531,7 +489,7 @@ class ReplayUpdater:
             f"{entry.namespace}/{entry.key!r}: this {call} {what}. In {self.order} order a step is {order}; "
             "call the two halves in that order for one graph at a time, or use step(). (Said once per graph.)",
             StepOrderWarning,
-            stacklevel=_caller_level(),
+            stacklevel=caller_level(),
         )
 
     def _release(self, plan: UpdatePlan, state: GraphState, keep: list[dict[str, Any]] | None = None) -> None:
@@ -542,31 +500,10 @@ class ReplayUpdater:
         wrote; then every event not yet recorded is.  A task the device refuses even
         that is left unknown (the graph is BROKEN, but nothing waits forever).
         """
-        ok = True
         us = self.stream
-
-        def reset(i: int, null: dict[str, Any], write: Callable[[dict[str, Any]], None]) -> None:
-            nonlocal ok
-            if state.applied[i] is null or (keep is not None and state.applied[i] is keep[i]):
-                return
-            try:
-                write(null)
-                state.applied[i] = null
-            except Exception:
-                state.applied[i] = None
-                ok = False
-
         with self.device.npu.stream(us):
             self._order_update(us)
-            for w in plan.lens_writes:  # a tiling-sink group: its lengths and plan, once
-                reset(w.task, plan.tasks[w.task].null_host, w.write)
-            for t in plan.tasks:
-                if t.lens is None:
-                    reset(t.index, t.null_host, functools.partial(self._reissue, us, t))
-                if t.records and not state.pending[t.index]:
-                    state.pending[t.index] = True
-                    with contextlib.suppress(Exception):
-                        t.event.record(us)
+            ok = null_tasks(self.device.npu, us, plan, state, keep)
         self._waiting_ran(state)
         if not ok:
             state.phase = StepPhase.BROKEN
@@ -601,142 +538,18 @@ class ReplayUpdater:
         return [] if self._waiting is None else [self._waiting]
 
     # --- update internals ------------------------------------------------------------
-    def _prepare(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata) -> _Step:
-        """Resolve, validate and convert metadata; no device call here."""
-        metas = _resolve(entry, plan, metadata)
-        if plan.uniform and metas.count(metas[0]) == len(metas):
-            return self._prepare_one(entry, plan, state, metas[0])
-        copies: dict[int, tuple[Any, AttentionMetadata, str]] = {}
-        deferred: list[_DeferredCheck] = []
-        lens_by: dict[tuple[int, Any], StepLens] = {}
-        host_by: dict[tuple[int, str], dict[str, Any]] = {}
-        lens_seen: dict[int, tuple[StepLens, str]] = {}
-        new_lens: dict[str, StepLens] = {}
-        host: list[dict[str, Any]] = []
-        for i, meta in enumerate(metas):
-            # each distinct metadata once per cache geometry (a layer's own cache bounds its block ids)
-            t = plan.tasks[i]
-            ck = (id(meta), t.geometry)
-            lens = lens_by.get(ck)
-            if lens is None:
-                lens = lens_by[ck] = self._convert(entry, plan, state, i, meta, deferred)
-                new_lens[t.slot] = lens
-            buf = t.block_table
-            seen = copies.get(id(buf))
-            if seen is None:
-                copies[id(buf)] = (buf, meta, t.layer)
-            elif seen[1] is not meta and not _same_table(seen[1], meta, readable=not self._resident(meta)):
-                raise MetadataError(
-                    f"{entry.namespace}/{entry.key!r} layer {t.layer!r}: its metadata has another "
-                    f"block table than layer {seen[2]!r}, but both layers "
-                    "read one captured block-table buffer; give those layers their own buffers (capture "
-                    "them with separate block tables or KV-cache groups) or the same block table"
-                )
-            if t.lens is not None:
-                other = lens_seen.setdefault(id(t.lens), (lens, t.layer))
-                if other[0] is not lens and (other[0].kv_lens, other[0].q_ends) != (lens.kv_lens, lens.q_ends):
-                    raise MetadataError(
-                        f"{entry.namespace}/{entry.key!r} layer {t.layer!r}: its metadata has other lengths than "
-                        f"layer {other[1]!r}, but both layers read one device-length buffer (KV-cache group "
-                        f"{t.group!r}); pass one metadata per KV-cache group, or capture those layers in "
-                        "separate groups"
-                    )
-            name = t.spec.name
-            cached = state.host_of[i]
-            if cached is not None and cached[0] is lens:
-                hv = cached[1]  # task i's own lengths, unchanged
-            else:
-                found = host_by.get((id(lens), name))
-                hv = found if found is not None else t.spec.host_values(lens)
-                host_by[(id(lens), name)] = hv
-                state.host_of[i] = (lens, hv)
-            state.lens_of[i] = lens
-            host.append(hv)
-        state.last_lens.update(new_lens)
-        return _Step(host=host, copies=tuple((b, m) for b, m, _ in copies.values()), deferred=tuple(deferred))
-
-    def _convert(
-        self,
-        entry: CapturedGraph,
-        plan: UpdatePlan,
-        state: GraphState,
-        i: int,
-        meta: Any,
-        deferred: list[_DeferredCheck],
-    ) -> StepLens:
-        """Validate and pad the metadata of task ``i`` (and of every task sharing it)."""
-        t = plan.tasks[i]
-        geo = t.geometry
-        bs, nblocks, batch, tokens = geo.block_size, geo.num_blocks, geo.batch, geo.tokens
-        where = t.where
-        defer = self.validate and self._resident(meta)
-        lens = convert(
-            meta,
-            batch=batch,
-            tokens=tokens,
-            max_model_len=self.manager.max_model_len,
-            block_size=bs,
-            num_blocks=nblocks,
-            capacity_blocks=geo.table_cols,
-            table_device=self.device.memory,
-            where=where,
-            validate=self.validate,
-            check_block_ids=not defer,
-            tokens_per_request=max(1, tokens // max(1, batch)),
-            one_query_token=t.one_query_token,
-        )
-        if defer and lens.num_reqs:
-            deferred.append(
-                _DeferredCheck(
-                    table=meta.block_table,
-                    kv=lens.kv_lens[: lens.num_reqs],
-                    block_size=bs,
-                    num_blocks=nblocks,
-                    columns=geo.table_cols,
-                    step=state.steps + 1,
-                    where=where,
-                )
-            )
-        prev = state.lens_of[i]
-        if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
-            return prev  # unchanged: identity lets tasks skip the re-issue
-        return lens
-
-    def _resident(self, meta: Any) -> bool:
-        """Whether ``meta``'s block table is device memory, which the host must not read
-        (a read would synchronize); ``defer_block_check`` overrides the table's device."""
-        if self.defer_block_check is not None:
-            return self.defer_block_check
-        table = getattr(meta, "block_table", None)
-        return isinstance(table, torch.Tensor) and self.device.is_device_memory(table)
-
-    def _prepare_one(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, meta: Any) -> _Step:
-        """The common step: one metadata object for every task of one kernel and one cache geometry."""
-        deferred: list[_DeferredCheck] = []
-        lens = self._convert(entry, plan, state, 0, meta, deferred)
-        cached = state.host_of[0]  # the first task stands for all: the others follow it
-        if cached is not None and cached[0] is lens:
-            hv = cached[1]
-        else:
-            hv = plan.tasks[0].spec.host_values(lens)
-            state.host_of[0] = (lens, hv)
-        state.lens_of[0] = lens
-        for slot in plan.slots:
-            state.last_lens[slot] = lens
-        return _Step(
-            host=[hv] * len(plan.tasks), copies=tuple(zip(plan.buffers, repeat(meta))), deferred=tuple(deferred)
-        )
-
     def _order_update(self, us: Any) -> None:
         """Order the update stream after the latest replay that waits for no update: it
         must consume the previous step's lengths and events before this step's land."""
         if self._after is not None:
             us.wait_event(self._after)
 
-    def _issue(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: _Step, *, staged: bool) -> int:
+    def _issue(
+        self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: PreparedStep, *, staged: bool
+    ) -> int:
         """Issue the step's update on the update stream; return how many tasks were re-issued.
 
-        A failure is raised as :class:`_TaskFailed` naming the task it happened at
+        A failure is raised as :class:`TaskFailed` naming the task it happened at
         (``-1``: before any task, while checking or copying block tables).
         """
         us = self.stream
@@ -745,9 +558,11 @@ class ReplayUpdater:
             if not staged:
                 us.wait_event(state.ready)  # after the tables the engine wrote before the replay
                 self._stage(entry, plan, step)
-            return self._issue_tasks(us, plan, state, step.host)
+            return issue_tasks(
+                self.device.npu, us, plan, state, step.host, skip_unchanged=self.skip_unchanged, fused=self._fused
+            )
 
-    def _stage_checked(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: _Step) -> None:
+    def _stage_checked(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: PreparedStep) -> None:
         """Check and copy the step's block tables on the engine's (current) stream, before
         this step's replay and update: stream order puts them after the engine's own writes
         of its tables, and before the replay that reads the captured buffers."""
@@ -755,7 +570,7 @@ class ReplayUpdater:
             return
         try:
             self._stage(entry, plan, step)
-        except _TaskFailed as failed:
+        except TaskFailed as failed:
             if state.phase is StepPhase.REPLAY_QUEUED:
                 self._release(plan, state)  # a replay abandoned earlier: let it run empty rather than wait
             state.phase = StepPhase.BROKEN  # a buffer may hold part of this step's table
@@ -763,13 +578,13 @@ class ReplayUpdater:
             self._report(err, entry)
             raise err from failed.error
 
-    def _stage(self, entry: CapturedGraph, plan: UpdatePlan, step: _Step) -> None:
+    def _stage(self, entry: CapturedGraph, plan: UpdatePlan, step: PreparedStep) -> None:
         """Queue the step's block-id checks and block-table copies on the current stream."""
         if step.copies and self._updated:
             self._invalidate_sharers(entry, plan)
         try:
             for check in step.deferred:
-                self._flag(check)
+                self._block_checks.flag(check)
             for buf, meta in step.copies:
                 src = meta.block_table
                 if buf.data_ptr() != src.data_ptr():
@@ -777,78 +592,9 @@ class ReplayUpdater:
                     cols = min(int(src.shape[1]), int(buf.shape[1]))
                     buf[:rows, :cols].copy_(self.device.staged(src[:rows, :cols]), non_blocking=True)
         except Exception as exc:
-            raise _TaskFailed(-1, exc) from exc
+            raise TaskFailed(-1, exc) from exc
 
-    def _issue_tasks(self, us: Any, plan: UpdatePlan, state: GraphState, host: list[dict[str, Any]]) -> int:
-        """Re-issue every task whose host values changed; record every task's event once.
-
-        Tiling-sink groups first: each group's lengths are written and its plan made once
-        (when they changed), then the graph's one event for them is recorded."""
-        applied, pending, skip, fused_fn = state.applied, state.pending, self.skip_unchanged, self._fused
-        reissue = self._reissue
-        reissued = 0
-        for w in plan.lens_writes:
-            i = w.task
-            hv = host[i]
-            if skip and applied[i] is hv:
-                continue
-            try:
-                w.write(hv)
-            except Exception as exc:
-                raise _TaskFailed(i, exc) from exc
-            applied[i] = hv
-            reissued += 1
-        rec = plan.lens_recorder
-        if rec is not None and not pending[rec.index]:
-            try:
-                rec.event.record(us)
-            except Exception as exc:
-                raise _TaskFailed(rec.index, exc) from exc
-            pending[rec.index] = True
-        for t in plan.updatable:
-            i = t.index
-            try:
-                hv = host[i]
-                if skip and applied[i] is hv:
-                    if t.records and not pending[i]:
-                        pending[i] = True  # once record() is called the flag will be set
-                        t.event.record(us)
-                    continue
-                reissued += 1
-                if t.fused and not pending[i]:
-                    kw = t.kwargs
-                    kw.update(hv)  # the plan's own dict: host entries are rewritten in place
-                    fused_fn(us, t.handle, t.event, *t.qkv, **kw)  # type: ignore[misc]
-                    applied[i] = hv
-                    pending[i] = True
-                    continue
-                reissue(us, t, hv)
-                applied[i] = hv
-                if t.records and not pending[i]:
-                    pending[i] = True
-                    t.event.record(us)
-            except Exception as exc:
-                raise _TaskFailed(i, exc) from exc
-        return reissued
-
-    def _reissue(self, us: Any, t: TaskPlan, hv: dict[str, Any]) -> None:
-        """Rewrite task ``t``'s arguments with host values ``hv`` (no event record)."""
-        npu = self.device.npu
-        kw = t.kwargs
-        kw.update(hv)  # the plan's own dict: host entries are rewritten in place
-        npu.graph_task_update_begin(us, t.handle)
-        try:
-            if t.qkv is not None:
-                t.kernel(*t.qkv, **kw)
-            else:
-                t.kernel(**kw)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                npu.graph_task_update_end(us)  # close the update; the kernel's error is the one to report
-            raise
-        npu.graph_task_update_end(us)
-
-    def _update_error(self, entry: CapturedGraph, plan: UpdatePlan, failed: _TaskFailed) -> NpuGraphError:
+    def _update_error(self, entry: CapturedGraph, plan: UpdatePlan, failed: TaskFailed) -> NpuGraphError:
         cause, i = failed.error, failed.index
         where = "checking or copying block tables" if i < 0 else f"layer {plan.tasks[i].layer!r} (task {i})"
         name = f"{entry.namespace}/{entry.key!r}"
@@ -884,7 +630,7 @@ class ReplayUpdater:
                 if faulted is not None:
                     self.replay_faulted(faulted, getattr(fault, "waits_skipped", ()))
             entry = by_graph.get(id(getattr(exc, "graph", None)))
-            failed = _failed_task(self.manager, exc, entry) if entry is not None else None
+            failed = failed_task(self.manager, exc, entry) if entry is not None else None
             after = " The rest of that replay was cancelled; the graph's next complete step runs it again."
             if entry is not None:
                 where = f"replay of {entry.namespace}/{entry.key!r} failed" + (
@@ -895,7 +641,7 @@ class ReplayUpdater:
             else:  # no replay: the engine's own eager work on a stream
                 where, after = "device work outside npugraph's graphs (an eager op or kernel on a stream) failed", ""
             cause = exc.__cause__ if exc.__cause__ is not None else exc
-            flagged = self._take_flagged()
+            flagged = self._block_checks.take_flagged()
             also = f" A device-side block-id check also failed: {flagged}." if flagged else ""
             err: NpuGraphError = ReplayFailed(
                 f"{where}: {type(cause).__name__}: {str(cause).rstrip('.')}.{after}{also}"
@@ -912,7 +658,7 @@ class ReplayUpdater:
             raise err from exc
         if released:
             names = ", ".join(f"{e.namespace}/{e.key!r} (first layer {e.tasks[0].layer!r})" for e in released)
-            flagged = self._take_flagged()
+            flagged = self._block_checks.take_flagged()
             err = GraphDeadlock(
                 f"the replay of {names} waited on the device for its update, which was never issued: "
                 "synchronize would have blocked forever (on hardware: event-wait timeout 507011 after "
@@ -925,16 +671,6 @@ class ReplayUpdater:
             raise err
         self.check_deferred()
 
-    def _flag(self, check: _DeferredCheck) -> None:
-        """Queue the device-side block-id check of one table (no host read)."""
-        memory = check.table.device  # the table's (a host table with defer_block_check=True)
-        key = (memory, check.columns)
-        found = self._checks.get(key)
-        if found is None:
-            found = self._checks[key] = BlockIdCheck.on(memory, check.columns)
-        bad = found.flag(check.table, check.kv, check.block_size, check.num_blocks)
-        self._flags.append((check.step, check.where, bad))
-
     def check_deferred(self) -> None:
         """Raise :class:`~npugraph.errors.MetadataError` for a bad block id found on the device.
 
@@ -943,7 +679,7 @@ class ReplayUpdater:
         its output is wrong; the graph stays replayable and later steps are unaffected.
         Each check is reported once; the last 64 checks are remembered (the oldest is named).
         """
-        flagged = self._take_flagged()
+        flagged = self._block_checks.take_flagged()
         if not flagged:
             return
         err = MetadataError(
@@ -953,46 +689,10 @@ class ReplayUpdater:
         self._report(err, None)
         raise err
 
-    def _take_flagged(self) -> str:
-        """Read (once) the deferred block-id checks: what the first that failed says, or ''."""
-        if not self._flags:
-            return ""
-        checks = list(self._flags)
-        self._flags.clear()
-        found = BadColumns.locate([bad for _, _, bad in checks])  # one host read
-        hits = [k for k, at in enumerate(found) if at is not None]
-        if not hits:
-            return ""
-        more = f" (and {len(hits) - 1} later check(s))" if len(hits) > 1 else ""
-        step, where, _ = checks[hits[0]]
-        at = found[hits[0]]
-        assert at is not None
-        i, j = at
-        return (
-            f"step {step} of {where}: a block id in use in its device-resident block table is not a block of "
-            f"the KV cache (block_table[{i}, {j}]: request {i}'s block {j}){more}"
-        )
-
     # --- errors ----------------------------------------------------------------------
     def _report(self, err: NpuGraphError, entry: CapturedGraph | None) -> None:
         if self._on_error is not None:
             self._on_error(err, entry)
-
-
-_FLAG_SLOTS = 64  # deferred block-id checks remembered between two synchronizes
-
-
-@attrs.frozen(kw_only=True)
-class _DeferredCheck:
-    """A block-id check of a device-resident table, run on the device."""
-
-    table: Any
-    kv: tuple[int, ...]
-    block_size: int
-    num_blocks: int
-    columns: int  # the graph's block-table buffer's: bounds the columns checked
-    step: int  # the graph's step it checks
-    where: str  # the graph and layer
 
 
 @attrs.frozen(kw_only=True)
@@ -1003,138 +703,7 @@ class _Registered:
     state: GraphState
 
 
-@attrs.frozen(kw_only=True)
-class _Step:
-    """One update, prepared: host values per task, block tables to copy, deferred checks."""
-
-    host: list[dict[str, Any]]
-    copies: tuple[tuple[Any, AttentionMetadata], ...]  # (captured buffer, metadata whose table it gets)
-    deferred: tuple[_DeferredCheck, ...]
-
-
-@attrs.define
-class _TaskFailed(Exception):
-    """A device call of an update failed at task ``index`` (-1: before the first task)."""
-
-    index: int
-    error: Exception
-
-
-def _same_table(first: AttentionMetadata, other: AttentionMetadata, *, readable: bool) -> bool:
-    """Whether ``other``'s layer reads its own block table from a buffer ``first``'s was copied into.
-
-    It reads its requests' rows and its table's columns.  Tables the host may not read
-    (device memory: a read would synchronize) pass only as views of the same memory."""
-    ta, tb = first.block_table, other.block_table
-    rows, cols = other.num_reqs, int(tb.shape[1])
-    if ta.shape[0] < rows or ta.shape[1] < cols:
-        return False
-    if ta.data_ptr() == tb.data_ptr() and ta.stride() == tb.stride():
-        return True  # views of one table: the leading rows and columns are the same memory
-    return readable and bool(torch.equal(ta[:rows, :cols], tb[:rows, :cols]))
-
-
-def _named_tasks(
-    manager: CaptureManager, exc: BaseException, entries: Sequence[CapturedGraph]
-) -> list[tuple[CapturedGraph, TaskRecord]]:
-    """The captured tasks a device error names, most specific first.
-
-    By the event, else the task group, of each stream it blocked (a hang) or of the
-    error itself (a race); else by the first ``task group #N)`` in its text (the
-    simulator's kernel and memory errors), searched in ``entries``.
-    """
-    sources = getattr(exc, "blocked", None) or [
-        {"event": getattr(exc, "event", None), "task_group": getattr(exc, "task_group", None)}
-    ]
-    found: list[tuple[CapturedGraph, TaskRecord]] = []
-    for src in sources:
-        hit = manager.task_for_event(src.get("event"))
-        if hit is None and src.get("task_group") is not None:
-            hit = manager.task_for_group(src["task_group"])
-        if hit is not None and all(hit[1] is not t for _, t in found):
-            found.append(hit)
-    if found:
-        return found
-    text = str(exc)
-    for e in entries:
-        for t in e.tasks:
-            g = getattr(t.handle, "_group", None)  # the simulator's handles know their group
-            if g is not None and f"task group #{g.group_id})" in text:
-                return [(e, t)]
-    return []
-
-
-def _failed_task(manager: CaptureManager, exc: BaseException, entry: CapturedGraph) -> TaskRecord | None:
-    """The first task of ``entry`` a device error names, if any."""
-    return next((t for e, t in _named_tasks(manager, exc, [entry]) if e is entry), None)
-
-
-def describe_device_error(manager: CaptureManager, exc: BaseException, entry: CapturedGraph | None = None) -> str:
-    """Name the namespace, key and layer of each captured task behind a device error."""
-    found = _named_tasks(manager, exc, [entry] if entry is not None else manager.entries())
-    where = "; ".join(
-        f"namespace {e.namespace!r}, key {e.key!r}, layer {t.layer!r} (task {t.index}, {t.spec.name})" for e, t in found
-    )
-    return f"{where or 'no captured task matched'}: {exc}"
-
-
 # the kinds of misordered half steps StepOrderWarning names
 _DISCARDED_UPDATE = "discarded update"
 _SECOND_REPLAY = "second replay"
 _ABANDONED_REPLAY = "abandoned replay"
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside npugraph: the line that made the call."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    return level
-
-
-def _resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> list[AttentionMetadata]:
-    """The metadata of every task: by layer name, then by KV-cache group, per micro-batch."""
-    if type(metadata) is dict or isinstance(metadata, Mapping):  # a dict: no ABC check per step
-        first = plan.tasks[0]
-        one = plan.uniform and len(metadata) == 1 and first.layer not in metadata
-        if one and metadata.get(first.group) is not None:  # the common step: one group's metadata
-            return [metadata[first.group]] * len(plan.tasks)
-        get = metadata.get
-        metas = [get(t.layer) for t in plan.tasks]
-        if None in metas:  # fall back to the KV-cache group name
-            metas = [m if m is not None else get(t.group) for m, t in zip(metas, plan.tasks)]
-    elif isinstance(metadata, Sequence) and not isinstance(metadata, (str, bytes)):
-        per = list(metadata)
-        ubatches = max((t.ubatch for t in plan.tasks), default=0) + 1
-        if ubatches > len(per):
-            raise MetadataError(
-                f"{entry.namespace}/{entry.key!r}: the graph has {ubatches} micro-batches "
-                f"but the step's metadata lists {len(per)}"
-            )
-        for u, m in enumerate(per):
-            if not isinstance(m, Mapping):
-                raise MetadataError(
-                    f"{entry.namespace}/{entry.key!r}: micro-batch {u} of the step's metadata is a "
-                    f"{type(m).__name__}; expected a mapping of layer or KV-cache group names to AttentionMetadata"
-                )
-        metas = []
-        for t in plan.tasks:
-            found = per[t.ubatch].get(t.layer)
-            metas.append(found if found is not None else per[t.ubatch].get(t.group))
-    else:
-        raise MetadataError(
-            f"{entry.namespace}/{entry.key!r}: step metadata must map layer or KV-cache group names to "
-            f"AttentionMetadata (or be a list of such mappings), got {type(metadata).__name__}"
-        )
-    if None in metas:
-        i = metas.index(None)
-        t = plan.tasks[i]
-        where = f" of micro-batch {t.ubatch}" if not isinstance(metadata, Mapping) else ""
-        keys = sorted(map(str, metadata if isinstance(metadata, Mapping) else metadata[t.ubatch]))
-        raise MetadataError(
-            f"{entry.namespace}/{entry.key!r}: the step's metadata{where} has no entry for layer "
-            f"{t.layer!r} nor for its KV-cache group {t.group!r} (it has {keys[:6]}...); "
-            "pass metadata for every captured layer"
-        )
-    return metas  # type: ignore[return-value]

@@ -17,25 +17,8 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import _device, _hccl, _torch_npu, _torch_ops, npu
-from npugraph.sim._cache import PAD_SLOT_ID, _npu_reshape_and_cache, npu_scatter_pa_kv_cache
-from npugraph.sim._dense import _npu_matmul_add_fp32, _npu_rotary_embedding, npu_add_rms_norm, npu_rms_norm, npu_swiglu
-from npugraph.sim._fia import _npu_fused_infer_attention_score_get_max_workspace, npu_fused_infer_attention_score
-from npugraph.sim._fia_sink import (
-    StaleTilingError,
-    _npu_fused_infer_attention_score_v2_sink_metadata,
-    npu_fused_infer_attention_score_v2_sink,
-)
-from npugraph.sim._fia_v2 import (
-    _npu_fused_infer_attention_score_v2_get_max_workspace,
-    npu_fused_infer_attention_score_v2,
-)
-from npugraph.sim._fused import _npu_fused_infer_attention_score_out_graph
-from npugraph.sim._pa import _npu_paged_attention, _npu_paged_attention_get_workspace
-from npugraph.sim._prefill import npu_fusion_attention
-from npugraph.sim._runtime import HostCostModel, SimConfig, get_state
-from npugraph.sim._runtime import reset as _reset
-from npugraph.sim._taskgroups import NPUTaskGroupHandle
+from npugraph.sim import npu
+from npugraph.sim.device import backend as _device
 from npugraph.sim.errors import (
     CaptureError,
     ConcurrentUpdateError,
@@ -47,6 +30,31 @@ from npugraph.sim.errors import (
     UseAfterFree,
     WorkspaceTooSmall,
 )
+from npugraph.sim.kernels.cache import PAD_SLOT_ID, _npu_reshape_and_cache, npu_scatter_pa_kv_cache
+from npugraph.sim.kernels.dense import (
+    _npu_matmul_add_fp32,
+    _npu_rotary_embedding,
+    npu_add_rms_norm,
+    npu_rms_norm,
+    npu_swiglu,
+)
+from npugraph.sim.kernels.fia import _npu_fused_infer_attention_score_get_max_workspace, npu_fused_infer_attention_score
+from npugraph.sim.kernels.fia_sink import (
+    StaleTilingError,
+    _npu_fused_infer_attention_score_v2_sink_metadata,
+    npu_fused_infer_attention_score_v2_sink,
+)
+from npugraph.sim.kernels.fia_v2 import (
+    _npu_fused_infer_attention_score_v2_get_max_workspace,
+    npu_fused_infer_attention_score_v2,
+)
+from npugraph.sim.kernels.fused import _npu_fused_infer_attention_score_out_graph
+from npugraph.sim.kernels.pa import _npu_paged_attention, _npu_paged_attention_get_workspace
+from npugraph.sim.kernels.prefill import npu_fusion_attention
+from npugraph.sim.runtime.state import HostCostModel, SimConfig, get_state
+from npugraph.sim.runtime.state import reset as _reset
+from npugraph.sim.runtime.taskgroups import NPUTaskGroupHandle
+from npugraph.sim.surfaces import hccl, torch_npu_modules, torch_ops
 
 __all__ = [
     "npu",
@@ -208,7 +216,7 @@ def install_torch_npu(*, device: bool = False) -> None:
     resolve to the simulator, for code that imports torch_npu at module level (vllm-ascend):
     its graph code then runs on a CPU with real kernel math instead of mocks.
 
-    ``device``: also give the process the ``npu`` torch device (:mod:`npugraph.sim._device`:
+    ``device``: also give the process the ``npu`` torch device (:mod:`npugraph.sim.device.backend`:
     ``torch.ones(4, device="npu")``, ``.npu()``, pinned memory) and the ``hccl``
     distributed backend.  That part is process-wide and stays (torch allows one
     PrivateUse1 backend per process); what ``NPUGRAPH_SIM_TORCH_NPU=1`` does in every process.
@@ -227,7 +235,7 @@ def install_torch_npu(*, device: bool = False) -> None:
         install_npu_device()
     if _INSTALLED:
         return
-    stand_ins = {"torch_npu": me, "torch_npu.npu": npu, "torch_npu._C": _C, **_torch_npu.submodules(_C)}
+    stand_ins = {"torch_npu": me, "torch_npu.npu": npu, "torch_npu._C": _C, **torch_npu_modules.submodules(_C)}
     for name, module in stand_ins.items():
         _INSTALLED[name] = sys.modules.get(name, _MISSING)
         sys.modules[name] = module  # type: ignore[assignment]
@@ -239,9 +247,9 @@ def install_npu_device() -> None:
     """Give this process the ``npu`` torch device and the ``hccl`` backend (idempotent; for
     the life of the process), without swapping any module for ``torch_npu``."""
     _device.install(npu)
-    _hccl.register()
+    hccl.register()
     # torch_npu's kernels are torch ops (torch.compile keeps a call as one node)
-    _torch_ops.register(sys.modules[__name__])
+    torch_ops.register(sys.modules[__name__])
 
 
 def uninstall_torch_npu() -> None:

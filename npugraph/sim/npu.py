@@ -11,11 +11,11 @@ from typing import Any
 import attrs
 import torch
 
-from npugraph.sim import _device
-from npugraph.sim import _runtime as rt
-from npugraph.sim._graph import NPUGraph, graph, graph_pool_handle
-from npugraph.sim._runtime import Event, ExternalEvent, Stream
-from npugraph.sim._taskgroups import (
+from npugraph.sim.device import backend as _device
+from npugraph.sim.runtime import state as rt
+from npugraph.sim.runtime.graph import NPUGraph, graph, graph_pool_handle
+from npugraph.sim.runtime.state import Event, ExternalEvent, Stream
+from npugraph.sim.runtime.taskgroups import (
     NPUTaskGroupHandle,
     graph_task_group_begin,
     graph_task_group_end,

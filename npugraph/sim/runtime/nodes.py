@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import _runtime as rt
-from npugraph.sim._aten import run_planned
-from npugraph.sim._device import on_host
-from npugraph.sim._memory import ArgRef, check_refs
+from npugraph.sim.device.backend import on_host
 from npugraph.sim.errors import ReplayFault
+from npugraph.sim.runtime import state as rt
+from npugraph.sim.runtime.aten import run_planned
+from npugraph.sim.runtime.memory import ArgRef, check_refs
 
 __all__ = ["OpNode", "KernelTask", "ExtWaitNode", "ExtRecordNode", "GraphRun", "storage_key"]
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import _runtime as rt
-from npugraph.sim._fia import fia_out
-from npugraph.sim._taskgroups import NPUTaskGroupHandle, graph_task_update_begin, graph_task_update_end
+from npugraph.sim.kernels.fia import fia_out
+from npugraph.sim.runtime import state as rt
+from npugraph.sim.runtime.taskgroups import NPUTaskGroupHandle, graph_task_update_begin, graph_task_update_end
 
 __all__ = ["_npu_fused_infer_attention_score_out_graph"]
 

@@ -5,7 +5,7 @@
 torch_npu registers an ``hccl`` backend (HCCL, Huawei's collective library) for npu
 tensors and adds ``torch.distributed.is_hccl_available``.  The simulator's npu memory is
 host memory, so each collective runs gloo on CPU tensors over the same bytes
-(:func:`~npugraph.sim._device.on_host`): results land in the npu tensors themselves, as
+(:func:`~npugraph.sim.device.backend.on_host`): results land in the npu tensors themselves, as
 HCCL's do.  ``init_process_group(backend="hccl")`` and ``new_group(backend="hccl")`` then
 work at any world size gloo reaches (processes on this host).
 """
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from npugraph.sim._device import on_host as _host  # npu tensors (also in lists) as CPU views
+from npugraph.sim.device.backend import on_host as _host  # npu tensors (also in lists) as CPU views
 
 __all__ = ["ProcessGroupHCCL", "register"]
 

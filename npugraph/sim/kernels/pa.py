@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import _runtime as rt
-from npugraph.sim import kernels as K
-from npugraph.sim._launch import SimOp, fail, host_copy, launch, need_tensor
+from npugraph.sim.kernels import numerics as K
+from npugraph.sim.runtime import state as rt
+from npugraph.sim.runtime.launch import SimOp, fail, host_copy, launch, need_tensor
 
 __all__ = ["_npu_paged_attention", "_npu_paged_attention_get_workspace"]
 

@@ -26,9 +26,9 @@ from typing import Any, Protocol
 
 import attrs
 
-from npugraph.sim._eager import EagerOrdering
-from npugraph.sim._memory import Memory
 from npugraph.sim.errors import CaptureError, DeadlockError, RaceError, ReplayFault
+from npugraph.sim.runtime.eager import EagerOrdering
+from npugraph.sim.runtime.memory import Memory
 
 __all__ = [
     "HostCostModel",
@@ -119,7 +119,7 @@ class SimState:
         self.rng = random.Random(config.adversarial_seed)
         self.counters: collections.Counter[str] = collections.Counter()
         self.active: list[Stream] = []
-        self.capture: Any = None  # the CaptureSession in progress (npugraph.sim._capture)
+        self.capture: Any = None  # the CaptureSession in progress (npugraph.sim.runtime.capture)
         self.default_stream = Stream._create(self, name="default", is_default=True)
         # The current stream is per host thread, as in torch; one lock serialises the
         # device's bookkeeping between threads (parallel updates), never the GIL-free waits.

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import kernels as K
-from npugraph.sim._fia import INT_MAX, check_compressed_mask
-from npugraph.sim._launch import SimOp, brief_host, fail, host_copy, launch, need_tensor
+from npugraph.sim.kernels import numerics as K
+from npugraph.sim.kernels.fia import INT_MAX, check_compressed_mask
+from npugraph.sim.runtime.launch import SimOp, brief_host, fail, host_copy, launch, need_tensor
 
 __all__ = ["npu_fusion_attention"]
 

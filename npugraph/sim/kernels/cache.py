@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from npugraph.sim._launch import SimOp, fail, launch, need_tensor
+from npugraph.sim.runtime.launch import SimOp, fail, launch, need_tensor
 
 __all__ = ["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache", "PAD_SLOT_ID"]
 

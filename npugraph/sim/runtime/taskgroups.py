@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import _runtime as rt
-from npugraph.sim._memory import ArgRef, hold_params
-from npugraph.sim._nodes import KernelTask
 from npugraph.sim.errors import ConcurrentUpdateError, RaceError, UpdateMismatchError
+from npugraph.sim.runtime import state as rt
+from npugraph.sim.runtime.memory import ArgRef, hold_params
+from npugraph.sim.runtime.nodes import KernelTask
 
 __all__ = [
     "TaskGroup",

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import _runtime as rt
-from npugraph.sim import kernels as K
-from npugraph.sim._launch import OpPacket, SimOp, brief_host, fail, host_copy, launch, max_workspace, need_tensor
+from npugraph.sim.kernels import numerics as K
+from npugraph.sim.runtime import state as rt
+from npugraph.sim.runtime.launch import OpPacket, SimOp, brief_host, fail, host_copy, launch, max_workspace, need_tensor
 
 __all__ = [
     "npu_fused_infer_attention_score",

@@ -18,11 +18,11 @@ import torch
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from npugraph.sim import _runtime as rt
-from npugraph.sim._aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, op_device, plan_outputs
-from npugraph.sim._memory import ArgRef, hold_params, hold_tree
-from npugraph.sim._nodes import ExtRecordNode, ExtWaitNode, KernelTask, OpNode, storage_key
 from npugraph.sim.errors import CaptureError
+from npugraph.sim.runtime import state as rt
+from npugraph.sim.runtime.aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, op_device, plan_outputs
+from npugraph.sim.runtime.memory import ArgRef, hold_params, hold_tree
+from npugraph.sim.runtime.nodes import ExtRecordNode, ExtWaitNode, KernelTask, OpNode, storage_key
 
 __all__ = ["CaptureSession", "make_host_copy"]
 

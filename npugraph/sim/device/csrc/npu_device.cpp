@@ -464,7 +464,7 @@ struct NpuGuard final : c10::impl::DeviceGuardImplInterface {
     return device_count();
   }
   // torch.accelerator.synchronize() (vLLM's capture_model calls it): the simulator's
-  // streams live in Python, which implements this op (npugraph.sim._device.install)
+  // streams live in Python, which implements this op (npugraph.sim.device.backend.install)
   void synchronizeDevice(const c10::DeviceIndex index) const override {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("npugraph_sim::synchronize_device", "")

@@ -13,7 +13,7 @@ import importlib.machinery
 import types
 from typing import Any
 
-from npugraph.sim._hccl import ProcessGroupHCCL
+from npugraph.sim.surfaces.hccl import ProcessGroupHCCL
 
 __all__ = ["submodules"]
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from npugraph.sim._fia import FIA, INT_MAX, alloc_outputs, fia_check, fia_compute, fia_workspace, out_pair
-from npugraph.sim._launch import OpPacket, SimOp, host_copy, launch, max_workspace
+from npugraph.sim.kernels.fia import FIA, INT_MAX, alloc_outputs, fia_check, fia_compute, fia_workspace, out_pair
+from npugraph.sim.runtime.launch import OpPacket, SimOp, host_copy, launch, max_workspace
 
 __all__ = ["npu_fused_infer_attention_score_v2", "_npu_fused_infer_attention_score_v2_get_max_workspace"]
 

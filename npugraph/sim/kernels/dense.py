@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from npugraph.sim._launch import SimOp, fail, launch
+from npugraph.sim.runtime.launch import SimOp, fail, launch
 
 __all__ = ["npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "_npu_rotary_embedding", "_npu_matmul_add_fp32"]
 

@@ -7,7 +7,7 @@ implementation.  The simulator's kernels are Python functions: traced as they ar
 would walk into the simulator itself (its lock, its queues) and stop.  Registered here,
 each becomes an op with a kernel for the ``npu`` device (the function) and a fake
 implementation (the same function: it validates and allocates its outputs, and
-:func:`npugraph.sim._launch.launch` does nothing for fake tensors).
+:func:`npugraph.sim.runtime.launch.launch` does nothing for fake tensors).
 
 Only the ops a compiled model region calls directly are registered: attention and the
 KV-cache writes run inside engines' own custom ops (vLLM's ``unified_attention_with_output``),
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import _dense
+from npugraph.sim.kernels import dense
 
 __all__ = ["NAMESPACE", "TORCH_OPS", "register"]
 
@@ -48,7 +48,7 @@ def register(module: types.ModuleType) -> None:
     for name, mutates in TORCH_OPS.items():
         packet = _registered(name)
         if packet is None:
-            fn = getattr(_dense, name)
+            fn = getattr(dense, name)
             op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=mutates, device_types="npu")
             op.register_fake(fn)
             packet = _registered(name)

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import _runtime as rt
-from npugraph.sim._fia import INT_MAX, fia_check, fia_compute, out_pair
-from npugraph.sim._launch import OpPacket, SimOp, fail, launch, need_tensor
 from npugraph.sim.errors import SimError
+from npugraph.sim.kernels.fia import INT_MAX, fia_check, fia_compute, out_pair
+from npugraph.sim.runtime import state as rt
+from npugraph.sim.runtime.launch import OpPacket, SimOp, fail, launch, need_tensor
 
 __all__ = [
     "META_ENTRIES",

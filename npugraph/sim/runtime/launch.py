@@ -22,18 +22,18 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from npugraph.sim import _runtime as rt
-from npugraph.sim._capture import CaptureSession, make_host_copy
-from npugraph.sim._device import on_host
-from npugraph.sim._memory import MEMORY
-from npugraph.sim._taskgroups import (
+from npugraph.sim.device.backend import on_host
+from npugraph.sim.errors import CaptureError, WorkspaceTooSmall
+from npugraph.sim.runtime import state as rt
+from npugraph.sim.runtime.capture import CaptureSession, make_host_copy
+from npugraph.sim.runtime.memory import MEMORY
+from npugraph.sim.runtime.taskgroups import (
     graph_task_group_begin,
     graph_task_group_end,
     graph_task_update_begin,
     graph_task_update_end,
     issue_update,
 )
-from npugraph.sim.errors import CaptureError, WorkspaceTooSmall
 
 __all__ = [
     "SimOp",

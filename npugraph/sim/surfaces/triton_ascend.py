@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import _device
-from npugraph.sim._launch import SimOp, launch
+from npugraph.sim.device import backend as _device
 from npugraph.sim.kernels import AI_CORES
+from npugraph.sim.runtime.launch import SimOp, launch
 
 __all__ = ["BACKEND_NAME", "EXTENSION", "cann_extension", "launch_as_kernels", "register_backend"]
 

@@ -36,8 +36,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from npugraph.sim._aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, plan_outputs, run_planned
-from npugraph.sim._device import on_host
+from npugraph.sim.device.backend import on_host
+from npugraph.sim.runtime.aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, plan_outputs, run_planned
 
 __all__ = ["EagerOrdering", "EagerOp"]
 

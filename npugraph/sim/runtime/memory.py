@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from npugraph.sim import _device
+from npugraph.sim.device import backend as _device
 from npugraph.sim.errors import UseAfterFree
 
 # Host memory: where the simulator's own bookkeeping tensors live (alias bases, the CPU

@@ -1,7 +1,7 @@
 """Simulated NPU graphs: capture, replay by re-execution, memory pools.
 
-See :mod:`npugraph.sim._capture` for how work is recorded, :mod:`npugraph.sim._nodes`
-for what a graph is made of, :mod:`npugraph.sim._taskgroups` for task groups and updates.
+See :mod:`npugraph.sim.runtime.capture` for how work is recorded, :mod:`npugraph.sim.runtime.nodes`
+for what a graph is made of, :mod:`npugraph.sim.runtime.taskgroups` for task groups and updates.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from npugraph.sim import _runtime as rt
-from npugraph.sim._capture import CaptureSession
-from npugraph.sim._launch import auto_update
-from npugraph.sim._nodes import GraphRun, KernelTask, OpNode
-from npugraph.sim._taskgroups import TaskGroup
 from npugraph.sim.errors import CaptureError
+from npugraph.sim.runtime import state as rt
+from npugraph.sim.runtime.capture import CaptureSession
+from npugraph.sim.runtime.launch import auto_update
+from npugraph.sim.runtime.nodes import GraphRun, KernelTask, OpNode
+from npugraph.sim.runtime.taskgroups import TaskGroup
 
 __all__ = ["NPUGraph", "graph", "graph_pool_handle"]
 

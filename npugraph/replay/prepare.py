@@ -1,0 +1,242 @@
+"""A step's metadata made ready for the device, with no device call: a bad step changes nothing.
+
+Each task's metadata is found by its layer name, then its KV-cache group
+(:func:`resolve`); each distinct metadata object is validated and padded once per cache
+geometry (:func:`~npugraph.replay.lens.convert`), and turned once into the host values of
+each kernel that reads it; the block tables to copy into captured buffers are listed once
+per buffer; block-id checks of device-resident tables are deferred to the device.
+Unchanged lengths keep their objects, so the update skips the tasks that hold them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import repeat
+from typing import Any
+
+import attrs
+import torch
+
+from npugraph.capture import CapturedGraph, CaptureManager
+from npugraph.errors import MetadataError
+from npugraph.ops import StepLens
+from npugraph.replay.blockcheck import DeferredCheck
+from npugraph.replay.lens import AttentionMetadata, convert
+from npugraph.replay.phases import GraphState, StepMetadata
+from npugraph.replay.plan import UpdatePlan
+
+__all__ = ["PreparedStep", "StepPreparer", "resolve", "same_table"]
+
+
+@attrs.frozen(kw_only=True)
+class PreparedStep:
+    """One update, prepared: host values per task, block tables to copy, deferred checks."""
+
+    host: list[dict[str, Any]]
+    copies: tuple[tuple[Any, AttentionMetadata], ...]  # (captured buffer, metadata whose table it gets)
+    deferred: tuple[DeferredCheck, ...]
+
+
+@attrs.define(kw_only=True)
+class StepPreparer:
+    """Resolves, validates and converts a step's metadata for the graphs of one manager.
+
+    ``validate``: check lengths and block ids (off only for benchmarks of the bare update);
+    ``defer_block_check``: ``None`` checks the block ids of device-resident tables on the
+    device and those of host tables on the host; ``True`` treats every table as device
+    memory (the simulator's tables live on the CPU).
+    """
+
+    manager: CaptureManager
+    device: Any
+    validate: bool = True
+    defer_block_check: bool | None = None
+
+    def prepare(
+        self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata
+    ) -> PreparedStep:
+        """Resolve, validate and convert metadata; no device call here."""
+        metas = resolve(entry, plan, metadata)
+        if plan.uniform and metas.count(metas[0]) == len(metas):
+            return self._prepare_one(entry, plan, state, metas[0])
+        copies: dict[int, tuple[Any, AttentionMetadata, str]] = {}
+        deferred: list[DeferredCheck] = []
+        lens_by: dict[tuple[int, Any], StepLens] = {}
+        host_by: dict[tuple[int, str], dict[str, Any]] = {}
+        lens_seen: dict[int, tuple[StepLens, str]] = {}
+        new_lens: dict[str, StepLens] = {}
+        host: list[dict[str, Any]] = []
+        for i, meta in enumerate(metas):
+            # each distinct metadata once per cache geometry (a layer's own cache bounds its block ids)
+            t = plan.tasks[i]
+            ck = (id(meta), t.geometry)
+            lens = lens_by.get(ck)
+            if lens is None:
+                lens = lens_by[ck] = self._convert(entry, plan, state, i, meta, deferred)
+                new_lens[t.slot] = lens
+            buf = t.block_table
+            seen = copies.get(id(buf))
+            if seen is None:
+                copies[id(buf)] = (buf, meta, t.layer)
+            elif seen[1] is not meta and not same_table(seen[1], meta, readable=not self.resident(meta)):
+                raise MetadataError(
+                    f"{entry.namespace}/{entry.key!r} layer {t.layer!r}: its metadata has another "
+                    f"block table than layer {seen[2]!r}, but both layers "
+                    "read one captured block-table buffer; give those layers their own buffers (capture "
+                    "them with separate block tables or KV-cache groups) or the same block table"
+                )
+            if t.lens is not None:
+                other = lens_seen.setdefault(id(t.lens), (lens, t.layer))
+                if other[0] is not lens and (other[0].kv_lens, other[0].q_ends) != (lens.kv_lens, lens.q_ends):
+                    raise MetadataError(
+                        f"{entry.namespace}/{entry.key!r} layer {t.layer!r}: its metadata has other lengths than "
+                        f"layer {other[1]!r}, but both layers read one device-length buffer (KV-cache group "
+                        f"{t.group!r}); pass one metadata per KV-cache group, or capture those layers in "
+                        "separate groups"
+                    )
+            name = t.spec.name
+            cached = state.host_of[i]
+            if cached is not None and cached[0] is lens:
+                hv = cached[1]  # task i's own lengths, unchanged
+            else:
+                found = host_by.get((id(lens), name))
+                hv = found if found is not None else t.spec.host_values(lens)
+                host_by[(id(lens), name)] = hv
+                state.host_of[i] = (lens, hv)
+            state.lens_of[i] = lens
+            host.append(hv)
+        state.last_lens.update(new_lens)
+        return PreparedStep(host=host, copies=tuple((b, m) for b, m, _ in copies.values()), deferred=tuple(deferred))
+
+    def _convert(
+        self,
+        entry: CapturedGraph,
+        plan: UpdatePlan,
+        state: GraphState,
+        i: int,
+        meta: Any,
+        deferred: list[DeferredCheck],
+    ) -> StepLens:
+        """Validate and pad the metadata of task ``i`` (and of every task sharing it)."""
+        t = plan.tasks[i]
+        geo = t.geometry
+        bs, nblocks, batch, tokens = geo.block_size, geo.num_blocks, geo.batch, geo.tokens
+        where = t.where
+        defer = self.validate and self.resident(meta)
+        lens = convert(
+            meta,
+            batch=batch,
+            tokens=tokens,
+            max_model_len=self.manager.max_model_len,
+            block_size=bs,
+            num_blocks=nblocks,
+            capacity_blocks=geo.table_cols,
+            table_device=self.device.memory,
+            where=where,
+            validate=self.validate,
+            check_block_ids=not defer,
+            tokens_per_request=max(1, tokens // max(1, batch)),
+            one_query_token=t.one_query_token,
+        )
+        if defer and lens.num_reqs:
+            deferred.append(
+                DeferredCheck(
+                    table=meta.block_table,
+                    kv=lens.kv_lens[: lens.num_reqs],
+                    block_size=bs,
+                    num_blocks=nblocks,
+                    columns=geo.table_cols,
+                    step=state.steps + 1,
+                    where=where,
+                )
+            )
+        prev = state.lens_of[i]
+        if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
+            return prev  # unchanged: identity lets tasks skip the re-issue
+        return lens
+
+    def resident(self, meta: Any) -> bool:
+        """Whether ``meta``'s block table is device memory, which the host must not read
+        (a read would synchronize); ``defer_block_check`` overrides the table's device."""
+        if self.defer_block_check is not None:
+            return self.defer_block_check
+        table = getattr(meta, "block_table", None)
+        return isinstance(table, torch.Tensor) and self.device.is_device_memory(table)
+
+    def _prepare_one(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, meta: Any) -> PreparedStep:
+        """The common step: one metadata object for every task of one kernel and one cache geometry."""
+        deferred: list[DeferredCheck] = []
+        lens = self._convert(entry, plan, state, 0, meta, deferred)
+        cached = state.host_of[0]  # the first task stands for all: the others follow it
+        if cached is not None and cached[0] is lens:
+            hv = cached[1]
+        else:
+            hv = plan.tasks[0].spec.host_values(lens)
+            state.host_of[0] = (lens, hv)
+        state.lens_of[0] = lens
+        for slot in plan.slots:
+            state.last_lens[slot] = lens
+        return PreparedStep(
+            host=[hv] * len(plan.tasks), copies=tuple(zip(plan.buffers, repeat(meta))), deferred=tuple(deferred)
+        )
+
+
+def same_table(first: AttentionMetadata, other: AttentionMetadata, *, readable: bool) -> bool:
+    """Whether ``other``'s layer reads its own block table from a buffer ``first``'s was copied into.
+
+    It reads its requests' rows and its table's columns.  Tables the host may not read
+    (device memory: a read would synchronize) pass only as views of the same memory."""
+    ta, tb = first.block_table, other.block_table
+    rows, cols = other.num_reqs, int(tb.shape[1])
+    if ta.shape[0] < rows or ta.shape[1] < cols:
+        return False
+    if ta.data_ptr() == tb.data_ptr() and ta.stride() == tb.stride():
+        return True  # views of one table: the leading rows and columns are the same memory
+    return readable and bool(torch.equal(ta[:rows, :cols], tb[:rows, :cols]))
+
+
+def resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> list[AttentionMetadata]:
+    """The metadata of every task: by layer name, then by KV-cache group, per micro-batch."""
+    if type(metadata) is dict or isinstance(metadata, Mapping):  # a dict: no ABC check per step
+        first = plan.tasks[0]
+        one = plan.uniform and len(metadata) == 1 and first.layer not in metadata
+        if one and metadata.get(first.group) is not None:  # the common step: one group's metadata
+            return [metadata[first.group]] * len(plan.tasks)
+        get = metadata.get
+        metas = [get(t.layer) for t in plan.tasks]
+        if None in metas:  # fall back to the KV-cache group name
+            metas = [m if m is not None else get(t.group) for m, t in zip(metas, plan.tasks)]
+    elif isinstance(metadata, Sequence) and not isinstance(metadata, (str, bytes)):
+        per = list(metadata)
+        ubatches = max((t.ubatch for t in plan.tasks), default=0) + 1
+        if ubatches > len(per):
+            raise MetadataError(
+                f"{entry.namespace}/{entry.key!r}: the graph has {ubatches} micro-batches "
+                f"but the step's metadata lists {len(per)}"
+            )
+        for u, m in enumerate(per):
+            if not isinstance(m, Mapping):
+                raise MetadataError(
+                    f"{entry.namespace}/{entry.key!r}: micro-batch {u} of the step's metadata is a "
+                    f"{type(m).__name__}; expected a mapping of layer or KV-cache group names to AttentionMetadata"
+                )
+        metas = []
+        for t in plan.tasks:
+            found = per[t.ubatch].get(t.layer)
+            metas.append(found if found is not None else per[t.ubatch].get(t.group))
+    else:
+        raise MetadataError(
+            f"{entry.namespace}/{entry.key!r}: step metadata must map layer or KV-cache group names to "
+            f"AttentionMetadata (or be a list of such mappings), got {type(metadata).__name__}"
+        )
+    if None in metas:
+        i = metas.index(None)
+        t = plan.tasks[i]
+        where = f" of micro-batch {t.ubatch}" if not isinstance(metadata, Mapping) else ""
+        keys = sorted(map(str, metadata if isinstance(metadata, Mapping) else metadata[t.ubatch]))
+        raise MetadataError(
+            f"{entry.namespace}/{entry.key!r}: the step's metadata{where} has no entry for layer "
+            f"{t.layer!r} nor for its KV-cache group {t.group!r} (it has {keys[:6]}...); "
+            "pass metadata for every captured layer"
+        )
+    return metas  # type: ignore[return-value]
