@@ -504,3 +504,27 @@ def test_triton_ascends_language_extension_stand_in_says_what_it_is():
     for name in ("insert_slice", "extract_slice", "get_element"):
         with pytest.raises(NotImplementedError, match=f"triton-ascend's {name} is not simulated"):
             getattr(ext, name)()
+
+
+def test_install_npu_device_after_install_torch_npu_installs_everything_at_once():
+    # install_torch_npu() (no device) makes torch.npu the simulator's module; the device's
+    # install then must not refuse it half-way (hccl and the torch ops not yet registered)
+    out = _run(
+        """
+        import torch
+        from npugraph import sim
+        sim.install_torch_npu()
+        assert torch.npu is sim.npu
+        from npugraph import Runtime
+        rt = Runtime("sim", max_model_len=64)
+        assert torch.ones(2, device="npu").device.type == "npu"
+        assert torch.distributed.is_hccl_available()
+        assert hasattr(torch.ops.npu, "npu_rms_norm")
+        sim.install_npu_device()  # and again: idempotent
+        import sys
+        assert sys.modules["torch.npu"] is sim.npu
+        print("ok")
+        """,
+        env={ENV: ""},
+    )
+    assert out.strip().endswith("ok")

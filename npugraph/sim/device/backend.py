@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,12 @@ def install(module: Any) -> None:
             "npugraph.sim: another backend already named PrivateUse1 'npu' (a real torch_npu?); the "
             "simulator's device cannot be installed beside it"
         )
+    present = getattr(torch, BACKEND, None)
+    if present is not None and present is not module:
+        raise RuntimeError(
+            f"npugraph.sim: torch.{BACKEND} is already {present!r}, not the simulator's; its npu device "
+            "cannot be installed beside it"
+        )
     build()
     # torch.accelerator.synchronize() reaches the device guard, which calls this op
     torch.library.impl("npugraph_sim::synchronize_device", "CompositeExplicitAutograd")(
@@ -89,7 +96,10 @@ def install(module: Any) -> None:
     )
     torch.utils.rename_privateuse1_backend(BACKEND)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
-    torch._register_device_module(BACKEND, module)
+    if present is None:
+        torch._register_device_module(BACKEND, module)
+    else:  # install_torch_npu made it torch.npu already: what registering would do, less the refusal
+        sys.modules[f"torch.{BACKEND}"] = module
 
 
 def host_view(t: torch.Tensor) -> torch.Tensor:
