@@ -528,3 +528,27 @@ def test_install_npu_device_after_install_torch_npu_installs_everything_at_once(
         env={ENV: ""},
     )
     assert out.strip().endswith("ok")
+
+
+def test_a_forked_child_computes_after_its_parent_used_the_thread_pool():
+    # torch's OpenMP pool does not survive a fork: without the simulator's at-fork rule the
+    # child hangs for good in libgomp at its first parallel op (vLLM's forked engine did)
+    out = _run(
+        """
+        import os, torch
+        x = torch.randn(1024, 1024)
+        (x @ x).sum(); torch.randn(1 << 22).sum()  # the parent's parallel regions
+        (x.npu() @ x.npu()).cpu()
+        pid = os.fork()
+        if pid == 0:
+            y = torch.randn(1 << 22)
+            ok = float((y * 0 + 1).sum()) == float(1 << 22)
+            ok &= bool((torch.ones(1 << 20, device="npu") * 2).sum().cpu() == 2 * (1 << 20))
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        """,
+        env={"OMP_NUM_THREADS": "2"},
+        timeout=60,  # a hang is the failure
+    )
+    assert out.strip() == "child 0"

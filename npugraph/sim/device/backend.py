@@ -100,6 +100,15 @@ def install(module: Any) -> None:
         torch._register_device_module(BACKEND, module)
     else:  # install_torch_npu made it torch.npu already: what registering would do, less the refusal
         sys.modules[f"torch.{BACKEND}"] = module
+    # The device's compute is the host's OpenMP pool, which does not survive a fork: a child
+    # whose parent ran a parallel region hangs in libgomp at its first one (vLLM forks its
+    # engine after the front end wrote a checkpoint or ran npu ops).  A forked child computes
+    # on one thread, as torch's DataLoader workers do.
+    os.register_at_fork(after_in_child=_one_thread)
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
 
 
 def host_view(t: torch.Tensor) -> torch.Tensor:
