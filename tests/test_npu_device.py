@@ -209,16 +209,28 @@ def test_hccl_at_world_size_two():
             dist.broadcast(b, 1)
             dist.barrier()
             assert t.device == torch.device(f"npu:{{rank}}") and dist.get_backend() == "hccl"
-            line = f"{{rank}} {{t.cpu().tolist()}} {{[g.cpu().tolist()[0] for g in gathered]}} {{b.cpu().tolist()}}"
+            # the tensor collectives (torch 2.14 sends them to group.all_gather_single / reduce_scatter_single)
+            flat = torch.empty(2 * size, device="npu")
+            dist.all_gather_into_tensor(flat, torch.full((2,), float(rank), device="npu"))
+            part = torch.empty(2, device="npu")
+            dist.reduce_scatter_tensor(part, torch.arange(2.0 * size, device="npu"))
+            line = (
+                f"{{rank}} {{t.cpu().tolist()}} {{[g.cpu().tolist()[0] for g in gathered]}} {{b.cpu().tolist()}}"
+                f" {{flat.cpu().tolist()}} {{part.cpu().tolist()}}"
+            )
+            # a group has its name, and destroying groups (vllm-ascend's shutdown) says nothing
+            sub = dist.new_group([0, 1], backend="hccl")
+            assert dist.group.WORLD.group_name and sub.group_name
             os.write(1, (line + "\\n").encode())  # one write: the two ranks' lines never interleave
+            dist.destroy_process_group(sub)
             dist.destroy_process_group()
 
         if __name__ == "__main__":
             mp.spawn(worker, args=(2,), nprocs=2)
         """
     )
-    assert "0 [3.0, 3.0, 3.0, 3.0] [0.0, 1.0] [8.0, 8.0]" in out
-    assert "1 [3.0, 3.0, 3.0, 3.0] [0.0, 1.0] [8.0, 8.0]" in out
+    assert "0 [3.0, 3.0, 3.0, 3.0] [0.0, 1.0] [8.0, 8.0] [0.0, 0.0, 1.0, 1.0] [0.0, 2.0]" in out
+    assert "1 [3.0, 3.0, 3.0, 3.0] [0.0, 1.0] [8.0, 8.0] [0.0, 0.0, 1.0, 1.0] [4.0, 6.0]" in out
 
 
 @pytest.mark.vllm

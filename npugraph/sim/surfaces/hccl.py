@@ -44,6 +44,9 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         super().__init__(rank, size)  # type: ignore[call-arg]  # the Python constructor
         timeout = getattr(options, "_timeout", None) or timedelta(minutes=30)
         self._gloo: Any = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # A ProcessGroup keeps its name in its backends (torch sets it on each after this
+        # constructor; destroy_process_group reads it back): gloo, for host tensors.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
 
     def getBackendName(self) -> str:
         return "hccl"
@@ -69,6 +72,28 @@ class ProcessGroupHCCL(dist.ProcessGroup):
 
     def _allgather_base(self, output: Any, input: Any, opts: Any = None) -> Any:
         return self._gloo._allgather_base(_host(output), _host(input), opts or _c10d.AllgatherOptions())
+
+    # torch 2.14 names the tensor collectives *_single (dist.all_gather_into_tensor calls
+    # group.all_gather_single); a ProcessGroup without them sends npu tensors to a backend
+    # for the npu device, which has none: gloo's, on the same memory, under either name
+    def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> Any:
+        fn = getattr(self._gloo, "all_gather_single", None) or self._gloo._allgather_base
+        return fn(_host(output), _host(input), opts or _c10d.AllgatherOptions())
+
+    def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> Any:
+        fn = getattr(self._gloo, "reduce_scatter_single", None) or self._gloo._reduce_scatter_base
+        return fn(_host(output), _host(input), opts or _c10d.ReduceScatterOptions())
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._gloo.all_gather_single_coalesced(_host(outputs), _host(inputs), opts or _c10d.AllgatherOptions())
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._gloo.reduce_scatter_single_coalesced(
+            _host(outputs), _host(inputs), opts or _c10d.ReduceScatterOptions()
+        )
+
+    def gather_single(self, output: Any, input: Any, opts: Any = None) -> Any:
+        return self._gloo.gather_single(_host(output), _host(input), opts or _c10d.GatherOptions())
 
     def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         return self._gloo.gather(_host(outputs), _host(inputs), opts or _c10d.GatherOptions())
