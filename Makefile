@@ -19,7 +19,7 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/pip install -q -e '.[test,dev]'
 	# a wheel install carries npugraph-sim.pth (setup.py); an editable one does not: copy it
 	cp npugraph-sim.pth "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
-	$(BIN)/python -c "from npugraph.sim import _device; _device.build()"
+	$(BIN)/python -c "from npugraph.sim.device import backend; backend.build()"
 	touch $(STAMP)
 
 install: $(STAMP)

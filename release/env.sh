@@ -101,7 +101,7 @@ cp "$REPO/npugraph-sim.pth" "$SITE/"
 # run from this checkout at every interpreter start, so that an edit needs no rebuild
 echo "import runpy; runpy.run_path('$HERE/ascend_site.py')" >"$SITE/ascend_site.pth"
 echo "$SRC" >"$SITE/vllm_ascend_release.pth"
-NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "from npugraph.sim import _device; _device.build()"
+NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "from npugraph.sim.device import backend; backend.build()"
 
 # the Hugging Face configs vllm-ascend's tests read, in a local hub cache
 "$BIN/python" "$HERE/hf_cache.py" "$ENV_DIR/hub"
