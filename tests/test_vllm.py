@@ -748,3 +748,35 @@ def test_a_batch_its_graph_cannot_pad_runs_eagerly(caplog):
     assert 2 <= len(warned) <= len(SIZES), "once per key"
     assert any("all 4 captured request rows are real" in w for w in warned), warned
     assert any("runs one query token per request (PA" in w for w in warned), warned
+
+
+def test_each_engine_process_says_what_npugraph_captured_after_vllms_capture(monkeypatch, tmp_path, caplog):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from npugraph.dump.manifest import load_manifest
+
+    runner = Runner()
+    runner.capture()
+    monkeypatch.setenv(integ.ENV_REPORT_DIR, str(tmp_path))
+    real = GPUModelRunner.capture_model
+    integ._patch_capture_model()
+    try:
+        assert GPUModelRunner.capture_model is not real
+        # vLLM's own capture_model, on a runner with nothing to capture (mode NONE): it
+        # returns at once, and npugraph says what its runtime captured
+        model_runner = object.__new__(GPUModelRunner)
+        model_runner.compilation_config = runner.vllm_config.compilation_config
+        model_runner.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        model_runner.vllm_config = runner.vllm_config
+        with caplog.at_level(logging.INFO, logger="vllm.npugraph"):
+            assert GPUModelRunner.capture_model(model_runner) == 0
+    finally:
+        integ._unpatch_capture_model()
+    assert GPUModelRunner.capture_model is real
+    (line,) = [r.getMessage() for r in caplog.records if "active in this engine process" in r.getMessage()]
+    assert f"pid {os.getpid()}" in line and f"{len(SIZES)} graphs captured" in line
+    assert "kernels: " in line and "ExternalEvents" in line and "graph pool" in line
+    path = integ.report_path()
+    assert path.startswith(str(tmp_path)) and path in line
+    doc = load_manifest(path)
+    assert doc["totals"]["graphs"] == len(SIZES) and doc["totals"]["pool_bytes"] > 0

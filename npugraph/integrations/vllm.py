@@ -35,6 +35,7 @@ import gc
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from unittest import mock
@@ -51,7 +52,9 @@ __all__ = [
     "attach_runtime",
     "install",
     "register",
+    "report_path",
     "runtime_for",
+    "say_captured",
     "to_attention_metadata",
     "uninstall",
 ]
@@ -63,6 +66,7 @@ ENV_ENABLE = "NPUGRAPH_ENABLE"
 ENV_DEVICE = "NPUGRAPH_DEVICE"
 ENV_EVENT_GROUP = "NPUGRAPH_EVENT_GROUP"
 ENV_DEVICE_LENGTHS = "NPUGRAPH_DEVICE_LENGTHS"
+ENV_REPORT_DIR = "NPUGRAPH_REPORT_DIR"  # where each engine process writes its capture report
 WRAPPER_PATH = "npugraph.integrations.vllm.NpuGraphWrapper"
 _RUNTIME_ATTR = "_npugraph_runtime"
 
@@ -441,8 +445,9 @@ def install(platform: Any = None) -> None:
         cls.get_static_graph_wrapper_cls = classmethod(lambda c: WRAPPER_PATH)
     for module_name, names in _PATCHED:
         _patch(module_name, names, NpuGraphWrapper)
+    _patch_capture_model()
     vllm_ascend.install()
-    _log_once(f"npugraph: installed as the graph wrapper of {cls.__name__}")
+    _log_once(f"npugraph: installed as the graph wrapper of {cls.__name__} (pid {os.getpid()})")
 
 
 # vllm-ascend names install() replaces (where the module and the name exist), and uninstall() restores.
@@ -450,6 +455,64 @@ _PATCHED = (
     ("vllm_ascend.compilation.acl_graph", ("ACLGraphWrapper",)),
     ("vllm_ascend.worker.model_runner_v1", ("ACLGraphWrapper",)),
 )
+
+
+# vLLM's model runner, whose capture_model() captures every size (vllm-ascend's calls it too)
+_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
+
+
+def report_path(pid: int | None = None) -> str:
+    """Where an engine process writes its capture report: ``$NPUGRAPH_REPORT_DIR`` (default:
+    the temporary directory) / ``npugraph-capture-<pid>.json``."""
+    folder = os.environ.get(ENV_REPORT_DIR) or tempfile.gettempdir()
+    return os.path.join(folder, f"npugraph-capture-{os.getpid() if pid is None else pid}.json")
+
+
+def say_captured(runtime: Runtime) -> str:
+    """Write ``runtime``'s capture manifest to :func:`report_path` and log, at INFO in vLLM's
+    log, one line saying that npugraph captured in this process and what (sizes, kernel per
+    size, ExternalEvents, graph memory); returns the line.  A report that cannot be written
+    is said in the line, and serving goes on."""
+    path = report_path()
+    try:
+        runtime.save_manifest(path)
+        where = f"capture report: {path}"
+    except Exception as exc:  # the report is for debugging: never a reason to stop serving
+        where = f"capture report not written ({type(exc).__name__}: {exc})"
+    line = f"npugraph: active in this engine process (pid {os.getpid()}): {runtime.capture_report()}; {where}"
+    logger.info(line)
+    return line
+
+
+def _patch_capture_model() -> None:
+    """After vLLM's ``capture_model`` returns, say what npugraph captured in this process."""
+    try:
+        module = __import__(_RUNNER[0], fromlist=["_"])
+    except Exception:  # vLLM without its model runner (or broken): nothing to say after
+        return
+    cls = getattr(module, _RUNNER[1], None)
+    if cls is None or hasattr(cls, "_npugraph_original_capture_model"):
+        return
+    original = cls.capture_model
+
+    @functools.wraps(original)
+    def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        runtime = getattr(getattr(self, "vllm_config", None), _RUNTIME_ATTR, None)
+        if runtime is not None and runtime.manager.entries():
+            say_captured(runtime)
+        return out
+
+    cls._npugraph_original_capture_model = original
+    cls.capture_model = capture_model
+
+
+def _unpatch_capture_model() -> None:
+    module = sys.modules.get(_RUNNER[0])
+    cls = getattr(module, _RUNNER[1], None) if module is not None else None
+    if cls is not None and hasattr(cls, "_npugraph_original_capture_model"):
+        cls.capture_model = cls._npugraph_original_capture_model
+        del cls._npugraph_original_capture_model
 
 
 def _patch(module_name: str, names: tuple[str, ...], value: Any) -> None:
@@ -487,6 +550,7 @@ def uninstall(platform: Any = None) -> None:
         del cls._npugraph_original_wrapper_cls
     for module_name, names in _PATCHED:
         _unpatch(module_name, names)
+    _unpatch_capture_model()
     vllm_ascend.uninstall()
 
 
