@@ -564,3 +564,76 @@ def test_a_forked_child_computes_after_its_parent_used_the_thread_pool():
         timeout=60,  # a hang is the failure
     )
     assert out.strip() == "child 0"
+
+
+def test_the_card_is_what_the_host_can_back_and_what_the_host_cannot_back_is_refused():
+    out = _run(
+        """
+        import torch, torch_npu
+        from npugraph.sim.device import backend
+        total = torch.npu.mem_get_info()[1]
+        size, how = backend.card_size()
+        available = backend.host_available()
+        assert total == size and "half of the" in how, (total, how)
+        assert available is None or size <= min(64 << 30, available), (size, available)  # half of what it had
+        print("default", total == size)
+        """,
+        env={"NPUGRAPH_SIM_MEMORY_GB": ""},
+    )
+    assert "default True" in out
+    # a card set larger than the host: an allocation the host cannot back is refused before
+    # any page is touched (the host overcommits: it would be an OOM kill, with no message)
+    out = _run(
+        """
+        import torch, torch_npu
+        from npugraph.sim.device import backend
+        try:
+            torch.empty(backend.host_available() + (2 << 30), dtype=torch.uint8, device="npu")
+        except torch.OutOfMemoryError as e:
+            assert "the host" in str(e) and "NPUGRAPH_SIM_MEMORY_GB" in str(e), e
+            print("host refused")
+        print("serving", float(torch.ones(4, device="npu").sum().cpu()))
+        """,
+        env={"NPUGRAPH_SIM_MEMORY_GB": "100000"},
+    )
+    assert "host refused" in out and "serving 4.0" in out
+
+
+def test_a_card_of_a_set_size_refuses_what_does_not_fit_and_says_which_setting():
+    out = _run(
+        """
+        import torch, torch_npu
+        assert torch.npu.mem_get_info()[1] == 1 << 30 == torch.npu.get_device_properties(0).total_memory
+        keep = torch.empty(600 << 20, dtype=torch.uint8, device="npu")
+        try:
+            torch.empty(600 << 20, dtype=torch.uint8, device="npu")
+        except torch.OutOfMemoryError as e:
+            assert "NPUGRAPH_SIM_MEMORY_GB" in str(e) and "1.00 GiB in total" in str(e), e
+            print("refused")
+        del keep
+        again = torch.empty(600 << 20, dtype=torch.uint8, device="npu")  # the card serves on
+        print("again", again.numel() == 600 << 20)
+        """,
+        env={"NPUGRAPH_SIM_MEMORY_GB": "1"},
+    )
+    assert "refused" in out and "again True" in out
+
+
+def test_the_default_card_size_is_said_once_and_a_bad_setting_is_named(monkeypatch):
+    from npugraph.sim.device import backend
+
+    full = {**os.environ, ENV: "1", "NPUGRAPH_SIM_MEMORY_GB": ""}
+    code = "import torch, torch_npu; torch.npu.mem_get_info(); torch.npu.get_device_properties(0)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("npugraph.sim:")]
+    assert len(said) == 1 and "NPUGRAPH_SIM_MEMORY_GB sets it" in said[0], done.stderr
+    for bad in ("lots", "0", "-2", "inf"):
+        monkeypatch.setenv("NPUGRAPH_SIM_MEMORY_GB", bad)
+        backend.card_size.cache_clear()
+        with pytest.raises(ValueError, match="NPUGRAPH_SIM_MEMORY_GB"):
+            backend.card_size()
+    monkeypatch.setenv("NPUGRAPH_SIM_MEMORY_GB", "2.5")
+    backend.card_size.cache_clear()
+    assert backend.card_size()[0] == int(2.5 * (1 << 30))
+    backend.card_size.cache_clear()

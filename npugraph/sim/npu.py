@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -187,8 +189,14 @@ def set_stream(s: Stream) -> None:
 
 
 # --- memory: real figures of the simulated device -------------------------------------
-# The simulated card's capacity: what mem_get_info reports as total (host memory backs it).
-_TOTAL_BYTES = int(float(os.environ.get("NPUGRAPH_SIM_MEMORY_GB", "64")) * (1 << 30))
+@functools.cache
+def _total_bytes() -> int:
+    """The simulated card's size (what mem_get_info reports as total), said once per process
+    when it was chosen for the user: an engine sizes its caches from it."""
+    size, how = _device.card_size()
+    if not os.environ.get(_device.ENV_MEMORY, "").strip():
+        sys.stderr.write(f"npugraph.sim: each simulated npu card has {size / (1 << 30):.1f} GiB ({how})\n")
+    return size
 
 
 def _counters(device: Any) -> tuple[int, int, int, int]:
@@ -238,9 +246,9 @@ def memory_stats(device: Any = None) -> dict[str, int]:
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
-    """(free, total) bytes of the simulated card: ``NPUGRAPH_SIM_MEMORY_GB`` (default 64)
-    less what is allocated."""
-    return max(0, _TOTAL_BYTES - memory_allocated(device)), _TOTAL_BYTES
+    """(free, total) bytes of the simulated card: its size (``NPUGRAPH_SIM_MEMORY_GB``, by
+    default half of what the host can back) less what is allocated."""
+    return max(0, _total_bytes() - memory_allocated(device)), _total_bytes()
 
 
 # --- what the card is --------------------------------------------------------------------
@@ -270,7 +278,7 @@ class _DeviceProperties:
 
 def get_device_properties(device: Any = None) -> _DeviceProperties:
     _index(device)
-    return _DeviceProperties(name=_SOC_NAME, total_memory=_TOTAL_BYTES)
+    return _DeviceProperties(name=_SOC_NAME, total_memory=_total_bytes())
 
 
 def get_device_capability(device: Any = None) -> tuple[int, int]:

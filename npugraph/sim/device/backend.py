@@ -30,11 +30,73 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKEND", "build", "device_view", "host_view", "install", "installed", "memory_counters", "on_host"]
+__all__ = [
+    "BACKEND",
+    "ENV_MEMORY",
+    "build",
+    "card_size",
+    "device_view",
+    "host_available",
+    "host_view",
+    "install",
+    "installed",
+    "memory_counters",
+    "on_host",
+]
 
 BACKEND = "npu"
+ENV_MEMORY = "NPUGRAPH_SIM_MEMORY_GB"
+_CARD_MAX = 64 << 30  # an Atlas A2's HBM: the card never claims more than a real one has
+_GIB = 1 << 30
 _SOURCE = Path(__file__).parent / "csrc" / "npu_device.cpp"
 _LIBRARY = "npugraph_sim_npu"
+
+
+def host_available() -> int | None:
+    """Bytes this host can back now: ``MemAvailable``, less where a cgroup (v2) limits the
+    process further; ``None`` where it cannot tell."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            found.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+@functools.cache
+def card_size() -> tuple[int, str]:
+    """The simulated card's size in bytes, and how it was chosen (said at start-up).
+
+    ``NPUGRAPH_SIM_MEMORY_GB`` when set; otherwise half of what the host can back when the
+    process starts (the card is host memory, and the process's own work needs the rest),
+    at most a real card's 64 GiB.  A malformed value raises ``ValueError`` naming it."""
+    raw = os.environ.get(ENV_MEMORY, "").strip()
+    if raw:
+        try:
+            gb = float(raw)
+        except ValueError:
+            gb = float("nan")
+        if not gb > 0 or gb == float("inf"):
+            raise ValueError(f"{ENV_MEMORY}={raw!r}: the simulated card's size must be a positive number of GiB")
+        return int(gb * _GIB), f"{ENV_MEMORY}={raw}"
+    available = host_available()
+    if available is None:
+        return _CARD_MAX, f"a real card's size: this host does not say what it has available; {ENV_MEMORY} sets it"
+    size = min(_CARD_MAX, available // 2)
+    return size, f"half of the {available / _GIB:.1f} GiB this host has available; {ENV_MEMORY} sets it"
 
 
 def installed() -> bool:
@@ -100,6 +162,7 @@ def install(module: Any) -> None:
         torch._register_device_module(BACKEND, module)
     else:  # install_torch_npu made it torch.npu already: what registering would do, less the refusal
         sys.modules[f"torch.{BACKEND}"] = module
+    torch.ops.npugraph_sim.set_capacity(card_size()[0])  # past it, allocations are the card's OOM
     # The device's compute is the host's OpenMP pool, which does not survive a fork: a child
     # whose parent ran a parallel region hangs in libgomp at its first one (vLLM forks its
     # engine after the front end wrote a checkpoint or ran npu ops).  A forked child computes

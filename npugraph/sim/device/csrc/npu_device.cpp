@@ -35,6 +35,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -69,6 +70,7 @@ struct MemoryStats {
   int64_t peak[64] = {};
   int64_t allocations[64] = {};
   int64_t frees[64] = {};
+  int64_t capacity = 0;  // bytes of each card (0: no limit), set from Python at install
 };
 
 MemoryStats& stats() {
@@ -93,9 +95,65 @@ void npu_free(void* p) {
   c10::free_cpu(p);
 }
 
+// What the host has available (MemAvailable, bytes), or -1 where it cannot tell.
+int64_t host_available() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) {
+    return -1;
+  }
+  char line[256];
+  long long kb = -1;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::sscanf(line, "MemAvailable: %lld kB", &kb) == 1) {
+      break;
+    }
+  }
+  std::fclose(f);
+  return kb < 0 ? -1 : static_cast<int64_t>(kb) * 1024;
+}
+
+std::string gib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / (1ll << 30));
+  return buf;
+}
+
+// An allocation past the card's size is the device's out-of-memory error, as on a card.  One
+// the host cannot back is refused too: the host overcommits, so it would succeed here and
+// the kernel would kill the process when its pages are touched, with no message.
+constexpr int64_t kAskHostFrom = 64ll << 20;  // large allocations ask the host
+constexpr int64_t kHostReserve = 512ll << 20;  // left to the process's own work
+
+void check_room(c10::DeviceIndex dev, int64_t nbytes) {
+  int64_t capacity = 0;
+  int64_t used = 0;
+  {
+    MemoryStats& s = stats();
+    std::lock_guard<std::mutex> g(s.lock);
+    capacity = s.capacity;
+    used = s.allocated[dev];
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, capacity <= 0 || used + nbytes <= capacity,
+                   "NPU out of memory. Tried to allocate ", gib(nbytes), " on npu:", static_cast<int>(dev),
+                   ", which has ", gib(capacity), " in total and ", gib(used),
+                   " allocated. npugraph's simulated card is host memory; its size is NPUGRAPH_SIM_MEMORY_GB "
+                   "(default: half the memory the host had available when the process started).");
+  if (nbytes < kAskHostFrom) {
+    return;
+  }
+  const int64_t available = host_available();
+  TORCH_CHECK_WITH(OutOfMemoryError, available < 0 || nbytes + kHostReserve <= available,
+                   "NPU out of memory. Tried to allocate ", gib(nbytes), " on npu:", static_cast<int>(dev),
+                   ", but the host, whose memory backs npugraph's simulated card, has only ", gib(available),
+                   " available: the kernel would kill the process. Set NPUGRAPH_SIM_MEMORY_GB lower (the card "
+                   "has ",
+                   gib(capacity), ") or ask for less memory (vLLM: gpu_memory_utilization).");
+}
+
 struct NpuAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DeviceIndex dev = current_index;
+    check_room(dev, static_cast<int64_t>(nbytes));
     void* p = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
     if (p != nullptr) {
       MemoryStats& s = stats();
@@ -535,6 +593,18 @@ std::vector<int64_t> memory_stats_op(int64_t index) {
   return {s.allocated[index], s.peak[index], s.allocations[index], s.frees[index]};
 }
 
+void set_capacity_op(int64_t bytes) {
+  MemoryStats& s = stats();
+  std::lock_guard<std::mutex> g(s.lock);
+  s.capacity = bytes;
+}
+
+int64_t capacity_op() {
+  MemoryStats& s = stats();
+  std::lock_guard<std::mutex> g(s.lock);
+  return s.capacity;
+}
+
 void reset_peak_op(int64_t index) {
   MemoryStats& s = stats();
   std::lock_guard<std::mutex> g(s.lock);
@@ -560,6 +630,8 @@ TORCH_LIBRARY(npugraph_sim, m) {
   m.def("device_view(Tensor(a) t, int index) -> Tensor(a)", device_view_op);
   m.def("memory_stats(int index) -> int[]", memory_stats_op);
   m.def("reset_peak(int index) -> ()", reset_peak_op);
+  m.def("set_capacity(int bytes) -> ()", set_capacity_op);
+  m.def("capacity() -> int", capacity_op);
   m.def("current_device() -> int", current_device_op);
   m.def("set_device(int index) -> ()", set_device_op);
   m.def("device_count() -> int", device_count_op);
