@@ -392,7 +392,17 @@ def test_pa_auto_dispatch_update_against_golden():
             context_lens=context_lens,
             out=output,
         )
-    g.update(cpu_update_input=[{"context_lens": new_lens}])
+    # the record holds PA's arguments positionally (context_lens at 7): its update takes a
+    # host tensor, as the op does (a list is refused, as torch_npu's schema refuses it)
+    with pytest.raises(ValueError, match="context_lens"):
+        g.update(cpu_update_input=[{"context_lens": new_lens}])
+    # torch_npu's update does not close the update it failed in: the update stream stays in it
+    us = g.graph_dispatch_mode.update_stream
+    with pytest.raises(RuntimeError, match="is already updating"):
+        g.update(cpu_update_input=[{"context_lens": torch.tensor(new_lens, dtype=torch.int32)}])
+    with pytest.raises(torch_npu.UpdateMismatchError, match="0 ops"):
+        npu.graph_task_update_end(us)  # what its caller must do to go on: close the empty update
+    g.update(cpu_update_input=[{"context_lens": torch.tensor(new_lens, dtype=torch.int32)}])
     g.replay()
     npu.synchronize()
     # golden: per request, gather its keys and run softmax attention in float32, on the host

@@ -38,7 +38,11 @@ from npugraph.sim.kernels.dense import (
     npu_rms_norm,
     npu_swiglu,
 )
-from npugraph.sim.kernels.fia import _npu_fused_infer_attention_score_get_max_workspace, npu_fused_infer_attention_score
+from npugraph.sim.kernels.fia import (
+    _npu_fused_infer_attention_score_get_max_workspace,
+    _npu_fused_infer_attention_score_infer_output,
+    npu_fused_infer_attention_score,
+)
 from npugraph.sim.kernels.fia_sink import (
     StaleTilingError,
     _npu_fused_infer_attention_score_v2_sink_metadata,
@@ -46,6 +50,7 @@ from npugraph.sim.kernels.fia_sink import (
 )
 from npugraph.sim.kernels.fia_v2 import (
     _npu_fused_infer_attention_score_v2_get_max_workspace,
+    _npu_fused_infer_attention_score_v2_infer_output,
     npu_fused_infer_attention_score_v2,
 )
 from npugraph.sim.kernels.fused import _npu_fused_infer_attention_score_out_graph
@@ -54,7 +59,7 @@ from npugraph.sim.kernels.prefill import npu_fusion_attention
 from npugraph.sim.runtime.state import HostCostModel, SimConfig, get_state
 from npugraph.sim.runtime.state import reset as _reset
 from npugraph.sim.runtime.taskgroups import NPUTaskGroupHandle
-from npugraph.sim.surfaces import hccl, torch_npu_modules, torch_ops
+from npugraph.sim.surfaces import hccl, torch_npu_modules, torch_npu_testing, torch_ops
 
 __all__ = [
     "npu",
@@ -63,8 +68,10 @@ __all__ = [
     "_npu_paged_attention_get_workspace",
     "npu_fused_infer_attention_score",
     "_npu_fused_infer_attention_score_get_max_workspace",
+    "_npu_fused_infer_attention_score_infer_output",
     "npu_fused_infer_attention_score_v2",
     "_npu_fused_infer_attention_score_v2_get_max_workspace",
+    "_npu_fused_infer_attention_score_v2_infer_output",
     "npu_fused_infer_attention_score_v2_sink",
     "_npu_fused_infer_attention_score_v2_sink_metadata",
     "StaleTilingError",
@@ -235,7 +242,13 @@ def install_torch_npu(*, device: bool = False) -> None:
         install_npu_device()
     if _INSTALLED:
         return
-    stand_ins = {"torch_npu": me, "torch_npu.npu": npu, "torch_npu._C": _C, **torch_npu_modules.submodules(_C)}
+    stand_ins = {
+        "torch_npu": me,
+        "torch_npu.npu": npu,
+        "torch_npu._C": _C,
+        **torch_npu_modules.submodules(_C),
+        **torch_npu_testing.submodules(),
+    }
     for name, module in stand_ins.items():
         _INSTALLED[name] = sys.modules.get(name, _MISSING)
         sys.modules[name] = module  # type: ignore[assignment]

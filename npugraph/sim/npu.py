@@ -15,7 +15,7 @@ import torch
 
 from npugraph.sim.device import backend as _device
 from npugraph.sim.runtime import state as rt
-from npugraph.sim.runtime.graph import NPUGraph, graph, graph_pool_handle
+from npugraph.sim.runtime.graph import graph_pool_handle
 from npugraph.sim.runtime.state import Event, ExternalEvent, Stream
 from npugraph.sim.runtime.taskgroups import (
     NPUTaskGroupHandle,
@@ -24,9 +24,13 @@ from npugraph.sim.runtime.taskgroups import (
     graph_task_update_begin,
     graph_task_update_end,
 )
+from npugraph.sim.surfaces.graphs import NPUGraph, graph
+from npugraph.sim.surfaces.npugraph_handlers import NpuGraphOpHandler, register_npu_graph_handler
 
 __all__ = [
     "NPUGraph",
+    "NpuGraphOpHandler",
+    "register_npu_graph_handler",
     "NPUTaskGroupHandle",
     "graph",
     "graph_pool_handle",

@@ -75,7 +75,6 @@ def _op(name: str, slot_arg: str) -> SimOp:
         check=check,
         compute=compute,
         workspace=lambda p, info: 0,
-        auto=False,
         anchor="key",  # no query: the caches and slots must be on the key's device
     )
 

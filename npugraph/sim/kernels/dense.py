@@ -29,7 +29,6 @@ def _kernel(name: str, anchor: str, outputs: tuple[str, ...], compute: Callable[
         check=lambda p: {},
         compute=lambda p, info: compute(p),
         workspace=lambda p, info: 0,
-        auto=False,
         anchor=anchor,
     )
 

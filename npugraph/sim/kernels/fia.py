@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from npugraph.sim.kernels import numerics as K
+from npugraph.sim.kernels.schemas import FIA_OUT_SCHEMA, FIA_SCHEMA
 from npugraph.sim.runtime import state as rt
 from npugraph.sim.runtime.launch import OpPacket, SimOp, brief_host, fail, host_copy, launch, max_workspace, need_tensor
 
@@ -397,7 +398,6 @@ def _fia_op(name: str, overload: str, host: tuple[str, ...]) -> SimOp:
         check=fia_check,
         compute=fia_compute,
         workspace=fia_workspace,
-        auto=True,
     )
 
 
@@ -510,7 +510,49 @@ def _check_out_shapes(op: SimOp, p: dict[str, Any]) -> None:
         raise fail(op.name, "out[1]", f"(softmax_lse) must be {lse_shape}, got {list(lse.shape)}")
 
 
-npu_fused_infer_attention_score = OpPacket(_fia_default, fia_out, "npu_fused_infer_attention_score")
+npu_fused_infer_attention_score = OpPacket(
+    _fia_default,
+    fia_out,
+    "npu_fused_infer_attention_score",
+    schemas=(FIA_SCHEMA, FIA_OUT_SCHEMA),
+    signatures=(_fia_params, _fia_params),
+)
+
+
+def _npu_fused_infer_attention_score_infer_output(
+    query: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    input_layout: str = "BSH",
+    quant_scale2: Any = None,
+    block_table: torch.Tensor | None = None,
+    num_heads: int = 1,
+    num_key_value_heads: int = 0,
+    softmax_lse_flag: bool = False,
+    query_rope: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs ``.out`` would write, allocated (attention output, softmax LSE): what
+    torch_npu's graph handler gives a ``.default`` call it turns into ``.out``."""
+    if quant_scale2 is not None:
+        raise NotImplementedError("_npu_fused_infer_attention_score_infer_output: quant_scale2 is not simulated")
+    q = query
+    if input_layout not in ("BSH", "BSND", "BNSD", "TND"):
+        raise ValueError(
+            f"_npu_fused_infer_attention_score_infer_output: input_layout {input_layout!r} is not simulated"
+        )
+    kv_heads = num_key_value_heads or num_heads
+    # a 3-dim value is [batch or blocks, tokens, kv_heads * dv] (BSH, and every paged cache)
+    dv = (
+        value.shape[-1] // kv_heads
+        if value.dim() == 3 and (input_layout == "BSH" or block_table is not None)
+        else value.shape[-1]
+    )
+    batch, sq = (q.shape[0], q.shape[2]) if input_layout == "BNSD" else (q.shape[0], q.shape[1] if q.dim() > 2 else 1)
+    info = {"layout": input_layout, "heads": num_heads, "dv": dv, "batch": batch, "sq": sq}
+    out_shape, lse_shape = _fia_out_shapes({"query": q, "softmax_lse_flag": softmax_lse_flag}, info)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    softmax_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    return out, softmax_lse
 
 
 def _npu_fused_infer_attention_score_get_max_workspace(

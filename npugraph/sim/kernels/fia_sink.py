@@ -150,7 +150,6 @@ _META = SimOp(
     check=_meta_check,
     compute=_meta_compute,
     workspace=lambda p, info: 0,
-    auto=False,
     anchor="meta_data",
 )
 
@@ -164,7 +163,6 @@ _META_CAPTURED = SimOp(
     check=_meta_check,
     compute=lambda p, info: None,
     workspace=lambda p, info: 0,
-    auto=False,
     anchor="meta_data",
 )
 
@@ -268,7 +266,6 @@ def _sink_op(overload: str) -> SimOp:
         check=_kernel_check,
         compute=_kernel_compute,
         workspace=lambda p, info: 0,
-        auto=False,
     )
 
 

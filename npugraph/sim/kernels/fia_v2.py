@@ -7,7 +7,17 @@ from typing import Any
 
 import torch
 
-from npugraph.sim.kernels.fia import FIA, INT_MAX, alloc_outputs, fia_check, fia_compute, fia_workspace, out_pair
+from npugraph.sim.kernels.fia import (
+    FIA,
+    INT_MAX,
+    _npu_fused_infer_attention_score_infer_output,
+    alloc_outputs,
+    fia_check,
+    fia_compute,
+    fia_workspace,
+    out_pair,
+)
+from npugraph.sim.kernels.schemas import FIA_V2_OUT_SCHEMA, FIA_V2_SCHEMA
 from npugraph.sim.runtime.launch import OpPacket, SimOp, host_copy, launch, max_workspace
 
 __all__ = ["npu_fused_infer_attention_score_v2", "_npu_fused_infer_attention_score_v2_get_max_workspace"]
@@ -41,7 +51,6 @@ class _V2Op(SimOp):
             check=lambda p: fia_check(_v2_to_v1(p)),
             compute=lambda p, info: fia_compute(_v2_to_v1(p), info),
             workspace=lambda p, info: fia_workspace(_v2_to_v1(p), info),
-            auto=True,
         )
 
 
@@ -104,7 +113,45 @@ def _v2_out(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwarg
     return outs[0], outs[1]
 
 
-npu_fused_infer_attention_score_v2 = OpPacket(_v2_default, _v2_out, "npu_fused_infer_attention_score_v2")
+npu_fused_infer_attention_score_v2 = OpPacket(
+    _v2_default,
+    _v2_out,
+    "npu_fused_infer_attention_score_v2",
+    schemas=(FIA_V2_SCHEMA, FIA_V2_OUT_SCHEMA),
+    signatures=(_v2_params, _v2_params),
+)
+
+
+def _npu_fused_infer_attention_score_v2_infer_output(
+    query: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    query_dtype: Any = None,
+    value_dtype: Any = None,
+    input_layout: str = "BSH",
+    quant_scale_out: Any = None,
+    block_table: torch.Tensor | None = None,
+    num_query_heads: int = 1,
+    num_key_value_heads: int = 0,
+    return_softmax_lse: bool = False,
+    query_rope: Any = None,
+    out_dtype: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """v1's rule under v2's names (the dtype switches are quantisation's: not simulated)."""
+    for name, v in (("query_dtype", query_dtype), ("value_dtype", value_dtype), ("out_dtype", out_dtype)):
+        if v is not None:
+            raise NotImplementedError(f"_npu_fused_infer_attention_score_v2_infer_output: {name} is not simulated")
+    return _npu_fused_infer_attention_score_infer_output(
+        query,
+        value,
+        input_layout=input_layout,
+        quant_scale2=quant_scale_out,
+        block_table=block_table,
+        num_heads=num_query_heads,
+        num_key_value_heads=num_key_value_heads,
+        softmax_lse_flag=return_softmax_lse,
+        query_rope=query_rope,
+    )
 
 
 def _npu_fused_infer_attention_score_v2_get_max_workspace(

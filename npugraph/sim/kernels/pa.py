@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from npugraph.sim.kernels import numerics as K
+from npugraph.sim.kernels.schemas import PA_SCHEMA
 from npugraph.sim.runtime import state as rt
-from npugraph.sim.runtime.launch import SimOp, fail, host_copy, launch, need_tensor
+from npugraph.sim.runtime.launch import OpPacket, SimOp, fail, host_copy, launch, need_tensor
 
 __all__ = ["_npu_paged_attention", "_npu_paged_attention_get_workspace"]
 
@@ -126,13 +127,12 @@ _PA = SimOp(
     check=_pa_check,
     compute=_pa_compute,
     workspace=_pa_workspace,
-    auto=True,
     max_workspace=_pa_max_workspace,
     bounds=_pa_bounds,
 )
 
 
-def _npu_paged_attention(
+def _paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -147,6 +147,10 @@ def _npu_paged_attention(
 ) -> None:
     """Paged decode attention: one query token per request, lengths on the host."""
     launch(_PA, dict(locals()))
+
+
+# torch_npu's is the ATB op (an op with one overload, .default)
+_npu_paged_attention = OpPacket(_paged_attention, None, "_npu_paged_attention", schemas=(PA_SCHEMA, ""))
 
 
 def _npu_paged_attention_get_workspace(

@@ -151,7 +151,6 @@ _FA = SimOp(
     check=_check,
     compute=_compute,
     workspace=lambda p, info: 0,
-    auto=False,
 )
 
 

@@ -73,10 +73,9 @@ class _Recorder(TorchDispatchMode):
 class CaptureSession:
     """State of one capture in progress (the simulator's ``aclmdlRICapture``)."""
 
-    def __init__(self, g: Any, stream: rt.Stream, auto: bool) -> None:
+    def __init__(self, g: Any, stream: rt.Stream) -> None:
         self.graph = g
         self.stream = stream
-        self.auto = auto
         self.open_group: Any | None = None
         self.pending: set[int] = set()
         self.recorder = _Recorder(self)

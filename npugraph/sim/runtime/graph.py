@@ -6,7 +6,6 @@ for what a graph is made of, :mod:`npugraph.sim.runtime.taskgroups` for task gro
 
 from __future__ import annotations
 
-import gc
 import json
 import warnings
 from typing import Any
@@ -16,11 +15,10 @@ import torch
 from npugraph.sim.errors import CaptureError
 from npugraph.sim.runtime import state as rt
 from npugraph.sim.runtime.capture import CaptureSession
-from npugraph.sim.runtime.launch import auto_update
 from npugraph.sim.runtime.nodes import GraphRun, KernelTask, OpNode
 from npugraph.sim.runtime.taskgroups import TaskGroup
 
-__all__ = ["NPUGraph", "graph", "graph_pool_handle"]
+__all__ = ["_NPUGraph", "graph_pool_handle"]
 
 
 _pool_ids = iter(range(1, 1 << 62))
@@ -33,8 +31,10 @@ def graph_pool_handle() -> tuple[int, int]:
     return pid
 
 
-class NPUGraph:
-    """A captured sequence of device work that ``replay`` re-issues as one unit.
+class _NPUGraph:
+    """A captured sequence of device work that ``replay`` re-issues as one unit: what
+    ``torch_npu._C._NPUGraph`` is (torch_npu's Python ``NPUGraph``, with its dispatch mode
+    and ``update``, is :class:`npugraph.sim.surfaces.graphs.NPUGraph`).
 
     Lifecycle: ``capture_begin`` (or the :class:`graph` context manager) → ops are
     recorded, not run → ``capture_end`` → any number of ``replay`` calls, each
@@ -44,8 +44,6 @@ class NPUGraph:
 
     def __init__(self) -> None:
         self.graph_id = rt._new_id()
-        # set by the ``graph`` context manager before capture_begin, as torch_npu does
-        self.auto_dispatch_capture = False
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -56,8 +54,6 @@ class NPUGraph:
         self._pool: tuple[int, int] = (0, 0)
         self._groups: list[TaskGroup] = []
         self._inflight: list[GraphRun] = []
-        self._auto: bool = False
-        self._auto_records: list[dict[str, Any]] = []
         self._capture_stream: rt.Stream | None = None
         self._session: CaptureSession | None = None
 
@@ -68,8 +64,7 @@ class NPUGraph:
         """Begin recording the current stream's work into this graph.
 
         torch_npu's signature: subclasses override it as ``capture_begin(self, pool=None,
-        capture_error_mode="global")``; auto-dispatch capture is the graph's
-        ``auto_dispatch_capture`` attribute, which the ``graph`` context manager sets.
+        capture_error_mode="global")``.
         """
         st = rt.get_state()
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
@@ -100,8 +95,7 @@ class NPUGraph:
         self._pool = pool
         self._capture_stream = stream
         self._capturing = True
-        self._auto = bool(self.auto_dispatch_capture)
-        session = CaptureSession(self, stream, self._auto)
+        session = CaptureSession(self, stream)
         self._session = session
         st.capture = session
         session.guard.__enter__()
@@ -157,10 +151,6 @@ class NPUGraph:
     def enable_debug_mode(self) -> None:
         """Accepted for compatibility; the simulator always keeps its debug records."""
 
-    def update(self, cpu_update_input: list[dict[str, Any]]) -> None:
-        """Update every auto-dispatch-captured op's host arguments (one dict per op)."""
-        auto_update(self, cpu_update_input)
-
     def debug_dump(self, debug_path: str) -> None:
         """Write a JSON description of the captured graph to ``debug_path``."""
         if not self._captured:
@@ -192,59 +182,3 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, tuple):
         return list(v)
     return v
-
-
-class graph:
-    """Context manager that captures the work of its body into ``npu_graph``.
-
-    Entering synchronizes the device and makes the capture stream current
-    (``stream``, default: one class-level side stream shared by all captures, as
-    in torch, so that graphs sharing a pool are captured on one stream).  As torch_npu's,
-    it sets ``npu_graph.auto_dispatch_capture``, calls
-    ``npu_graph.capture_begin(*pool, capture_error_mode=...)``, and on exit calls
-    ``capture_end()`` whether or not the body raised (reset the graph after a failure).
-    """
-
-    default_capture_stream: rt.Stream | None = None
-
-    def __init__(
-        self,
-        npu_graph: NPUGraph,
-        pool: tuple[int, int] | None = None,
-        stream: rt.Stream | None = None,
-        auto_dispatch_capture: bool = False,
-        capture_error_mode: str = "global",
-    ) -> None:
-        if stream is None:
-            cls = self.__class__
-            if cls.default_capture_stream is None or (cls.default_capture_stream._state is not rt.get_state()):
-                cls.default_capture_stream = rt.Stream()
-            stream = cls.default_capture_stream
-        self.npu_graph = npu_graph
-        self.pool: tuple[Any, ...] = () if pool is None else (pool,)
-        self.capture_stream = stream
-        self.capture_error_mode = capture_error_mode
-        self._ctx = rt.use_stream(stream)
-        npu_graph.auto_dispatch_capture = auto_dispatch_capture
-
-    def __enter__(self) -> None:
-        st = rt.get_state()
-        st.charge("synchronize")
-        st.drain("entering torch.npu.graph (which synchronizes the device)")
-        gc.collect()
-        self._ctx.__enter__()
-        try:
-            self.npu_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)  # type: ignore[misc]
-        except BaseException:
-            self._ctx.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        try:
-            self.npu_graph.capture_end()
-        except Exception:
-            if exc_type is None:
-                raise
-            # the body's error is the one to see (ending the capture still happened)
-        finally:
-            self._ctx.__exit__(None, None, None)

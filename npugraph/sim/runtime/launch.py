@@ -1,4 +1,4 @@
-"""How a simulated op is issued: described once (:class:`SimOp`), launched in whatever mode
+r"""How a simulated op is issued: described once (:class:`SimOp`), launched in whatever mode
 the current stream is in.
 
 Each entry point binds its arguments, checks their placement, copies the host-side ones
@@ -7,15 +7,19 @@ Each entry point binds its arguments, checks their placement, copies the host-si
 * inside ``graph_task_update_begin/end`` on the current stream: not executed; the
   new arguments are checked against the captured op and queued as an update;
 * during capture: recorded as a kernel task of the graph (in the open task group);
-  with ``auto_dispatch_capture`` the simulator adds the event and task group itself;
 * otherwise: queued on the current stream and run when the stream reaches it.
+
+An entry point that torch_npu has as a torch op is an :class:`OpPacket` of
+:class:`SimOverload`\ s: named and schema'd as torch_npu's ``OpOverload``\ s, and seen first by
+a torch dispatch mode that asks for the simulator's ops (torch_npu's graph dispatch mode,
+which ``auto_dispatch_capture`` enters), as such a mode sees every torch op.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,21 +29,17 @@ from torch._subclasses.fake_tensor import FakeTensor
 from npugraph.sim.device.backend import on_host
 from npugraph.sim.errors import CaptureError, WorkspaceTooSmall
 from npugraph.sim.runtime import state as rt
-from npugraph.sim.runtime.capture import CaptureSession, make_host_copy
+from npugraph.sim.runtime.capture import make_host_copy
 from npugraph.sim.runtime.memory import MEMORY
 from npugraph.sim.runtime.taskgroups import (
-    graph_task_group_begin,
-    graph_task_group_end,
-    graph_task_update_begin,
-    graph_task_update_end,
     issue_update,
 )
 
 __all__ = [
     "SimOp",
     "OpPacket",
+    "SimOverload",
     "launch",
-    "auto_update",
     "host_copy",
     "max_workspace",
     "fail",
@@ -60,7 +60,6 @@ class SimOp:
         check: Callable[[dict[str, Any]], dict[str, Any]],
         compute: Callable[[dict[str, Any], dict[str, Any]], None],
         workspace: Callable[[dict[str, Any], dict[str, Any]], int],
-        auto: bool,
         max_workspace: Callable[[dict[str, Any], dict[str, Any]], int] | None = None,
         anchor: str = "query",
         bounds: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
@@ -77,7 +76,6 @@ class SimOp:
         self.qualname = f"{name}.{overload}"
         self.host_args, self.output_args = host_args, output_args
         self._check, self._compute, self._workspace = check, compute, workspace
-        self.auto = auto
 
     def check(self, params: dict[str, Any]) -> dict[str, Any]:
         """Validate shapes and host values; return derived sizes (``info``)."""
@@ -205,9 +203,6 @@ def launch(op: SimOp, params: dict[str, Any]) -> None:
                 f"{op.qualname} launched on {stream!r} while {session.stream!r} is capturing "
                 "(capture_error_mode='global' forbids work on other streams during capture)"
             )
-        if session.auto and op.auto and session.open_group is None:
-            _auto_capture(session, op, params)
-            return
         op.check_workspace(params, f"capture of {op.qualname}", info)
         session.record_kernel(op, params)
         return
@@ -217,20 +212,6 @@ def launch(op: SimOp, params: dict[str, Any]) -> None:
     # device memory from now on: eager ops on it are ordered after this kernel
     st.memory.adopt([v for k, v in params.items() if k not in op.host_args])
     st.enqueue(stream, rt.KernelWork(lambda: op.execute(params, where), where))
-
-
-def _auto_capture(session: CaptureSession, op: SimOp, params: dict[str, Any]) -> None:
-    stream = session.stream
-    ev = rt.ExternalEvent()
-    ev.wait(stream)
-    ev.reset(stream)
-    graph_task_group_begin(stream)
-    if params.get("workspace") is None:
-        size = op.max_workspace_bytes(params)
-        params["workspace"] = session.alloc((size,), (1,), torch.uint8, params["query"].device)
-    session.record_kernel(op, params)
-    handle = graph_task_group_end(stream)
-    session.graph._auto_records.append({"op": op, "params": params, "handle": handle, "event": ev})
 
 
 def _max_params(op: SimOp, params: dict[str, Any]) -> dict[str, Any]:
@@ -251,50 +232,6 @@ def _max_params(op: SimOp, params: dict[str, Any]) -> dict[str, Any]:
     return p
 
 
-def auto_update(g: Any, cpu_update_input: list[dict[str, Any]]) -> None:
-    """``NPUGraph.update``: rewrite the host args of every auto-dispatch record."""
-    if not g._auto:
-        raise RuntimeError("NPUGraph.update is only supported for graphs captured with auto_dispatch_capture=True")
-    records = g._auto_records
-    if len(cpu_update_input) == 1:
-        inputs = list(cpu_update_input) * len(records)
-    elif len(cpu_update_input) == len(records):
-        inputs = list(cpu_update_input)
-    else:
-        raise RuntimeError(
-            f"The length of cpu_update_input ({len(cpu_update_input)}) must be 1 or equal to "
-            f"the number of captured ops to update ({len(records)})"
-        )
-    st = rt.get_state()
-    if st.auto_update_stream is None:
-        st.auto_update_stream = rt.Stream()
-    us = st.auto_update_stream
-    for rec, update_input in zip(records, inputs):
-        op: SimOp = rec["op"]
-        unknown = set(update_input) - set(op.host_args)
-        if unknown:
-            warnings.warn(
-                f"NPUGraph.update: keys {sorted(unknown)} are not host arguments of "
-                f"{op.qualname} ({list(op.host_args)}) and were skipped",
-                stacklevel=3,
-            )
-        params = dict(rec["params"])
-        for key in op.host_args:
-            if key not in update_input:
-                continue
-            value = update_input[key]
-            captured = params.get(key)
-            if isinstance(captured, torch.Tensor) and not isinstance(value, torch.Tensor):
-                value = torch.tensor(list(value), dtype=captured.dtype, device=captured.device)  # e.g. PA context_lens
-            params[key] = value
-        rec["params"] = params  # the record keeps the latest values, as torch_npu's does
-        with rt.use_stream(us):
-            graph_task_update_begin(us, rec["handle"])
-            launch(op, params)
-            graph_task_update_end(us)
-            rec["event"].record(us)
-
-
 def fail(op: str, name: str, msg: str) -> ValueError:
     return ValueError(f"{op}: argument {name!r} {msg}")
 
@@ -307,17 +244,95 @@ def need_tensor(op: str, name: str, t: Any, dims: int) -> torch.Tensor:
     return t
 
 
-class OpPacket:
-    """A callable op with an ``.out`` overload, like ``torch_npu.<op>``."""
+def _is_default(value: Any, default: Any) -> bool:
+    if default is inspect.Parameter.empty:
+        return False
+    if value is default:
+        return True
+    if isinstance(value, torch.Tensor) or default is None or type(value) is not type(default):
+        return False
+    return bool(value == default)
 
-    def __init__(self, default: Callable[..., Any], out: Callable[..., Any], name: str) -> None:
-        self._default = default
-        self.out = out
-        self.default = default
-        self.__name__ = name
+
+class SimOverload:
+    """One overload of a torch_npu op, as a dispatch mode sees torch_npu's ``OpOverload``:
+    ``__name__`` (``"op.overload"``, what torch_npu's graph handlers are registered under),
+    ``_schema`` (torch_npu's schema text) and a call.
+
+    Called while the top torch dispatch mode asks for the simulator's ops
+    (``dispatches_sim_ops``), the call goes to that mode's ``__torch_dispatch__`` with the
+    mode popped, as torch dispatches a torch op, and with the arguments as torch's
+    dispatcher passes them: the schema's positional parameters in ``args`` (trailing ones
+    equal to their defaults dropped), keyword-only ones in ``kwargs`` only where they are
+    not their defaults.  Otherwise it runs the simulator's kernel."""
+
+    def __init__(
+        self, fn: Callable[..., Any], name: str, overload: str, schema: str = "", signature: Any = None
+    ) -> None:
+        self._fn = fn
+        self.__name__ = f"{name}.{overload}"
+        self._overloadname = overload
+        self._schema = schema
+        self._signature = inspect.signature(signature if signature is not None else fn)
+
+    def name(self) -> str:
+        return f"npu::{self.__name__}"
+
+    def __repr__(self) -> str:
+        return f"npu.{self.__name__}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._default(*args, **kwargs)
+        if torch._C._len_torch_dispatch_stack():
+            mode = torch._C._get_dispatch_stack_at(torch._C._len_torch_dispatch_stack() - 1)
+            if getattr(mode, "dispatches_sim_ops", False):
+                args, kwargs = self.normalize(args, kwargs)
+                with torch.utils._python_dispatch._pop_mode_temporarily() as top:
+                    return top.__torch_dispatch__(self, (), args, kwargs)
+        return self._fn(*args, **kwargs)
+
+    def normalize(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` as torch's dispatcher hands them to a dispatch mode."""
+        bound = self._signature.bind(*args, **kwargs)
+        positional: list[tuple[Any, Any]] = []
+        keyword: dict[str, Any] = {}
+        for p in self._signature.parameters.values():
+            if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                keyword.update(bound.arguments.get(p.name, {}) if p.kind is p.VAR_KEYWORD else {})
+                continue
+            value = bound.arguments.get(p.name, p.default)
+            if p.kind is p.KEYWORD_ONLY:
+                if p.name in bound.arguments and not _is_default(value, p.default):
+                    keyword[p.name] = value
+            else:
+                positional.append((value, p.default))
+        while positional and _is_default(*positional[-1]):
+            positional.pop()
+        return tuple(v for v, _ in positional), keyword
+
+
+class OpPacket:
+    """A torch_npu op with its overloads (``torch_npu.<op>``, ``.default``, ``.out``): calling
+    it calls ``.default``."""
+
+    def __init__(
+        self,
+        default: Callable[..., Any],
+        out: Callable[..., Any] | None,
+        name: str,
+        *,
+        schemas: tuple[str, str] = ("", ""),
+        signatures: tuple[Any, Any] = (None, None),
+    ) -> None:
+        self.default = SimOverload(default, name, "default", schemas[0], signatures[0])
+        if out is not None:
+            self.out = SimOverload(out, name, "out", schemas[1], signatures[1])
+        self.__name__ = name
+
+    def overloads(self) -> list[str]:
+        return [o for o in ("default", "out") if hasattr(self, o)]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.default(*args, **kwargs)
 
 
 def max_workspace(op: SimOp, p: dict[str, Any]) -> torch.Tensor:

@@ -126,7 +126,6 @@ class SimState:
         self._local = threading.local()
         self.lock = threading.RLock()
         self.memory = Memory()
-        self.auto_update_stream: Stream | None = None
         self.device_index = 0
         self.device_clock = 0.0  # seconds of simulated device time (Event.elapsed_time)
         self._costs = config.cost_model

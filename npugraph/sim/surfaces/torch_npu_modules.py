@@ -13,9 +13,11 @@ import importlib.machinery
 import types
 from typing import Any
 
+from npugraph.sim.surfaces import graphs, npugraph_handlers, npugraph_utils
 from npugraph.sim.surfaces.hccl import ProcessGroupHCCL
+from npugraph.sim.surfaces.npugraph_handlers import ifa_handler, npugraph_handler, simple_handler
 
-__all__ = ["submodules"]
+__all__ = ["module", "submodules"]
 
 
 def _register_atb_extensions() -> None:
@@ -44,7 +46,8 @@ def _acl_memcpy(dst: int, dest_max: int, src: int, count: int, kind: int) -> int
     return 0
 
 
-def _module(name: str, **attrs: Any) -> types.ModuleType:
+def module(name: str, **attrs: Any) -> types.ModuleType:
+    """A stand-in module ``name`` holding ``attrs``."""
     m = types.ModuleType(name, f"npugraph.sim's stand-in for {name}")
     for k, v in attrs.items():
         setattr(m, k, v)
@@ -54,14 +57,14 @@ def _module(name: str, **attrs: Any) -> types.ModuleType:
 def submodules(c: Any) -> dict[str, types.ModuleType]:
     """``sys.modules`` entries for torch_npu's submodules; ``c`` is the simulator's ``_C``
     (it gains ``_distributed_c10d``)."""
-    c10d = _module("torch_npu._C._distributed_c10d", ProcessGroupHCCL=ProcessGroupHCCL)
+    c10d = module("torch_npu._C._distributed_c10d", ProcessGroupHCCL=ProcessGroupHCCL)
     c._distributed_c10d = c10d
-    atb_ops = _module("torch_npu.op_plugin.atb._atb_ops", _register_atb_extensions=_register_atb_extensions)
-    atb = _module("torch_npu.op_plugin.atb", _atb_ops=atb_ops)
-    op_plugin = _module("torch_npu.op_plugin", atb=atb)
+    atb_ops = module("torch_npu.op_plugin.atb._atb_ops", _register_atb_extensions=_register_atb_extensions)
+    atb = module("torch_npu.op_plugin.atb", _atb_ops=atb_ops)
+    op_plugin = module("torch_npu.op_plugin", atb=atb)
     # torch_npu.profiler.dynamic_profile: init() and step() are called by vllm-ascend's worker
-    dynamic_profile = _module("torch_npu.profiler.dynamic_profile", init=lambda *a, **k: None, step=lambda: None)
-    profiler = _module(
+    dynamic_profile = module("torch_npu.profiler.dynamic_profile", init=lambda *a, **k: None, step=lambda: None)
+    profiler = module(
         "torch_npu.profiler",
         dynamic_profile=dynamic_profile,
         profile=_not_simulated("torch_npu.profiler.profile"),
@@ -70,8 +73,15 @@ def submodules(c: Any) -> dict[str, types.ModuleType]:
     # torch_npu's inductor backend: vllm-ascend's worker imports it when Triton is on, for
     # what it registers with inductor; the simulator has none (vllm-ascend compiles without
     # inductor on the simulator, as its own backend does by default)
-    inductor = _module("torch_npu._inductor")
+    inductor = module("torch_npu._inductor")
     modules = {
+        # torch_npu's graph-update machinery, at its module paths (its own tests import them)
+        "torch_npu.npu.graphs": graphs,
+        "torch_npu.npu._npugraph_utils": npugraph_utils,
+        "torch_npu.npu._npugraph_handlers": npugraph_handlers,
+        "torch_npu.npu._npugraph_handlers.npugraph_handler": npugraph_handler,
+        "torch_npu.npu._npugraph_handlers.ifa_handler": ifa_handler,
+        "torch_npu.npu._npugraph_handlers.simple_handler": simple_handler,
         "torch_npu._inductor": inductor,
         "torch_npu._C._distributed_c10d": c10d,
         "torch_npu.op_plugin": op_plugin,
@@ -83,7 +93,7 @@ def submodules(c: Any) -> dict[str, types.ModuleType]:
     # pyACL (``acl``) ships with CANN beside torch_npu: vllm-ascend's worker imports
     # ``acl.rt.memcpy`` (its sleep-mode allocator).  A real one, where installed, wins.
     if importlib.machinery.PathFinder.find_spec("acl") is None:
-        rt = _module("acl.rt", memcpy=_acl_memcpy)
-        modules["acl"] = _module("acl", rt=rt)
+        rt = module("acl.rt", memcpy=_acl_memcpy)
+        modules["acl"] = module("acl", rt=rt)
         modules["acl.rt"] = rt
     return modules

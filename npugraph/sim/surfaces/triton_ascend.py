@@ -158,7 +158,6 @@ def _kernel_op(name: str, tensors: tuple[str, ...], compute: Any) -> SimOp:
         check=lambda p: {},
         compute=compute,
         workspace=lambda p, info: 0,
-        auto=False,
         anchor=tensors[0],
     )
 
