@@ -56,6 +56,22 @@ def torch_backend() -> None:
 
     sim.install_torch_npu(device=True)
     _install_triton()  # where no .pth ran (an editable install): before any Triton kernel is defined
+    _install_npugraph_ex_backend()
+
+
+def _register_npugraph_ex_backend(_: Any = None) -> None:
+    from npugraph.sim.surfaces.npugraph_ex.npu_fx_compiler import register_dynamo_backend
+
+    register_dynamo_backend()
+
+
+def _install_npugraph_ex_backend() -> None:
+    """``torch.compile(backend="npugraph_ex")``, as importing torch_npu registers it: once
+    torch._dynamo is imported (importing it here would slow every process's start)."""
+    if "torch._dynamo" in sys.modules:
+        _register_npugraph_ex_backend()
+    else:
+        after_import("torch._dynamo", _register_npugraph_ex_backend)
 
 
 class _TorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

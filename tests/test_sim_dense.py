@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 import npugraph.sim as torch_npu
 from npugraph.sim import npu
 
+DEVICE = "npu"
+
 
 def _rms_ref(x, gamma, eps):
     x, gamma = x.double(), gamma.double()
@@ -128,3 +130,63 @@ def test_dense_kernels_replay_in_a_graph_with_new_inputs():
         normed = _rms_ref(fresh, gamma.cpu(), 1e-6).to(torch.float16).double()
         a, b = normed[:, :16], normed[:, 16:]
         assert (out.cpu().double() - a / (1 + torch.exp(-a)) * b).abs().max() < 3e-2
+
+
+def _quant_ref(x):
+    """Per-row int8: scale = max|x| / 127, y = round(x / scale), element by element in float64."""
+    x = x.double()
+    ys, scales = torch.empty(x.shape, dtype=torch.float64), torch.empty(x.shape[0], dtype=torch.float64)
+    for i in range(x.shape[0]):
+        m = max(abs(float(v)) for v in x[i])
+        scales[i] = m / 127.0
+        for j in range(x.shape[1]):
+            ys[i, j] = 0.0 if m == 0 else max(-128.0, min(127.0, round(float(x[i, j]) / (m / 127.0))))
+    return ys, scales
+
+
+def _assert_quantized(y, scale, want_y, want_scale):
+    assert y.dtype == torch.int8 and scale.dtype == torch.float32
+    # one step either way where float32 and float64 land on either side of a .5
+    assert (y.cpu().double() - want_y).abs().max() <= 1
+    assert (y.cpu().double() - want_y).abs().sum() <= 2
+    assert torch.allclose(scale.cpu().double(), want_scale, rtol=1e-6, atol=0)
+
+
+@settings(max_examples=10)
+@given(rows=st.integers(1, 5), hidden=st.sampled_from([4, 16, 64]), seed=st.integers(0, 99))
+def test_dynamic_quant_is_per_row_symmetric_int8(rows, hidden, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g) * 3
+    x[0] = 0.0 if rows > 1 else x[0]  # a zero row: scale 0, zeros
+    y, scale = torch.ops.npu.npu_dynamic_quant(x.to(DEVICE))
+    _assert_quantized(y, scale, *_quant_ref(x))
+
+
+@settings(max_examples=10)
+@given(rows=st.integers(1, 4), hidden=st.sampled_from([8, 32]), seed=st.integers(0, 99))
+def test_add_rms_norm_dynamic_quant_is_the_add_the_norm_and_the_quant(rows, hidden, seed):
+    g = torch.Generator().manual_seed(seed)
+    x1, x2 = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g)
+    gamma = torch.rand(hidden, generator=g) + 0.5
+    y1, y2, s, scale1, scale2 = torch.ops.npu.npu_add_rms_norm_dynamic_quant(
+        x1.to(DEVICE), x2.to(DEVICE), gamma.to(DEVICE), epsilon=1e-6, output_mask=[True, False]
+    )
+    total = x1.double() + x2.double()
+    assert torch.allclose(s.cpu().double(), total, atol=1e-6)
+    _assert_quantized(y1, scale1, *_quant_ref(_rms_ref(total, gamma, 1e-6)))
+    assert y2.numel() == 0 and scale2.numel() == 0, "output_mask: the second quantisation is not computed"
+
+
+def test_vllm_ascends_fusion_pattern_traces_on_npu_tensors_as_it_registers():
+    """AddRMSNormQuantFusionPass traces its pattern with make_fx on real npu tensors."""
+    from torch._inductor.pattern_matcher import fwd_only
+
+    def pattern(x, residual, weight):
+        out = torch.ops.npu.npu_add_rms_norm(x, residual, weight, 1e-6)
+        q = torch.ops.npu.npu_dynamic_quant(out[0])
+        return q[0], q[1], out[2]
+
+    args = [torch.randn(2, 4, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    gm = fwd_only(pattern, [*args, torch.randn(4, device=DEVICE, dtype=torch.bfloat16)])
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert {"npu.npu_add_rms_norm.default", "npu.npu_dynamic_quant.default"} <= targets

@@ -24,6 +24,7 @@ from npugraph.sim.runtime.taskgroups import (
     graph_task_update_begin,
     graph_task_update_end,
 )
+from npugraph.sim.surfaces import npugraph_ex
 from npugraph.sim.surfaces.graphs import NPUGraph, graph
 from npugraph.sim.surfaces.npugraph_handlers import NpuGraphOpHandler, register_npu_graph_handler
 
@@ -31,6 +32,7 @@ __all__ = [
     "NPUGraph",
     "NpuGraphOpHandler",
     "register_npu_graph_handler",
+    "npugraph_ex",
     "NPUTaskGroupHandle",
     "graph",
     "graph_pool_handle",

@@ -13,8 +13,11 @@ import importlib.machinery
 import types
 from typing import Any
 
-from npugraph.sim.surfaces import graphs, npugraph_handlers, npugraph_utils
+from npugraph.sim.surfaces import graphs, npugraph_ex, npugraph_handlers, npugraph_utils
 from npugraph.sim.surfaces.hccl import ProcessGroupHCCL
+from npugraph.sim.surfaces.npugraph_ex import configs, inference, npu_fx_compiler, patterns, scope
+from npugraph.sim.surfaces.npugraph_ex.configs import compiler_config
+from npugraph.sim.surfaces.npugraph_ex.patterns import pattern_pass_manager
 from npugraph.sim.surfaces.npugraph_handlers import ifa_handler, npugraph_handler, simple_handler
 
 __all__ = ["module", "submodules"]
@@ -74,7 +77,21 @@ def submodules(c: Any) -> dict[str, types.ModuleType]:
     # what it registers with inductor; the simulator has none (vllm-ascend compiles without
     # inductor on the simulator, as its own backend does by default)
     inductor = module("torch_npu._inductor")
+    scope.register_ops()
+    dynamo = module("torch_npu.dynamo", npugraph_ex=npugraph_ex)
     modules = {
+        # npugraph_ex: torch_npu's wheel carries it as torch_npu.dynamo.npugraph_ex and puts it
+        # in sys.modules as npugraph_ex when torch_npu is imported (vllm-ascend imports it so)
+        "npugraph_ex": npugraph_ex,
+        "npugraph_ex.configs": configs,
+        "npugraph_ex.configs.compiler_config": compiler_config,
+        "npugraph_ex.npu_fx_compiler": npu_fx_compiler,
+        "npugraph_ex.inference": inference,
+        "npugraph_ex.scope": scope,
+        "npugraph_ex.patterns": patterns,
+        "npugraph_ex.patterns.pattern_pass_manager": pattern_pass_manager,
+        "torch_npu.dynamo": dynamo,
+        "torch_npu.dynamo.npugraph_ex": npugraph_ex,
         # torch_npu's graph-update machinery, at its module paths (its own tests import them)
         "torch_npu.npu.graphs": graphs,
         "torch_npu.npu._npugraph_utils": npugraph_utils,

@@ -21,16 +21,19 @@ from typing import Any
 
 import torch
 
-from npugraph.sim.kernels import dense
+from npugraph.sim.kernels import dense, quant
 
 __all__ = ["NAMESPACE", "TORCH_OPS", "register"]
 
 NAMESPACE = "npu"
-# name -> the arguments it writes in place (torch.library's ``mutates_args``)
-TORCH_OPS: dict[str, tuple[str, ...]] = {
-    "npu_rms_norm": (),
-    "npu_add_rms_norm": (),
-    "npu_swiglu": (),
+# name -> (the kernel module, the arguments it writes in place: torch.library's ``mutates_args``)
+TORCH_OPS: dict[str, tuple[types.ModuleType, tuple[str, ...]]] = {
+    "npu_rms_norm": (dense, ()),
+    "npu_add_rms_norm": (dense, ()),
+    "npu_swiglu": (dense, ()),
+    # vllm-ascend's default fusion pass traces them on npu tensors when it registers
+    "npu_dynamic_quant": (quant, ()),
+    "npu_add_rms_norm_dynamic_quant": (quant, ()),
 }
 
 
@@ -45,11 +48,18 @@ def register(module: types.ModuleType) -> None:
     """Register each of :data:`TORCH_OPS` (once per process) and point ``module``'s name
     (the simulated ``torch_npu``) at the op, as ``torch_npu.npu_rms_norm`` is
     ``torch.ops.npu.npu_rms_norm``.  Needs the ``npu`` device installed."""
-    for name, mutates in TORCH_OPS.items():
+    for name, (kernels, mutates) in TORCH_OPS.items():
         packet = _registered(name)
         if packet is None:
-            fn = getattr(dense, name)
-            op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=mutates, device_types="npu")
-            op.register_fake(fn)
+            fn = getattr(kernels, name)
+            qualname = f"{NAMESPACE}::{name}"
+            schema = getattr(kernels, "SCHEMAS", {}).get(name)
+            if schema is not None:  # declared as torch_npu declares it (custom_op cannot say it)
+                torch.library.define(qualname, schema.split(name, 1)[1])
+                torch.library.impl(qualname, "PrivateUse1")(fn)
+                torch.library.register_fake(qualname)(fn)
+            else:
+                op = torch.library.custom_op(qualname, fn, mutates_args=mutates, device_types="npu")
+                op.register_fake(fn)
             packet = _registered(name)
         setattr(module, name, packet)

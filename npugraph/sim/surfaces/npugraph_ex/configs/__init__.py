@@ -1,0 +1,1 @@
+"""npugraph_ex's configuration (``npugraph_ex.configs``)."""

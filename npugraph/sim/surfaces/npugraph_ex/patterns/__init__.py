@@ -1,0 +1,1 @@
+"""npugraph_ex's pattern fusion (``npugraph_ex.patterns``)."""
