@@ -8,6 +8,7 @@ and a replay that would read freed npu memory is reported; pools hand out npu bl
 
 from __future__ import annotations
 
+import gc
 import math
 import weakref
 
@@ -179,3 +180,29 @@ def test_memory_an_eager_kernel_saw_is_freed_once_its_owners_drop_it():
     # at most one GiB of dropped caches waits for the next prune, beside the live pair
     assert peak <= (1 << 30) + 2 * chunk, peak / 2**30
     assert out.isfinite().all()
+
+
+def test_the_card_counts_memory_once_however_many_aliases_a_graph_holds():
+    """torch.npu.memory_allocated is what the card holds: a non-owning alias (a graph's, a weak
+    reference), a host view and an npu view of it add nothing; a copy adds its bytes; a
+    capture adds what its graph's pool holds, and no alias of the cache it reads (vLLM's
+    'Graph capturing took 2.00 GiB' was the KV cache counted again through its aliases)."""
+    q, kc, vc, bt, out = _pa_setup(nb=64)
+    gc.collect()  # what earlier tests left: freed now, not inside the measurement (a capture collects)
+    before = npu.memory_allocated()
+    w = torch_npu._C._weak_ref_tensor(kc)
+    h = torch_npu.host_view(kc)
+    v = torch.ops.npugraph_sim.device_view(h, 0)
+    assert npu.memory_allocated() == before and w.data_ptr() == v.data_ptr() == kc.data_ptr()
+    c = kc.clone()
+    assert npu.memory_allocated() - before == c.numel() * c.element_size()
+    del c, w, h, v
+    gc.collect()
+    start = npu.memory_allocated()
+    g = npu.NPUGraph()
+    pool = npu.graph_pool_handle()
+    with npu.graph(g, pool=pool):
+        y = torch_npu._C._weak_ref_tensor(kc)[0] * 2  # an alias of the cache, and 1 block of new memory
+    grown = npu.memory_allocated() - start
+    assert grown <= torch_npu.pool_bytes(pool) < kc.numel() * kc.element_size()
+    assert torch_npu.pool_bytes(pool) >= y.numel() * y.element_size()

@@ -35,6 +35,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <map>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -65,7 +66,8 @@ thread_local c10::DeviceIndex current_index = 0;
 // Live bytes per device (what torch.npu.memory_allocated reports), and the peak.
 struct MemoryStats {
   std::mutex lock;
-  std::unordered_map<void*, std::pair<c10::DeviceIndex, size_t>> sizes;
+  // ordered by address: a pointer anywhere inside an allocation finds it (is_npu_memory)
+  std::map<const void*, std::pair<c10::DeviceIndex, size_t>> sizes;
   int64_t allocated[64] = {};
   int64_t peak[64] = {};
   int64_t allocations[64] = {};
@@ -124,7 +126,7 @@ std::string gib(int64_t bytes) {
 constexpr int64_t kAskHostFrom = 64ll << 20;  // large allocations ask the host
 constexpr int64_t kHostReserve = 512ll << 20;  // left to the process's own work
 
-void check_room(c10::DeviceIndex dev, int64_t nbytes) {
+void check_room(c10::DeviceIndex dev, int64_t nbytes, bool ask_host = true) {
   int64_t capacity = 0;
   int64_t used = 0;
   {
@@ -138,7 +140,7 @@ void check_room(c10::DeviceIndex dev, int64_t nbytes) {
                    ", which has ", gib(capacity), " in total and ", gib(used),
                    " allocated. npugraph's simulated card is host memory; its size is NPUGRAPH_SIM_MEMORY_GB "
                    "(default: half the memory the host had available when the process started).");
-  if (nbytes < kAskHostFrom) {
+  if (!ask_host || nbytes < kAskHostFrom) {
     return;
   }
   const int64_t available = host_available();
@@ -243,9 +245,42 @@ void release_kept(void* ctx) {
 // A storage over the bytes of `src` labelled `device`, which keeps `src` alive; bytes that
 // become npu memory here are counted as the device's.  Resizing it (an out= argument a
 // kernel grows) moves it to new memory from `allocator`.
+// Whether `src`'s bytes are npu memory: an npu storage, or a host view of one (what the
+// kernels and the fallback compute on), however many views deep.
+bool is_npu_memory(const c10::Storage& src) {
+  if (src.device().type() == kNpu) {
+    return true;
+  }
+  const c10::DataPtr& ptr = src.data_ptr();
+  if (ptr.get_deleter() == &release_kept) {
+    return is_npu_memory(static_cast<Kept*>(ptr.get_context())->storage);
+  }
+  // a host buffer over an npu allocation's bytes (the simulator's non-owning aliases are
+  // made from the address): inside an allocation the npu allocator made
+  const auto* p = static_cast<const char*>(src.data());
+  if (p == nullptr) {
+    return false;
+  }
+  MemoryStats& s = stats();
+  std::lock_guard<std::mutex> g(s.lock);
+  auto it = s.sizes.upper_bound(p);
+  if (it == s.sizes.begin()) {
+    return false;
+  }
+  --it;
+  return p < static_cast<const char*>(it->first) + it->second.second;
+}
+
 c10::Storage storage_over(const c10::Storage& src, c10::Device device, c10::Allocator* allocator) {
-  const bool becomes_npu = device.type() == kNpu && src.device().type() != kNpu;
+  // an npu view of a host view of npu memory is the same memory: counting it again made an
+  // alias (torch_npu._C._weak_ref_tensor of a KV cache) look like a second cache
+  const bool becomes_npu = device.type() == kNpu && !is_npu_memory(src);
   const int64_t nbytes = becomes_npu ? static_cast<int64_t>(src.nbytes()) : 0;
+  if (nbytes) {
+    // host memory an op's CPU kernel made, becoming the card's: past the card, its OOM error
+    // (the host has it already, so only the card is asked)
+    check_room(device.index(), nbytes, /*ask_host=*/false);
+  }
   auto* keep = new Kept{src, device.type() == kNpu ? device.index() : c10::DeviceIndex(0), nbytes};
   if (nbytes) {
     MemoryStats& s = stats();
