@@ -45,59 +45,41 @@ _V2_OUTPUT_ARGS = (
 
 
 class _TensorListOutHandler(NpuGraphOpHandler):
+    """Captured through ``.default``, the op becomes ``.out`` with torch_npu's maximum workspace
+    and ``_infer_output``'s outputs (allocated inside the capture); the caller gets ``out``."""
+
+    OP = ""  # the op's torch_npu name; its workspace and output helpers are named after it
+    OUTPUT_ARGS: tuple[str, ...] = ()  # the keyword arguments _infer_output takes
+
+    @classmethod
+    def prepare_capture(cls, func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+        npu = torch_npu()
+        packet = getattr(npu, cls.OP)
+        if func is packet.out:
+            return func, args, kwargs
+        kwargs["workspace"] = getattr(npu, f"_{cls.OP}_get_max_workspace")(*args, **kwargs)
+        sub = {k: kwargs[k] for k in cls.OUTPUT_ARGS if k in kwargs}
+        kwargs["out"] = list(getattr(npu, f"_{cls.OP}_infer_output")(args[0], args[2], **sub))
+        return packet.out, args, kwargs
+
     @classmethod
     def postprocess_result(cls, result: Any, kwargs: dict[str, Any]) -> Any:
         return kwargs["out"]
 
 
-def _to_out(
-    packet: Any, workspace: Any, infer_output: Any, keys: tuple[str, ...], args: Any, kwargs: dict[str, Any]
-) -> tuple[Any, Any, dict[str, Any]]:
-    kwargs["workspace"] = workspace(*args, **kwargs)
-    sub = {k: kwargs[k] for k in keys if k in kwargs}
-    kwargs["out"] = list(infer_output(args[0], args[2], **sub))
-    return packet.out, args, kwargs
-
-
 _V1_NAMES = [_V1, f"{_V1}.default", f"{_V1}.out"]
+_V2_NAMES = [_V2, f"{_V2}.default", f"{_V2}.out"]
 
 
 @register_npu_graph_handler(_V1_NAMES)
 class _IFAv1DefaultHandler(_TensorListOutHandler):
-    UPDATE_SPECS = {key: [("arg", 5, "actual_seq_lengths"), ("arg", 6, "actual_seq_lengths_kv")] for key in _V1_NAMES}
-
-    @classmethod
-    def prepare_capture(cls, func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
-        npu = torch_npu()
-        if func is npu.npu_fused_infer_attention_score.out:
-            return func, args, kwargs
-        return _to_out(
-            npu.npu_fused_infer_attention_score,
-            npu._npu_fused_infer_attention_score_get_max_workspace,
-            npu._npu_fused_infer_attention_score_infer_output,
-            _V1_OUTPUT_ARGS,
-            args,
-            kwargs,
-        )
-
-
-_V2_NAMES = [_V2, f"{_V2}.default", f"{_V2}.out"]
+    OP = _V1
+    OUTPUT_ARGS = _V1_OUTPUT_ARGS
+    UPDATE_SPECS = {name: [("arg", 5, "actual_seq_lengths"), ("arg", 6, "actual_seq_lengths_kv")] for name in _V1_NAMES}
 
 
 @register_npu_graph_handler(_V2_NAMES)
 class _IFAv2DefaultHandler(_TensorListOutHandler):
-    UPDATE_SPECS = {key: [("arg", 7, "actual_seq_qlen"), ("arg", 8, "actual_seq_kvlen")] for key in _V2_NAMES}
-
-    @classmethod
-    def prepare_capture(cls, func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
-        npu = torch_npu()
-        if func is npu.npu_fused_infer_attention_score_v2.out:
-            return func, args, kwargs
-        return _to_out(
-            npu.npu_fused_infer_attention_score_v2,
-            npu._npu_fused_infer_attention_score_v2_get_max_workspace,
-            npu._npu_fused_infer_attention_score_v2_infer_output,
-            _V2_OUTPUT_ARGS,
-            args,
-            kwargs,
-        )
+    OP = _V2
+    OUTPUT_ARGS = _V2_OUTPUT_ARGS
+    UPDATE_SPECS = {name: [("arg", 7, "actual_seq_qlen"), ("arg", 8, "actual_seq_kvlen")] for name in _V2_NAMES}
