@@ -638,3 +638,20 @@ def test_the_default_card_size_is_said_once_and_a_bad_setting_is_named(monkeypat
     backend.card_size.cache_clear()
     assert backend.card_size()[0] == int(2.5 * (1 << 30))
     backend.card_size.cache_clear()
+
+
+def test_npugraph_ex_is_importable_and_a_dynamo_backend_in_every_process():
+    # vllm-ascend imports npugraph_ex at module level; torch.compile(backend="npugraph_ex")
+    # works as after importing torch_npu (the hook registers it once torch._dynamo loads)
+    out = _run(
+        """
+        import torch
+        import npugraph_ex, torch_npu
+        assert torch.npu.npugraph_ex is npugraph_ex and callable(npugraph_ex.register_replacement)
+        f = torch.compile(lambda x: torch.relu(x) + 1, backend="npugraph_ex", fullgraph=True, dynamic=False)
+        x = torch.tensor([-1.0, 2.0], device="npu")
+        assert f(x).cpu().tolist() == [1.0, 3.0] and f(x * 2).cpu().tolist() == [1.0, 5.0]
+        print("ok")
+        """
+    )
+    assert out.strip().endswith("ok")
