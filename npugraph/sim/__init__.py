@@ -56,6 +56,7 @@ from npugraph.sim.kernels.fia_v2 import (
 from npugraph.sim.kernels.fused import _npu_fused_infer_attention_score_out_graph
 from npugraph.sim.kernels.pa import _npu_paged_attention, _npu_paged_attention_get_workspace
 from npugraph.sim.kernels.prefill import npu_fusion_attention
+from npugraph.sim.runtime.capture import weak_ref_tensor as _weak_ref_tensor
 from npugraph.sim.runtime.state import HostCostModel, SimConfig, get_state
 from npugraph.sim.runtime.state import reset as _reset
 from npugraph.sim.runtime.taskgroups import NPUTaskGroupHandle
@@ -107,23 +108,6 @@ __all__ = [
     "ReplayFault",
     "ConcurrentUpdateError",
 ]
-
-
-def _weak_ref_tensor(tensor: Any) -> Any:
-    """A non-owning alias of ``tensor``: same data pointer, shape, stride and dtype.
-
-    It keeps nothing alive; it is valid while whoever owns the memory (a graph's pool,
-    the tensor's owners) keeps it (``torch_npu._C._weak_ref_tensor``).
-    """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"_weak_ref_tensor expects a Tensor, got {type(tensor).__name__}")
-    st = get_state()
-    # of a host tensor (the CPU lengths vllm-ascend weak-refs with every kernel argument) it
-    # is a host tensor, read without waiting: memory is told by tensor.device
-    if st.capture is not None:
-        with st.capture.suspended():
-            return st.memory.alias(tensor)
-    return st.memory.alias(tensor)
 
 
 def _npu_setStream(stream: Any) -> None:

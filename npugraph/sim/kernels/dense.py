@@ -38,11 +38,17 @@ def _check_gamma(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
         raise fail(op, "gamma", f"shape {list(gamma.shape)} is not the trailing shape of x {list(x.shape)}")
 
 
-def _rms(x: torch.Tensor, gamma: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor) -> None:
+def rms_normalize(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x * rstd * gamma, rstd)`` of float32 ``x`` over ``gamma``'s trailing dims, in float32."""
     dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
     r = torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps)
+    return x * r * gamma.float(), r
+
+
+def _rms(x: torch.Tensor, gamma: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor) -> None:
+    n, r = rms_normalize(x, gamma, eps)
     rstd.copy_(r)
-    y.copy_(x * r * gamma.float())
+    y.copy_(n)
 
 
 def _rms_norm(p: dict[str, Any]) -> None:

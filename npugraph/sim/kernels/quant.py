@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from npugraph.sim.kernels.dense import _check_gamma, _kernel
+from npugraph.sim.kernels.dense import _check_gamma, _kernel, rms_normalize
 from npugraph.sim.runtime.launch import fail, launch
 
 __all__ = ["SCHEMAS", "npu_add_rms_norm_dynamic_quant", "npu_dynamic_quant"]
@@ -56,9 +56,7 @@ def _dynamic_quant(p: dict[str, Any]) -> None:
 def _add_rms_norm_dynamic_quant(p: dict[str, Any]) -> None:
     s = p["x1"].float() + p["x2"].float()
     p["x"].copy_(s)
-    gamma = p["gamma"].float()
-    dims = tuple(range(s.dim() - gamma.dim(), s.dim()))
-    n = s * torch.rsqrt(s.pow(2).mean(dim=dims, keepdim=True) + float(p["epsilon"])) * gamma
+    n, _ = rms_normalize(s, p["gamma"], float(p["epsilon"]))
     if p["beta"] is not None:
         n = n + p["beta"].float()
     for i, (smooth, y, scale) in enumerate(

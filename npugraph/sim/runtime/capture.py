@@ -213,3 +213,17 @@ def make_host_copy(fn: Callable[[], Any]) -> Any:
         return fn()
     with st.capture.suspended():
         return fn()
+
+
+def weak_ref_tensor(tensor: Any) -> Any:
+    """``torch_npu._C._weak_ref_tensor``: a non-owning alias of ``tensor`` (same data pointer,
+    shape, stride and dtype), made outside the capture recorder.
+
+    It keeps nothing alive; it is valid while whoever owns the memory (a graph's pool, the
+    tensor's owners) keeps it.  Of a host tensor (the CPU lengths vllm-ascend weak-refs
+    with every kernel argument) it is a host tensor, read without waiting: memory is told
+    by tensor.device.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"_weak_ref_tensor expects a Tensor, got {type(tensor).__name__}")
+    return make_host_copy(lambda: rt.get_state().memory.alias(tensor))

@@ -282,8 +282,9 @@ class SimOverload:
         return f"npu.{self.__name__}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch._C._len_torch_dispatch_stack():
-            mode = torch._C._get_dispatch_stack_at(torch._C._len_torch_dispatch_stack() - 1)
+        depth = torch._C._len_torch_dispatch_stack()
+        if depth:
+            mode = torch._C._get_dispatch_stack_at(depth - 1)
             if getattr(mode, "dispatches_sim_ops", False):
                 args, kwargs = self.normalize(args, kwargs)
                 with torch.utils._python_dispatch._pop_mode_temporarily() as top:
@@ -327,9 +328,6 @@ class OpPacket:
         if out is not None:
             self.out = SimOverload(out, name, "out", schemas[1], signatures[1])
         self.__name__ = name
-
-    def overloads(self) -> list[str]:
-        return [o for o in ("default", "out") if hasattr(self, o)]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.default(*args, **kwargs)

@@ -14,7 +14,6 @@ errors and messages as torch_npu v26.1 (Ascend/pytorch).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import logging
@@ -22,7 +21,6 @@ import os
 import re
 from typing import Any, ClassVar
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from npugraph.sim.runtime import state as rt
@@ -34,7 +32,7 @@ from npugraph.sim.runtime.taskgroups import (
     graph_task_update_end,
 )
 from npugraph.sim.surfaces import npugraph_utils
-from npugraph.sim.surfaces.npugraph_handlers.npugraph_handler import _NPU_GRAPH_OP_HANDLERS, weak_ref
+from npugraph.sim.surfaces.npugraph_handlers.npugraph_handler import _NPU_GRAPH_OP_HANDLERS, kept
 
 __all__ = ["NPUGraph", "graph"]
 
@@ -114,10 +112,7 @@ class _GraphDispatchMode(TorchDispatchMode):
             event=event,
             handle=handle,
             kwargs={k: handler.record_wrap_kwarg(k, v, names) for k, v in kwargs.items()},
-            args=[
-                weak_ref(a) if isinstance(a, torch.Tensor) and "npu" in str(a.device) else copy.deepcopy(a)
-                for a in args
-            ],
+            args=[kept(a) for a in args],
             op_cache_entry=func,
         )
 

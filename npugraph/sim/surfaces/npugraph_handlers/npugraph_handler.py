@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from npugraph.sim.runtime import state as rt
+from npugraph.sim.runtime.capture import weak_ref_tensor
 
-__all__ = ["NpuGraphOpHandler", "register_npu_graph_handler", "torch_npu", "weak_ref"]
+__all__ = ["NpuGraphOpHandler", "kept", "register_npu_graph_handler", "torch_npu"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +40,10 @@ def _is_npu(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and "npu" in str(t.device)
 
 
-def weak_ref(t: torch.Tensor) -> torch.Tensor:
-    """``torch_npu._C._weak_ref_tensor``: a non-owning alias of device memory."""
-    st = rt.get_state()
-    if st.capture is not None:
-        with st.capture.suspended():
-            return st.memory.alias(t)
-    return st.memory.alias(t)
+def kept(value: Any) -> Any:
+    """A value as a dispatch record keeps it: a device tensor as a non-owning alias
+    (``torch_npu._C._weak_ref_tensor``), anything else copied."""
+    return weak_ref_tensor(value) if _is_npu(value) else copy.deepcopy(value)
 
 
 class NpuGraphOpHandler:
@@ -91,9 +88,9 @@ class NpuGraphOpHandler:
         if value is None:
             return None
         if isinstance(value, (list, tuple)):
-            return type(value)(weak_ref(v) if _is_npu(v) else copy.deepcopy(v) for v in value)
+            return type(value)(kept(v) for v in value)
         if key in tensor_param_names and _is_npu(value):
-            return weak_ref(value)
+            return weak_ref_tensor(value)
         return copy.deepcopy(value)
 
 
