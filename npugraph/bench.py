@@ -530,6 +530,7 @@ def _implementations(
     out["updatable_mrv2"] = _updatable(rt, size, kernel, synchronize=False)
     out["updatable_mrv1"] = _updatable(rt, size, kernel, synchronize=True)
     out["legacy"] = _legacy(rt, size, kernel)
+    out[TORCH_NPU] = _torch_npu_update(rt, size, kernel)
     for dev, _ in out.values():
         dev.calibrate()
     return out
@@ -660,6 +661,172 @@ def _legacy(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDevice, Calla
     return dev, step
 
 
+@dataclasses.dataclass
+class _GraphDispatchRecord:
+    """torch_npu's record of one captured op (``torch_npu/npu/graphs.py``): its event, its
+    task-group handle, the arguments as dispatch split them (non-owning views of npu
+    tensors, copies of the rest) and the op that ran (``.default`` swapped to ``.out``)."""
+
+    event: Any = None
+    handle: Any = None
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    args: list[Any] = dataclasses.field(default_factory=list)
+    op_cache_entry: Any = None
+
+
+class _TorchNpuHandler:
+    """torch_npu's ``NpuGraphOpHandler.update_args`` (``_npugraph_handlers``, UPDATE_SPECS
+    version): each spec of the recorded op whose key the step gives rewrites an argument
+    slot (positional, when the record has it) or a keyword argument."""
+
+    UPDATE_SPECS: dict[str, list[tuple[str, Any, str]]] = {
+        # _IFAv1DefaultHandler and _SimpleGraphHandler
+        "npu_fused_infer_attention_score.out": [("arg", 5, "actual_seq_lengths"), ("arg", 6, "actual_seq_lengths_kv")],
+        "_npu_paged_attention.default": [("arg", 7, "context_lens")],
+    }
+
+    @classmethod
+    def get_update_specs(cls, op_name: str) -> list[tuple[str, Any, str]]:
+        return cls.UPDATE_SPECS.get(op_name, [])
+
+    @classmethod
+    def update_args(cls, dispatch_record: _GraphDispatchRecord, update_input: dict[str, Any]) -> None:
+        specs = cls.get_update_specs(dispatch_record.op_cache_entry.__name__)
+        for loc, idx_or_name, key in specs:
+            if key not in update_input:
+                continue
+            if loc == "arg":
+                if len(dispatch_record.args) > idx_or_name:
+                    dispatch_record.args[idx_or_name] = update_input[key]
+            else:
+                dispatch_record.kwargs[idx_or_name] = update_input[key]
+
+
+class _RecordedOverload:
+    """An OpOverload as a record holds it: called with the record's arguments, named as
+    torch_npu's registry looks it up."""
+
+    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+        self.__name__, self._fn = name, fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+
+# the positional parameters of each op's schema, in order (op-plugin); the rest are keyword-only
+_POSITIONAL = {
+    "pa": (
+        "query",
+        "key_cache",
+        "value_cache",
+        "num_kv_heads",
+        "num_heads",
+        "scale_value",
+        "block_table",
+        "context_lens",
+        "out",
+    ),
+    "fia": ("query", "key", "value"),
+}
+_OP_NAME = {"pa": "_npu_paged_attention.default", "fia": "npu_fused_infer_attention_score.out"}
+# the key each kernel's step is given under: FIA's kv lengths as SGLang 0.5.23 sends them
+# (a list), PA's context_lens as a CPU int32 tensor (SGLang's MHA entry, torch_npu's PA test)
+_UPDATE_KEY = {"pa": "context_lens", "fia": "actual_seq_lengths_kv"}
+
+
+def _torch_npu_update(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDevice, Callable[[Any], None]]:
+    """torch_npu's ``NPUGraph.update`` as SGLang 0.5.23 drives it, line for line in host cost.
+
+    Capture (``auto_dispatch_capture=True``) left one :class:`_GraphDispatchRecord` per
+    attention op.  Each step is SGLang's ``NPUCudaGraphBackend.replay_with_input_update``:
+    wait on the host for the previous replay's fence event, submit ``graph.update`` to the
+    backend's one-thread executor, replay on the calling thread while the worker updates
+    (the graph's ExternalEvents hold each layer until its update lands), wait for the
+    worker, record a new fence.  The update is torch_npu's ``update_capture_record``: the
+    one input dict copied per record, the length check, then per record on the shared update
+    stream: begin, the generic keyword rewrite, the handler's spec rewrite, the op re-issued
+    with the record's arguments, end, the event record.
+    """
+    import concurrent.futures
+    import logging
+
+    dev = RecordingDevice(kernel, rt.device.memory)
+    shadow = _shadow(rt, size, dev)
+    npu = dev.npu
+    npu.Stream()  # SGLang's capture stream, made before the first NPUGraph ...
+    update_stream = npu.Stream()  # ... makes _GraphDispatchMode's one update stream
+    op = _RecordedOverload(_OP_NAME[kernel], shadow.tasks[0].spec.kernel_fn(dev))
+    positional = _POSITIONAL[kernel]
+    records = []
+    for t in shadow.tasks:
+        args = [
+            dev.weak_ref_tensor(t.args[n]) if isinstance(t.args[n], torch.Tensor) else t.args[n] for n in positional
+        ]
+        kwargs = {k: v for k, v in t.args.items() if k not in positional and v is not None}
+        records.append(
+            _GraphDispatchRecord(event=t.event, handle=t.handle, kwargs=kwargs, args=args, op_cache_entry=op)
+        )
+    handlers = dict.fromkeys(_TorchNpuHandler.UPDATE_SPECS, _TorchNpuHandler)
+    log = logging.getLogger("torch_npu.npu.graphs")
+    attr_name = _UPDATE_KEY[kernel]
+    as_tensor = kernel == "pa"
+    np: Any
+    try:
+        import numpy as np
+    except ImportError:  # numpy comes with every engine; without it, torch's own conversion
+        np = None
+
+    def update_capture_record(cpu_update_input: list[dict[str, Any]]) -> None:
+        dev.log("resume", stream=update_stream)  # marker: the worker has the task
+        if len(cpu_update_input) == 1:
+            cpu_update_input = [cpu_update_input[0].copy() for _ in records]
+        if len(cpu_update_input) != len(records):
+            raise RuntimeError(f"{len(records)} records, {len(cpu_update_input)} inputs")
+        with npu.stream(update_stream):
+            for record, update_input in zip(records, cpu_update_input):
+                npu.graph_task_update_begin(update_stream, record.handle)
+                for key in update_input:
+                    if key in record.kwargs:
+                        record.kwargs[key] = update_input[key]
+                handler_cls = handlers.get(record.op_cache_entry.__name__)
+                if handler_cls is None:
+                    raise RuntimeError(f"No handler for recorded op: {record.op_cache_entry.__name__}")
+                handler_cls.update_args(record, update_input)
+                record.op_cache_entry(*record.args, **record.kwargs)
+                npu.graph_task_update_end(update_stream)
+                record.event.record(update_stream)
+
+    def update(cpu_update_input: list[dict[str, Any]]) -> None:  # NPUGraph.update
+        log.debug("NPUGraph.update, cpu_update_input length %d", len(cpu_update_input))
+        update_capture_record(cpu_update_input)
+
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-graph-update")
+    fence: list[Any] = [None]
+
+    def step(meta: Any) -> None:
+        # the engine's list, built before the backend is called: seq_lens_cpu[:bs].tolist() + padding
+        seq_lens: Any = meta.context[next(iter(meta.context))].seq_lens_list
+        if as_tensor:
+            seq_lens = (
+                torch.from_numpy(np.array(seq_lens).astype(np.int32))
+                if np is not None
+                else torch.tensor(seq_lens, dtype=torch.int32)
+            )
+        cpu_update_input = [{attr_name: seq_lens}]
+        if fence[0] is not None:
+            fence[0].synchronize()
+        dev.log("submit")  # marker: the worker starts from here
+        future = executor.submit(update, cpu_update_input=cpu_update_input)
+        shadow.graph.replay()
+        future.result()
+        dev.log("join")  # marker: the calling thread waited for the worker
+        f = npu.Event()
+        f.record()
+        fence[0] = f
+
+    return dev, step
+
+
 @attrs.frozen
 class _StepInput:
     """One step's metadata, built outside the timed region for every implementation."""
@@ -710,6 +877,11 @@ HEADLINE = "npugraph_grouped"
 # takes the tiling-sink path (lengths on the device); PA is updated per layer, one event per
 # AUTO_EVENT_GROUP layers at 20 layers and more (as npugraph_grouped).
 DEFAULT = "npugraph_default"
+# torch_npu's own NPUGraph.update as SGLang drives it: a real worker thread, modeled with
+# the background-thread model's hand-off and GIL wake
+TORCH_NPU = "torch_npu_update"
+# what npugraph's default must reach over torch_npu's update (steps/s, every seed), per shape
+TORCH_NPU_GOALS = {"host_bound": 2.0, "small_batch": 1.2}
 
 SHAPES = (
     ModeledShape(
@@ -821,7 +993,8 @@ def bench_timeline(
             logs += log
         best = min_log(logs[2:])
         by = recorded_by if name == "npugraph_grouped" else sink_by if name == "npugraph_sink" else None
-        results[name] = model_steps(best, costs, kernel=shape.kernel, layers=shape.layers, recorded_by=by)
+        own = attrs.evolve(costs, gil_handoff=HANDOFF_US, thread_wake=HANDOFF_US) if name == TORCH_NPU else costs
+        results[name] = model_steps(best, own, kernel=shape.kernel, layers=shape.layers, recorded_by=by)
         if name == HEADLINE:  # its device-API calls alone: the floor for one updater
             bare = StepLog(calls=tuple(attrs.evolve(c, python_us=0.0) for c in best.calls), fork=best.fork)
             results["api_floor"] = model_steps(bare, costs, kernel=shape.kernel, layers=shape.layers, recorded_by=by)
@@ -897,6 +1070,10 @@ def modeled_summary(
             "npugraph_grouped_vs_updatable": ratio(HEADLINE, "updatable_mrv2"),
             "npugraph_per_layer_vs_updatable": ratio("npugraph", "updatable_mrv2"),
             "legacy_vs_updatable": ratio("legacy", "updatable_mrv2"),
+            "npugraph_vs_torch_npu_update": ratio(DEFAULT, TORCH_NPU),
+            # per layer, lengths on the host as torch_npu's: what is left without the tiling sink
+            "npugraph_grouped_vs_torch_npu_update": ratio(HEADLINE, TORCH_NPU),
+            "latency_vs_torch_npu_update": _spread([x / y for x, y in zip(lat[DEFAULT], lat[TORCH_NPU])]),
             "latency_vs_updatable": _spread([x / y for x, y in zip(lat[DEFAULT], lat["updatable_mrv2"])]),
             "grouped_latency_vs_updatable": _spread([x / y for x, y in zip(lat[HEADLINE], lat["updatable_mrv2"])]),
             "npugraph_vs_api_floor": ratio(HEADLINE, "api_floor"),
@@ -927,10 +1104,16 @@ def modeled_summary(
             "npugraph_vs_updatable_mrv1",
             "npugraph_grouped_vs_updatable",
             "npugraph_per_layer_vs_updatable",
+            "npugraph_vs_torch_npu_update",
+            "npugraph_grouped_vs_torch_npu_update",
         ):
             r = row[key]
             r["claim"] = r["min"] > 1.0 or r["max"] < 1.0  # the whole spread on one side of 1
             noise = max(noise, (r["max"] - r["min"]) / r["median"])
+        if shape.label in TORCH_NPU_GOALS:
+            r = row["npugraph_vs_torch_npu_update"]
+            r["goal"] = TORCH_NPU_GOALS[shape.label]
+            r["meets_goal"] = r["min"] >= r["goal"]  # every seed, not the median
         out[shape.label] = row
         if progress is not None:
             progress(shape.label, traces[shape.label])

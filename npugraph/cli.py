@@ -354,6 +354,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 for e, g in row["background_thread"][config].items()
             )
             print(f"    background update thread / in line, {config}, by engine host work: {cells}", flush=True)
+        t = row["npugraph_vs_torch_npu_update"]
+        verdict = "" if "goal" not in t else f"; goal {t['goal']:g}x: " + ("met" if t["meets_goal"] else "NOT met")
+        print(
+            f"    npugraph (default) / torch_npu's NPUGraph.update as SGLang drives it {t['median']:.3f} "
+            f"[{t['min']:.3f}, {t['max']:.3f}]{'' if t['claim'] else ' (within the noise: no claim)'}{verdict}; "
+            f"latency {row['latency_vs_torch_npu_update']['median']:.3f}; per layer, grouped "
+            f"{row['npugraph_grouped_vs_torch_npu_update']['median']:.3f}",
+            flush=True,
+        )
     sink = bench.bench_sink(host_costs=host_costs)
     print(
         "  tiling sink (FIA's lengths on the device), host-bound FIA at batch 16, by layers and the metadata op's "

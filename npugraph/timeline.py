@@ -44,8 +44,11 @@ class Call:
     """One device-API call as the implementation made it."""
 
     # replay, update_begin, op_launch, update_end, event_record, fused, workspace_query, synchronize,
-    # wait, wait_stream, end (the step's last Python, after its last device call), engine
-    # (the engine's own host work, no device call: the background-thread model)
+    # event_synchronize (a host wait for one event), wait, wait_stream, end (the step's last
+    # Python, after its last device call), engine (the engine's own host work, no device call:
+    # the background-thread model); markers of a hand-off to a worker thread, no device call:
+    # submit (the main thread hands work over: workers start after it), resume (the worker
+    # starts it), join (the main thread waits until every worker is done)
     kind: str
     thread: int  # 0: the calling thread; 1..: update workers (told apart by their update streams)
     task: int = -1  # the layer it concerns (-1: none)
@@ -72,6 +75,9 @@ class Costs:
     workspace_query: float = _A2.workspace_query_us
     synchronize: float = _A2.synchronize_us
     wait: float = 2.0
+    # a host wait for one event (aclrtSynchronizeEvent): no measurement; charged as a stream
+    # wait, which is kinder to whoever calls it than a device synchronize
+    event_synchronize: float = 2.0
     update_begin: float = _A2.update_begin_us
     update_end: float = _A2.update_end_us
     op_launch_fia: float = _A2.op_launch_us  # 22 + 120 + 30 + 12 = 184 µs per FIA layer (#13058)
@@ -82,6 +88,9 @@ class Costs:
     # a thread that waited for the GIL held by another wakes this much after its release
     # (0 for one thread; the background-thread model sets it)
     gil_handoff: float = 0.0
+    # a thread blocked on a queue or a future wakes this much after it is handed work (the
+    # resume and join markers; 0 unless a model of threads sets it)
+    thread_wake: float = 0.0
     # the tiling-sink step (vllm-ascend #15336): host launches of the metadata op and the
     # length copy, then the metadata op's AI-CPU time on the update stream before its event lands
     metadata_launch: float = 170.0  # 150-190 us measured
@@ -98,6 +107,7 @@ class Costs:
             "other_us",
             "update_lands",
             "gil_handoff",
+            "thread_wake",
             "metadata_device_us",
         }
         unknown = [k for k in measured if k not in names and k != "device"]
@@ -106,8 +116,10 @@ class Costs:
         return cls(**{k: float(v) for k, v in measured.items() if k in names}, **device)
 
     def host(self, call: Call, kernel: str) -> float:
-        if call.kind in ("end", "engine"):
+        if call.kind in ("end", "engine", "submit"):
             return 0.0
+        if call.kind in ("resume", "join"):
+            return self.thread_wake
         if call.kind == "wait_stream":  # records an event on the other stream, then waits on it
             return self.event_record + self.wait
         if call.kind == "op_launch":
@@ -148,6 +160,7 @@ class RecordingDevice:
         self.kernel = kernel
         self._calls: list[tuple[int, int, str, int, float]] = []
         self._lock = threading.Lock()
+        self._current = threading.local()  # each host thread's current stream (npu.stream(s))
         self.streams = 0  # update streams made so far: the first is the calling thread's
         self.name = "recording"
         self.is_sim = False
@@ -180,6 +193,8 @@ class RecordingDevice:
         return _Event(self, task)
 
     def log(self, kind: str, task: int = -1, stream: Any = None) -> None:
+        if stream is None:  # a call on the current stream: the one its thread entered, if any
+            stream = getattr(self._current, "stream", None)
         worker = max(0, getattr(stream, "index", 0) - 1)
         with self._lock:
             self._calls.append((threading.get_ident(), worker, kind, task, time.thread_time()))
@@ -216,6 +231,12 @@ class RecordingDevice:
             calls.append(Call(kind=kind, thread=worker, task=task, python_us=max(0.0, gap)))
         mine = [c for c in calls if c.thread == 0]
         fork = next((j for j, c in enumerate(mine) if c.task >= 0), len(mine))
+        submit = next((j for j, c in enumerate(mine) if c.kind == "submit"), None)
+        if submit is not None:
+            # work handed to a real thread: the threads' calls interleave differently each
+            # time; per thread they are the same, and the workers start at the hand-off
+            calls.sort(key=lambda c: c.thread)
+            fork = submit + 1
         out.append(StepLog(calls=tuple(calls), fork=fork))
 
 
@@ -231,6 +252,9 @@ class _Event(_Tagged):
 
     def record(self, stream: Any = None) -> None:
         self.dev.log("event_record", self.task, stream)
+
+    def synchronize(self) -> None:
+        self.dev.log("event_synchronize")
 
     def query(self) -> bool:
         return True  # the recorded device has no pending work
@@ -264,7 +288,13 @@ class _Npu:
 
     @contextlib.contextmanager
     def stream(self, s: Any) -> Iterator[None]:
-        yield
+        local = self.dev._current
+        before = getattr(local, "stream", None)
+        local.stream = s
+        try:
+            yield
+        finally:
+            local.stream = before
 
     def synchronize(self) -> None:
         self.dev.log("synchronize")
@@ -374,14 +404,23 @@ def _host_threads(
     heap: list[tuple[float, int]] = [(t0, 0)]
     stream_ready = t0  # when the update stream's device work (metadata ops) is done
     started = {0}
+    finished: set[int] = set()
+    joining: float | None = None  # when the main thread began to wait in a join
     end = t0
     while heap:
         t, th = heapq.heappop(heap)
         calls = by_thread[th]
         if pos[th] >= len(calls):
             end = max(end, t)
+            finished.add(th)
+            if joining is not None and finished >= set(by_thread) - {0}:
+                heapq.heappush(heap, (max(joining, t), 0))  # the last worker is done: wake the join
+                joining = None
             continue
         c = calls[pos[th]]
+        if c.kind == "join" and not finished >= set(by_thread) - {0}:
+            joining = t  # woken when the last worker is done
+            continue
         # own Python, under the GIL
         start = max(t, gil_free_at)
         if th != holder and gil_free_at > t:
@@ -392,7 +431,7 @@ def _host_threads(
         cost = costs.host(c, kernel)
         if c.kind == "fused":
             call_start, call_end = py_end, py_end + cost  # GIL released
-        elif c.kind == "synchronize":
+        elif c.kind in ("synchronize", "event_synchronize"):
             call_start = py_end
             call_end = max(py_end, device_idle) + cost
             gil_free_at = call_end

@@ -122,7 +122,12 @@ def test_bench_json_schema(tmp_path):
     modeled = doc["summary"]["modeled"]
     hb, sb, db = modeled["host_bound"], modeled["small_batch"], modeled["device_bound"]
     impls = {"npugraph", "npugraph_grouped", "api_floor", "updatable_mrv2", "updatable_mrv1", "legacy"}
-    assert set(hb["steps_per_s"]) >= impls
+    assert set(hb["steps_per_s"]) >= impls | {"torch_npu_update"}
+    for row, goal in ((hb, 2.0), (sb, 1.2)):  # issue 45's goals over torch_npu's own update
+        r = row["npugraph_vs_torch_npu_update"]
+        assert {"median", "min", "max", "n", "claim"} <= set(r) and r["goal"] == goal
+        assert r["meets_goal"] == (r["min"] >= goal)
+        assert "median" in row["npugraph_grouped_vs_torch_npu_update"]
     assert not any("k4" in k for k in hb["steps_per_s"]), "CANN allows one updater at a time"
     assert (hb["layers"], hb["size"], hb["kernel"], hb["attention_us"] + hb["other_us"]) == (20, 16, "fia", 60.0)
     assert (sb["kernel"], sb["size"]) == ("pa", 4) and db["layers"] == 32 and db["other_us"] > 0

@@ -199,3 +199,53 @@ def test_a_background_update_thread_overlaps_the_engine_only_with_gil_free_updat
     assert in_line.host_us_per_step == pytest.approx(COSTS.replay + 20 * FIA_LAYER + engine_us)
     pa = _pa_log(20)
     assert sps(pa, True, "pa") < sps(pa, False, "pa")
+
+
+@pytest.mark.parametrize("kernel", ["pa", "fia"])
+def test_torch_npu_update_baseline_follows_sglang_and_torch_npu(kernel):
+    # SGLang 0.5.23's replay_with_input_update: fence wait, submit, replay, wait for the
+    # worker, new fence; torch_npu's update_capture_record on the worker: per record begin,
+    # the op re-issued, end, the record's event; no workspace query (captured at max)
+    bench.sim.configure()
+    rt, _, table, _q = bench._setup(4, 4, kernel, cost=False)
+    impls = bench._implementations(rt, 4, kernel)
+    dev, step = impls["torch_npu_update"]
+    logs = []
+    for lens in ([5] * 4, [7, 1, 2, 9]):
+        with dev.recording() as log:
+            step(bench._step_input(rt, 4, lens, table))
+        logs += log
+    second = logs[1]
+    main = [c.kind for c in second.calls if c.thread == 0]
+    worker = [(c.kind, c.task) for c in second.calls if c.thread == 1]
+    assert main == ["event_synchronize", "submit", "replay", "join", "event_record", "end"]
+    assert second.fork == 2, "the worker starts at the hand-off"
+    assert worker[0] == ("resume", -1)
+    per_record = [k for k, _ in worker[1:]]
+    assert per_record == ["update_begin", "op_launch", "update_end", "event_record"] * 4
+    assert [t for k, t in worker if k == "event_record"] == [0, 1, 2, 3], "one event per record, in order"
+    assert "workspace_query" not in main + per_record
+    assert next(c.kind for c in logs[0].calls if c.thread == 0) == "submit", "no fence before the first step"
+
+
+def test_a_join_waits_for_the_worker_and_a_fence_for_the_device():
+    calls = (
+        Call(kind="submit", thread=0),
+        Call(kind="replay", thread=0),
+        Call(kind="join", thread=0),
+        Call(kind="end", thread=0),
+        Call(kind="resume", thread=1),
+        Call(kind="event_record", thread=1, task=0, python_us=500.0),
+    )
+    costs = Costs(attention_us=1.0, thread_wake=21.0)
+    r = model_steps(StepLog(calls=calls, fork=1), costs, kernel="fia", layers=1)
+    # the calling thread ends a wake after the worker's 500 us and its record, not at its
+    # replay; the worker, woken at the hand-off, waits for the replay's hold on the GIL
+    worker_done = costs.replay + 21.0 + 500.0 + costs.event_record
+    assert r.host_us_per_step == pytest.approx(worker_done + 21.0)
+    # a fence wait holds the host until the previous step's device work is done: no running ahead
+    fenced = (Call(kind="event_synchronize", thread=0), *calls)
+    slow = attrs.evolve(costs, attention_us=5000.0)
+    free = model_steps(StepLog(calls=calls, fork=1), slow, kernel="fia", layers=1)
+    held = model_steps(StepLog(calls=fenced, fork=2), slow, kernel="fia", layers=1)
+    assert held.host_us_per_step > free.host_us_per_step + 4000

@@ -247,3 +247,34 @@ def test_the_dispatch_mode_leaves_unhandled_ops_to_the_capture():
     npu.synchronize()
     assert y.cpu().tolist() == [1.0] * 4
     assert "torch_npu" not in sys.modules or sys.modules["torch_npu"] is not None
+
+
+def test_a_failed_update_leaves_the_shared_update_stream_updating_for_every_graph():
+    """torch_npu's update_capture_record has no cleanup: an op that fails inside an update
+    session leaves the one update stream (shared by every NPUGraph) inside it, so every
+    later update of every graph is refused. What npugraph's recovery exists for."""
+    q, k, v = _bnsd(64)
+    graphs = []
+    for _ in range(2):
+        g = npu.NPUGraph()
+        with npu.graph(g, auto_dispatch_capture=True):
+            sim.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[64], **FIA_ARGS)
+        graphs.append(g)
+    stream = graphs[0].graph_dispatch_mode.update_stream
+    try:
+        with pytest.raises(ValueError, match="actual_seq_lengths_kv"):
+            graphs[0].update(cpu_update_input=[{"actual_seq_lengths_kv": [1000]}])
+        for g in graphs:
+            with pytest.raises(RuntimeError, match="is already updating"):
+                g.update(cpu_update_input=[{"actual_seq_lengths_kv": [10]}])
+    finally:  # what a caller must know to do: finish the session with a good op (the record kept the bad length)
+        record = graphs[0].graph_dispatch_mode.graph_dispatch_records[0]
+        assert record.kwargs["actual_seq_lengths_kv"] == [1000]
+        record.kwargs["actual_seq_lengths_kv"] = [64]
+        with npu.stream(stream):
+            record.op_cache_entry(*record.args, **record.kwargs)
+            npu.graph_task_update_end(stream)
+            record.event.record(stream)
+    graphs[1].update(cpu_update_input=[{"actual_seq_lengths_kv": [10]}])
+    graphs[1].replay()
+    npu.synchronize()
