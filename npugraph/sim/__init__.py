@@ -11,6 +11,7 @@ Simulator-only controls: :func:`configure` (adversarial scheduling, host-cost mo
 from __future__ import annotations
 
 import collections
+import importlib.machinery
 import sys
 import types
 from typing import Any
@@ -35,7 +36,10 @@ from npugraph.sim.kernels.dense import (
     _npu_matmul_add_fp32,
     _npu_rotary_embedding,
     npu_add_rms_norm,
+    npu_gemma_rms_norm,
+    npu_mrope,
     npu_rms_norm,
+    npu_rotary_mul,
     npu_swiglu,
 )
 from npugraph.sim.kernels.fia import (
@@ -55,16 +59,20 @@ from npugraph.sim.kernels.fia_v2 import (
 )
 from npugraph.sim.kernels.fused import _npu_fused_infer_attention_score_out_graph
 from npugraph.sim.kernels.pa import _npu_paged_attention, _npu_paged_attention_get_workspace
-from npugraph.sim.kernels.prefill import npu_fusion_attention
+from npugraph.sim.kernels.prefill import _npu_flash_attention_qlens, npu_fusion_attention
 from npugraph.sim.runtime.capture import weak_ref_tensor as _weak_ref_tensor
-from npugraph.sim.runtime.state import HostCostModel, SimConfig, get_state
+from npugraph.sim.runtime.state import HostCostModel, SimConfig, accept_record_stream, get_state
 from npugraph.sim.runtime.state import reset as _reset
 from npugraph.sim.runtime.taskgroups import NPUTaskGroupHandle
-from npugraph.sim.surfaces import hccl, torch_npu_modules, torch_npu_testing, torch_ops
+from npugraph.sim.surfaces import hccl, profiler, torch_npu_modules, torch_npu_testing, torch_ops
+from npugraph.sim.surfaces.aliases import PackageAlias
+from npugraph.sim.surfaces.patches import _apply_patches
 
 __all__ = [
     "npu",
     "_C",
+    "profiler",
+    "_apply_patches",
     "_npu_paged_attention",
     "_npu_paged_attention_get_workspace",
     "npu_fused_infer_attention_score",
@@ -83,6 +91,10 @@ __all__ = [
     "_npu_matmul_add_fp32",
     "npu_add_rms_norm",
     "npu_rms_norm",
+    "npu_gemma_rms_norm",
+    "npu_rotary_mul",
+    "npu_mrope",
+    "_npu_flash_attention_qlens",
     "npu_swiglu",
     "PAD_SLOT_ID",
     "HostCostModel",
@@ -200,6 +212,10 @@ __version__ = f"{torch.__version__.split('+')[0]}+npugraph.sim"
 _MISSING = object()
 # what install_torch_npu replaced, to restore: module name (or "torch.npu") -> the old value
 _INSTALLED: dict[str, Any] = {}
+# SGLang's Ascend kernels, which no package index has: ``import sgl_kernel_npu...`` gets the stand-in
+_SGL_KERNEL_NPU = PackageAlias("sgl_kernel_npu", "npugraph.sim.surfaces.sgl_kernel_npu")
+# torch_npu.contrib: imported on demand (transfer_to_npu patches torch when it is imported)
+_CONTRIB = PackageAlias("torch_npu.contrib", "npugraph.sim.surfaces.contrib")
 
 
 def install_torch_npu(*, device: bool = False) -> None:
@@ -238,12 +254,16 @@ def install_torch_npu(*, device: bool = False) -> None:
         sys.modules[name] = module  # type: ignore[assignment]
     _INSTALLED["torch.npu"] = getattr(torch, "npu", _MISSING)
     torch.npu = npu  # type: ignore[attr-defined]
+    if importlib.machinery.PathFinder.find_spec("sgl_kernel_npu") is None:  # a real one, where installed, wins
+        _SGL_KERNEL_NPU.install()
+    _CONTRIB.install()
 
 
 def install_npu_device() -> None:
     """Give this process the ``npu`` torch device and the ``hccl`` backend (idempotent; for
     the life of the process), without swapping any module for ``torch_npu``."""
     _device.install(npu)
+    accept_record_stream()
     hccl.register()
     # torch_npu's kernels are torch ops (torch.compile keeps a call as one node)
     torch_ops.register(sys.modules[__name__])
@@ -265,3 +285,5 @@ def uninstall_torch_npu() -> None:
         else:
             sys.modules[name] = old
     _INSTALLED.clear()
+    _SGL_KERNEL_NPU.uninstall()
+    _CONTRIB.uninstall()

@@ -6,8 +6,6 @@ import functools
 import os
 import sys
 import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -46,6 +44,7 @@ __all__ = [
     "current_stream",
     "default_stream",
     "stream",
+    "StreamContext",
     "synchronize",
     "set_device",
     "current_device",
@@ -89,11 +88,27 @@ def default_stream(device: Any = None) -> Stream:
     return rt.get_state().default_stream
 
 
-@contextmanager
-def stream(s: Stream | None) -> Iterator[None]:
-    """Issue the body's work on ``s``."""
-    with rt.use_stream(s):
-        yield
+class StreamContext:
+    """``torch.npu.StreamContext(s)``: the body's work goes to ``s`` (``None``: no change);
+    the stream before it is current again after."""
+
+    def __init__(self, stream: Stream | None) -> None:
+        self.stream = stream
+        self._before: list[Stream] = []
+
+    def __enter__(self) -> None:
+        st = rt.get_state()
+        self._before.append(st.current_stream)
+        if self.stream is not None:
+            st.current_stream = self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        rt.get_state().current_stream = self._before.pop()
+
+
+def stream(s: Stream | None) -> StreamContext:
+    """Issue the body's work on ``s`` (``torch.npu.stream``: a reusable ``StreamContext``)."""
+    return StreamContext(s)
 
 
 @rt.locked

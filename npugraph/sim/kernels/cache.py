@@ -15,7 +15,7 @@ import torch
 
 from npugraph.sim.runtime.launch import SimOp, fail, launch, need_tensor
 
-__all__ = ["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache", "PAD_SLOT_ID"]
+__all__ = ["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache", "alloc_extend", "PAD_SLOT_ID"]
 
 PAD_SLOT_ID = -1  # vLLM's padding slot: skipped
 
@@ -131,4 +131,76 @@ def _npu_reshape_and_cache(
     launch(
         _RESHAPE,
         {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache, "slot_indices": slot_indices},
+    )
+
+
+def _alloc_extend(p: dict[str, Any]) -> None:
+    ps, n = int(p["page_size"]), int(p["requests"])
+    pre = [int(x) for x in p["prefix_lens"][:n].tolist()]
+    seq = [int(x) for x in p["seq_lens"][:n].tolist()]
+    last = [int(x) for x in p["last_loc"][:n].tolist()]
+    free = p["free_pages"]
+    out: list[int] = []
+    at = page = 0
+    for r in range(n):
+        pages_before, pages_after = -(-pre[r] // ps), -(-seq[r] // ps)
+        # the rest of the request's last partial page, then whole new pages, then a partial one
+        fill = min(seq[r], pages_before * ps) - pre[r]
+        out.extend(range(last[r] + 1, last[r] + 1 + max(fill, 0)))
+        for j in range(pages_after - pages_before):
+            start = int(free[page + j]) * ps
+            out.extend(range(start, start + min(ps, seq[r] - (pages_before + j) * ps)))
+        page += pages_after - pages_before
+        at += seq[r] - pre[r]
+    if len(out) != at:  # the kernel's own arithmetic: a broken invariant of the caller's lengths
+        raise fail("alloc_extend_kernel", "seq_lens", f"{len(out)} slots made for {at} new tokens")
+    if out:
+        p["out_indices"][: len(out)] = torch.tensor(out, dtype=p["out_indices"].dtype, device=p["out_indices"].device)
+
+
+_ALLOC_EXTEND = SimOp(
+    "alloc_extend_kernel",
+    "default",
+    host_args=(),
+    output_args=("out_indices",),
+    check=lambda p: {},
+    compute=lambda p, info: _alloc_extend(p),
+    workspace=lambda p, info: 0,
+    anchor="seq_lens",
+)
+
+
+def alloc_extend(
+    prefix_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    last_loc: torch.Tensor,
+    free_pages: torch.Tensor,
+    out_indices: torch.Tensor,
+    page_size: int,
+    requests: int,
+) -> None:
+    """The KV slots of each request's new tokens, in request order, into ``out_indices``:
+    request ``r`` extends from ``prefix_lens[r]`` to ``seq_lens[r]`` tokens; its slots run on
+    from ``last_loc[r] + 1`` to the end of its last partial page, then fill the pages it
+    takes, in turn, from ``free_pages`` (page ``p`` holds slots ``p * page_size ..``)."""
+    op = "alloc_extend_kernel"
+    for name, t in (("prefix_lens", prefix_lens), ("seq_lens", seq_lens), ("last_loc", last_loc)):
+        need_tensor(op, name, t, 1)
+        if t.shape[0] < requests:
+            raise fail(op, name, f"has {t.shape[0]} entries for {requests} requests")
+    need_tensor(op, "free_pages", free_pages, 1)
+    need_tensor(op, "out_indices", out_indices, 1)
+    if page_size <= 0:
+        raise fail(op, "page_size", f"{page_size} is not a positive page size")
+    launch(
+        _ALLOC_EXTEND,
+        {
+            "prefix_lens": prefix_lens,
+            "seq_lens": seq_lens,
+            "last_loc": last_loc,
+            "free_pages": free_pages,
+            "out_indices": out_indices,
+            "page_size": page_size,
+            "requests": requests,
+        },
     )

@@ -11,7 +11,7 @@ from npugraph.sim.kernels import numerics as K
 from npugraph.sim.kernels.fia import INT_MAX, check_compressed_mask
 from npugraph.sim.runtime.launch import SimOp, brief_host, fail, host_copy, launch, need_tensor
 
-__all__ = ["npu_fusion_attention"]
+__all__ = ["npu_fusion_attention", "_npu_flash_attention_qlens"]
 
 _OP = "npu_fusion_attention"
 
@@ -201,3 +201,100 @@ def npu_fusion_attention(
     p["out"] = [out, smax, ssum]
     launch(_FA, p)
     return out, smax, ssum, torch.empty(0, dtype=query.dtype, device=query.device), 0, 0, 0
+
+
+# --- ATB's paged prefill with a prefix: _npu_flash_attention_qlens ---------------------------------
+
+_QLENS = "_npu_flash_attention_qlens"
+
+
+def _qlens_check(p: dict[str, Any]) -> dict[str, Any]:
+    q, kc, vc, bt, out = p["query"], p["key_cache"], p["value_cache"], p["block_table"], p["out"]
+    n, kvn = int(p["num_heads"]), int(p["num_kv_heads"])
+    need_tensor(_QLENS, "key_cache", kc, 4)
+    need_tensor(_QLENS, "value_cache", vc, 4)
+    need_tensor(_QLENS, "block_table", bt, 2)
+    _, bs, kh, d = kc.shape
+    if kh != kvn or n % kvn:
+        raise fail(_QLENS, "num_kv_heads", f"{kvn} does not match the cache's {kh} heads or divide {n} query heads")
+    t = q.shape[0]
+    if q.numel() != t * n * d:
+        raise fail(_QLENS, "query", f"shape {list(q.shape)} is not [tokens, {n} heads x {d}]")
+    if out.numel() != t * n * vc.shape[3] or out.dtype != q.dtype:
+        raise fail(_QLENS, "out", f"must hold [{t}, {n} x {vc.shape[3]}] in {q.dtype}, got {list(out.shape)}")
+    if bt.dtype != torch.int32:
+        raise fail(_QLENS, "block_table", f"must be int32, got {bt.dtype}")
+    m = p["mask"]
+    if not isinstance(m, torch.Tensor) or m.dim() != 2 or m.shape[0] != m.shape[1]:
+        raise fail(_QLENS, "mask", "must be the square compressed causal mask (MASK_TYPE_NORM_COMPRESS)")
+    q_lens = [int(x) for x in p["seq_len"].tolist()]
+    kv_lens = [int(x) for x in p["context_lens"].tolist()]
+    if len(q_lens) != bt.shape[0] or len(kv_lens) != bt.shape[0]:
+        raise fail(_QLENS, "seq_len", f"{len(q_lens)} and {len(kv_lens)} lengths for {bt.shape[0]} block-table rows")
+    if sum(q_lens) != t:
+        raise fail(_QLENS, "seq_len", f"sums to {sum(q_lens)}, not the query's {t} tokens")
+    for i, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        if ql < 0 or kl < ql or kl > bt.shape[1] * bs:
+            raise fail(_QLENS, f"context_lens[{i}]", f"= {kl} with seq_len {ql}: not in [seq_len, {bt.shape[1] * bs}]")
+    return {"q_lens": q_lens, "kv_lens": kv_lens, "heads": n, "block_size": bs, "dim": d}
+
+
+def _qlens_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
+    check_compressed_mask(p["mask"])
+    q_lens, kv_lens, n, d = info["q_lens"], info["kv_lens"], info["heads"], info["dim"]
+    q, out = p["query"].reshape(-1, n, d), p["out"]
+    sq, sk = max(q_lens, default=0), max(kv_lens, default=0)
+    if sq == 0:
+        return
+    dev = q.device
+    kvl = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
+    k = K.gather_paged(p["key_cache"], p["block_table"], kvl, sk, info["block_size"], f"{_QLENS}: block_table")
+    v = K.gather_paged(p["value_cache"], p["block_table"], kvl, sk, info["block_size"], f"{_QLENS}: block_table")
+    starts = list(itertools.accumulate([0, *q_lens[:-1]]))
+    pos = torch.arange(sq, device=dev).unsqueeze(0)
+    per = torch.tensor(q_lens, device=dev).unsqueeze(1)
+    idx = torch.where(pos < per, torch.tensor(starts, device=dev).unsqueeze(1) + pos, 0)
+    qb = q[idx].permute(0, 2, 1, 3)  # [B, N, Sq, D]
+    o, _ = K.attention(
+        qb, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), per.squeeze(1), kvl, float(p["scale_value"]), causal=True
+    )
+    rows = torch.tensor([r for r, n_ in enumerate(q_lens) for _ in range(n_)], dtype=torch.int64, device=dev)
+    cols = torch.tensor([i for n_ in q_lens for i in range(n_)], dtype=torch.int64, device=dev)
+    out.copy_(o[rows, :, cols].reshape(out.shape))
+
+
+_FA_QLENS = SimOp(
+    _QLENS,
+    "default",
+    host_args=("seq_len", "context_lens"),
+    output_args=("out",),
+    check=_qlens_check,
+    compute=_qlens_compute,
+    workspace=lambda p, info: 0,
+)
+
+
+def _npu_flash_attention_qlens(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    mask: torch.Tensor,
+    seq_len: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_kv_heads: int,
+    num_heads: int,
+    scale_value: float,
+    out: torch.Tensor,
+) -> None:
+    """ATB's prefill over a paged cache with a prefix (``PREFIX_ENCODER``): request ``b`` has
+    ``seq_len[b]`` new query tokens, the last of its ``context_lens[b]`` tokens, whose keys
+    and values are already in the cache through ``block_table[b]``; each new token sees its
+    request's keys up to its own position (causal from the bottom right; ``mask`` is the
+    compressed causal mask).  ``seq_len``/``context_lens`` are host int32 tensors."""
+    p = {k: v for k, v in locals().items()}
+    for name in ("seq_len", "context_lens"):
+        value = p[name]
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.dtype != torch.int32:
+            raise fail(_QLENS, name, "must be an int32 host tensor")
+    launch(_FA_QLENS, p)

@@ -611,6 +611,29 @@ class KernelWork:
         return {"text": self.label}
 
 
+def accept_record_stream() -> None:
+    """Let ``Tensor.record_stream`` take the simulator's streams, as torch_npu's NPU streams are
+    torch streams (SGLang records its device-to-host copies on the current stream).
+
+    On hardware the call keeps the caching allocator from reusing the tensor's block until
+    the stream's work so far is done; on the simulator queued work holds its tensors until
+    it runs, so there is nothing more to keep.  What this does not catch: a program that
+    needs ``record_stream`` and lacks it (the simulator is kinder there)."""
+    import torch
+
+    original = torch.Tensor.record_stream
+    if getattr(original, "_npugraph_sim", False):
+        return
+
+    def record_stream(self: torch.Tensor, stream: Any) -> None:
+        if isinstance(stream, Stream):
+            return None
+        return original(self, stream)
+
+    record_stream._npugraph_sim = True  # type: ignore[attr-defined]
+    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign, assignment]
+
+
 @contextmanager
 def use_stream(stream: Stream | None) -> Iterator[None]:
     """Make ``stream`` current for the block (``torch.npu.stream``)."""

@@ -13,25 +13,25 @@ import importlib.machinery
 import types
 from typing import Any
 
-from npugraph.sim.surfaces import graphs, npugraph_ex, npugraph_handlers, npugraph_utils
+from npugraph.sim.surfaces import graphs, npugraph_ex, npugraph_handlers, npugraph_utils, profiler, torchair
 from npugraph.sim.surfaces.hccl import ProcessGroupHCCL
 from npugraph.sim.surfaces.npugraph_ex import configs, inference, npu_fx_compiler, patterns, scope
 from npugraph.sim.surfaces.npugraph_ex.configs import compiler_config
 from npugraph.sim.surfaces.npugraph_ex.patterns import pattern_pass_manager
 from npugraph.sim.surfaces.npugraph_handlers import ifa_handler, npugraph_handler, simple_handler
+from npugraph.sim.surfaces.torchair import configs as torchair_configs
+from npugraph.sim.surfaces.torchair import ge_concrete_graph
+from npugraph.sim.surfaces.torchair import npu_fx_compiler as torchair_fx_compiler
+from npugraph.sim.surfaces.torchair.configs import compiler_config as torchair_compiler_config
+from npugraph.sim.surfaces.torchair.ge_concrete_graph import ge_converter
+from npugraph.sim.surfaces.torchair.ge_concrete_graph.ge_converter import experimental as ge_experimental
+from npugraph.sim.surfaces.torchair.ge_concrete_graph.ge_converter.experimental import patch_for_hcom_allreduce
 
 __all__ = ["module", "submodules"]
 
 
 def _register_atb_extensions() -> None:
     """torch_npu loads ATB's operator library here; the simulator's ops are built in."""
-
-
-def _not_simulated(what: str) -> Any:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{what} is not simulated by npugraph.sim (no device profiler); run it on an Ascend host")
-
-    return refuse
 
 
 # pyACL's error code for a bad argument (ACL_ERROR_INVALID_PARAM)
@@ -47,6 +47,22 @@ def _acl_memcpy(dst: int, dest_max: int, src: int, count: int, kind: int) -> int
         return _ACL_ERROR_INVALID_PARAM
     ctypes.memmove(dst, src, count)
     return 0
+
+
+def _rebuild_npu_tensor(*args: Any, **kwargs: Any) -> Any:
+    """``torch_npu.multiprocessing.reductions.rebuild_npu_tensor``: an npu tensor shared with
+    another process through the device's IPC handle; the simulated card has none."""
+    raise RuntimeError(
+        "torch_npu.multiprocessing.reductions.rebuild_npu_tensor: sharing an npu tensor between processes "
+        "is not simulated by npugraph.sim (the simulated card has no IPC handles); pass host tensors"
+    )
+
+
+def _acl_get_device_info(device: int, attr: int) -> tuple[int, int]:
+    """``acl.rt.get_device_info``: pyACL's ``(value, status)``.  The simulated card reports no
+    device attribute (what each number means is CANN's, and the simulator models none):
+    ``(0, ACL_ERROR_INVALID_PARAM)``, so no architecture check takes it for another card."""
+    return 0, _ACL_ERROR_INVALID_PARAM
 
 
 def module(name: str, **attrs: Any) -> types.ModuleType:
@@ -65,21 +81,26 @@ def submodules(c: Any) -> dict[str, types.ModuleType]:
     atb_ops = module("torch_npu.op_plugin.atb._atb_ops", _register_atb_extensions=_register_atb_extensions)
     atb = module("torch_npu.op_plugin.atb", _atb_ops=atb_ops)
     op_plugin = module("torch_npu.op_plugin", atb=atb)
-    # torch_npu.profiler.dynamic_profile: init() and step() are called by vllm-ascend's worker
-    dynamic_profile = module("torch_npu.profiler.dynamic_profile", init=lambda *a, **k: None, step=lambda: None)
-    profiler = module(
-        "torch_npu.profiler",
-        dynamic_profile=dynamic_profile,
-        profile=_not_simulated("torch_npu.profiler.profile"),
-        tensorboard_trace_handler=_not_simulated("torch_npu.profiler.tensorboard_trace_handler"),
-    )
     # torch_npu's inductor backend: vllm-ascend's worker imports it when Triton is on, for
     # what it registers with inductor; the simulator has none (vllm-ascend compiles without
     # inductor on the simulator, as its own backend does by default)
     inductor = module("torch_npu._inductor")
     scope.register_ops()
     dynamo = module("torch_npu.dynamo", npugraph_ex=npugraph_ex)
+    reductions = module("torch_npu.multiprocessing.reductions", rebuild_npu_tensor=_rebuild_npu_tensor)
+    multiprocessing = module("torch_npu.multiprocessing", reductions=reductions)
     modules = {
+        # torchair: torch_npu's wheel carries it as a top-level package (SGLang imports it)
+        "torchair": torchair,
+        "torchair.configs": torchair_configs,
+        "torchair.configs.compiler_config": torchair_compiler_config,
+        "torchair.npu_fx_compiler": torchair_fx_compiler,
+        "torchair.ge_concrete_graph": ge_concrete_graph,
+        "torchair.ge_concrete_graph.ge_converter": ge_converter,
+        "torchair.ge_concrete_graph.ge_converter.experimental": ge_experimental,
+        "torchair.ge_concrete_graph.ge_converter.experimental.patch_for_hcom_allreduce": patch_for_hcom_allreduce,
+        "torch_npu.multiprocessing": multiprocessing,
+        "torch_npu.multiprocessing.reductions": reductions,
         # npugraph_ex: torch_npu's wheel carries it as torch_npu.dynamo.npugraph_ex and puts it
         # in sys.modules as npugraph_ex when torch_npu is imported (vllm-ascend imports it so)
         "npugraph_ex": npugraph_ex,
@@ -105,12 +126,12 @@ def submodules(c: Any) -> dict[str, types.ModuleType]:
         "torch_npu.op_plugin.atb": atb,
         "torch_npu.op_plugin.atb._atb_ops": atb_ops,
         "torch_npu.profiler": profiler,
-        "torch_npu.profiler.dynamic_profile": dynamic_profile,
+        "torch_npu.profiler.dynamic_profile": profiler.dynamic_profile,
     }
     # pyACL (``acl``) ships with CANN beside torch_npu: vllm-ascend's worker imports
     # ``acl.rt.memcpy`` (its sleep-mode allocator).  A real one, where installed, wins.
     if importlib.machinery.PathFinder.find_spec("acl") is None:
-        rt = module("acl.rt", memcpy=_acl_memcpy)
+        rt = module("acl.rt", memcpy=_acl_memcpy, get_device_info=_acl_get_device_info)
         modules["acl"] = module("acl", rt=rt)
         modules["acl.rt"] = rt
     return modules

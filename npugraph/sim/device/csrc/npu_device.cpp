@@ -658,6 +658,16 @@ int64_t device_count_op() {
   return device_count();
 }
 
+// torch_npu's rule for `tensor.data = other` (Variable::set_data): an npu and a CPU tensor
+// may take each other's TensorImpl, as two CPU tensors may (stock torch lists only its own
+// dense backends, so moving a CPU parameter's data to npu would be refused)
+bool npu_has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](c10::DispatchKeySet ks) {
+    return ks.has(c10::DispatchKey::CPU) || ks.has(c10::DispatchKey::PrivateUse1);
+  };
+  return self.key_set() == from.key_set() || (dense(self.key_set()) && dense(from.key_set()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(npugraph_sim, m) {
@@ -686,6 +696,10 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_", npu_set_empty);
   m.impl("_copy_from", npu_copy_from);
   m.impl("_copy_from_and_resize", npu_copy_from_and_resize);
+}
+
+TORCH_LIBRARY_IMPL(aten, CatchAll, m) {
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(npu_has_compatible_shallow_copy_type));
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

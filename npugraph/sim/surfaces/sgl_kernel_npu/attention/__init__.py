@@ -1,0 +1,1 @@
+"""``sgl_kernel_npu.attention``: SGLang's Triton attention kernels for Ascend."""

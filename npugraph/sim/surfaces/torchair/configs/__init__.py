@@ -1,0 +1,1 @@
+"""torchair's configuration (``torchair.configs``)."""

@@ -1,0 +1,1 @@
+"""torchair's GE converters: not simulated."""

@@ -1,0 +1,1 @@
+"""torchair's experimental GE converters: not simulated."""
