@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.npugraph-installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: demo test test-long bench lint install install-vllm clean mutation release-check
+.PHONY: demo test test-long bench lint install install-vllm clean mutation release-check sglang-env sglang-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,14 @@ mutation: $(STAMP)
 # Builds its own environment in .release-env (about 7 GB, 5 minutes the first time).
 release-check:
 	release/run.sh
+
+# SGLang 0.5.23 as users install it, on the simulator (release/sglang/; docs/sglang.md):
+# its environment in $SGLANG_ENV (default .sglang-env), then a real generation in three modes.
+sglang-env:
+	release/sglang/env.sh
+
+sglang-check:
+	release/sglang/run.sh
 
 bench: $(STAMP)
 	$(BIN)/npugraph bench --json bench.json

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from timing import timed  # this folder's
+
 MODES = ("eager", "aclgraph", "npugraph")
 CAPTURE_SIZES = [1, 2, 4, 8]
 PA_SIZES = [1, 2]
@@ -48,8 +50,6 @@ MAX_TOKENS = 48
 # different lengths, so requests finish at different steps and the batch grows and shrinks
 REQUESTS = [(0, 5, 40), (0, 12, 24), (0, 19, 44), (3, 7, 36), (6, 26, 30), (9, 9, 40), (9, 33, 20), (14, 4, 34)]
 VOCAB = 1024
-# the device calls an update makes, as the simulator counts them (HostCostModel's)
-_DEVICE_CALLS = ("update_begin", "op_launch", "update_end", "event_record", "workspace_query")
 _FUSION = ("enable_npugraph_ex", "fuse_norm_quant", "fuse_qknorm_rope", "fuse_allreduce_rms", "fuse_muls_add")
 
 
@@ -87,41 +87,19 @@ def prompts() -> list[list[int]]:
     ]
 
 
-def _timed(owner: Any, name: str, samples: list[float], calls: collections.Counter[str]) -> Any:
-    """Wrap ``owner.name`` to record each call's host seconds, less the simulated device's
-    (the simulator runs device work inside whichever host call unblocks it), and count the
-    device calls it makes (update sessions, launches, event records, workspace queries)."""
-    from npugraph import sim
-
-    original = getattr(owner, name)
-    counters = sim.counters
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        before = collections.Counter({k: counters()[k] for k in _DEVICE_CALLS})
-        t0, d0 = time.perf_counter(), sim.device_seconds()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            samples.append((time.perf_counter() - t0) - (sim.device_seconds() - d0))
-            calls.update({k: counters()[k] - before[k] for k in _DEVICE_CALLS})
-
-    timed.__wrapped__ = original  # type: ignore[attr-defined]
-    return timed
-
-
 def _time_vllm_ascend_updates(samples: list[float], calls: collections.Counter[str]) -> None:
     """Time vllm-ascend's per-step graph update, ``update_full_graph_params``, wherever it
     was imported (under npugraph's plugin it is replaced, and never called)."""
     import vllm_ascend.compilation.acl_graph as acl
 
     original = acl.update_full_graph_params
-    timed = _timed(acl, "update_full_graph_params", samples, calls)
+    wrapped = timed(acl, "update_full_graph_params", samples, calls)
     for module in list(sys.modules.values()):
         if (
             getattr(module, "__name__", "").startswith("vllm_ascend")
             and vars(module).get("update_full_graph_params") is original
         ):
-            module.update_full_graph_params = timed
+            module.update_full_graph_params = wrapped
 
 
 def _time_npugraph(update_samples: list[float], calls: collections.Counter[str], runtimes: list[Any]) -> None:
@@ -130,7 +108,7 @@ def _time_npugraph(update_samples: list[float], calls: collections.Counter[str],
     from npugraph.replay.updater import ReplayUpdater
     from npugraph.runtime import Runtime
 
-    ReplayUpdater._write = _timed(ReplayUpdater, "_write", update_samples, calls)  # type: ignore[method-assign]
+    ReplayUpdater._write = timed(ReplayUpdater, "_write", update_samples, calls)  # type: ignore[method-assign]
     step = Runtime.step
 
     def noted(self: Runtime, *args: Any, **kwargs: Any) -> Any:

@@ -20,8 +20,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import generate  # this folder's: the results' names
-
 
 def _quantiles(xs: list[float]) -> dict[str, float]:
     q = statistics.quantiles(xs, n=4)
@@ -35,7 +33,11 @@ def row(
     *,
     seed: int = 0,
     draws: int = 2000,
+    baseline: str = "vllm_ascend",
+    baseline_call: str = "update_full_graph_params",
 ) -> dict[str, Any]:
+    """One run's row: ``ascend`` (the baseline's per-step update, ``baseline`` calling
+    ``baseline_call``: vllm-ascend's by default) against ``npugraph``'s."""
     rng = random.Random(seed)
     ratios = sorted(
         statistics.median(rng.choices(ascend, k=len(ascend)))
@@ -44,25 +46,25 @@ def row(
     )
     return {
         "what": "per-step graph update, host time on the simulator (wall less simulated device time)",
-        "steps": {"vllm_ascend": len(ascend), "npugraph": len(npugraph)},
-        "vllm_ascend_update_full_graph_params": _quantiles(ascend),
+        "steps": {baseline: len(ascend), "npugraph": len(npugraph)},
+        f"{baseline}_{baseline_call}": _quantiles(ascend),
         "npugraph_update": _quantiles(npugraph),
         "speedup_median": statistics.median(ascend) / statistics.median(npugraph),
         "speedup_95": [ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]],
         # device calls per step (update sessions, launches, records, workspace queries)
         "device_calls_per_step": {
             who: {k: round(v / max(1, n), 2) for k, v in (calls or {}).get(who, {}).items()}
-            for who, n in (("vllm_ascend", len(ascend)), ("npugraph", len(npugraph)))
+            for who, n in ((baseline, len(ascend)), ("npugraph", len(npugraph)))
         },
     }
 
 
-def verdict(rows: list[dict[str, Any]]) -> str:
+def verdict(rows: list[dict[str, Any]], baseline: str = "vllm-ascend's") -> str:
     """What the runs support: a side faster only where every run's interval clears 1."""
     if all(row["speedup_95"][0] > 1 for row in rows):
         return "npugraph's update is faster in every run"
     if all(row["speedup_95"][1] < 1 for row in rows):
-        return "vllm-ascend's update is faster in every run"
+        return f"{baseline} update is faster in every run"
     return "no claim: the runs' intervals do not all clear 1 on one side"
 
 
@@ -70,6 +72,8 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.splitlines()[3].strip(), file=sys.stderr)
         return 2
+    import generate  # this folder's: the results' names
+
     results = Path(argv[1])
     pairs = list(zip(generate.results(results, "aclgraph"), generate.results(results, "npugraph")))
     if not pairs:

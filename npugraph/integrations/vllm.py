@@ -35,7 +35,6 @@ import gc
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from unittest import mock
@@ -44,6 +43,8 @@ import torch
 
 from npugraph.errors import ConfigError, MetadataError, NpuGraphError
 from npugraph.integrations import vllm_ascend
+from npugraph.integrations.report import ENV_REPORT_DIR, report_path  # noqa: F401 (vLLM users set it by this name)
+from npugraph.integrations.report import say_captured as _say_captured
 from npugraph.replay import AttentionMetadata, StepMetadata
 from npugraph.runtime import Runtime
 
@@ -66,7 +67,6 @@ ENV_ENABLE = "NPUGRAPH_ENABLE"
 ENV_DEVICE = "NPUGRAPH_DEVICE"
 ENV_EVENT_GROUP = "NPUGRAPH_EVENT_GROUP"
 ENV_DEVICE_LENGTHS = "NPUGRAPH_DEVICE_LENGTHS"
-ENV_REPORT_DIR = "NPUGRAPH_REPORT_DIR"  # where each engine process writes its capture report
 WRAPPER_PATH = "npugraph.integrations.vllm.NpuGraphWrapper"
 _RUNTIME_ATTR = "_npugraph_runtime"
 
@@ -461,27 +461,9 @@ _PATCHED = (
 _RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 
 
-def report_path(pid: int | None = None) -> str:
-    """Where an engine process writes its capture report: ``$NPUGRAPH_REPORT_DIR`` (default:
-    the temporary directory) / ``npugraph-capture-<pid>.json``."""
-    folder = os.environ.get(ENV_REPORT_DIR) or tempfile.gettempdir()
-    return os.path.join(folder, f"npugraph-capture-{os.getpid() if pid is None else pid}.json")
-
-
 def say_captured(runtime: Runtime) -> str:
-    """Write ``runtime``'s capture manifest to :func:`report_path` and log, at INFO in vLLM's
-    log, one line saying that npugraph captured in this process and what (sizes, kernel per
-    size, ExternalEvents, graph memory); returns the line.  A report that cannot be written
-    is said in the line, and serving goes on."""
-    path = report_path()
-    try:
-        runtime.save_manifest(path)
-        where = f"capture report: {path}"
-    except Exception as exc:  # the report is for debugging: never a reason to stop serving
-        where = f"capture report not written ({type(exc).__name__}: {exc})"
-    line = f"npugraph: active in this engine process (pid {os.getpid()}): {runtime.capture_report()}; {where}"
-    logger.info(line)
-    return line
+    """:func:`npugraph.integrations.report.say_captured` in vLLM's log."""
+    return _say_captured(runtime, logger)
 
 
 def _patch_capture_model() -> None:

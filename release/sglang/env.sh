@@ -59,12 +59,16 @@ with zipfile.ZipFile(sys.argv[1]) as whl:
         print(req)
 PYEOF
 quiet "$BIN/pip" install -q --no-deps "$WHEEL"
-quiet "$BIN/pip" install -q -r "$ENV_DIR/sglang-requirements.txt" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+quiet "$BIN/pip" install -q -r "$ENV_DIR/sglang-requirements.txt" pytest hypothesis "torch==$TORCH_VERSION" \
+    "torchvision==$TORCHVISION_VERSION"
 
 # npugraph, as torch_npu in every process of the environment
 quiet "$BIN/pip" install -q -e "$REPO"
 SITE="$("$BIN/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cp "$REPO/npugraph-sim.pth" "$SITE/"
+# release/sglang/site.py from this checkout at every interpreter start (it acts only when
+# generate.py asks, in SGLang's scheduler process): an edit needs no rebuild
+echo "import runpy; runpy.run_path('$HERE/site.py')" >"$SITE/sglang_site.pth"
 NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "from npugraph.sim.device import backend; backend.build()"
 
 NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "

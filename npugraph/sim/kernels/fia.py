@@ -270,11 +270,17 @@ def _fia_out_shapes(p: dict[str, Any], info: dict[str, Any]) -> tuple[list[int],
     return out, lse
 
 
-def check_compressed_mask(mask: torch.Tensor) -> None:
+def check_compressed_mask(
+    mask: torch.Tensor,
+    op: str = "npu_fused_infer_attention_score",
+    arg: str = "atten_mask",
+    form: str = "triu(ones(2048, 2048), 1) that sparse_mode 3 and 4 read",
+) -> None:
     """Sparse modes 3 and 4 read the compressed mask as it is: garbage there is garbage out.
 
     Sampled (its diagonal, first row and first column), not compared in full: cheap enough
     for every run, and a mask not written yet (a pool block: NaN, read as 1) fails it.
+    ``op``/``arg``/``form``: the kernel and argument reading it, and the mask it expects.
     """
     m = mask.reshape(-1, *mask.shape[-2:])[0] if mask.dim() >= 2 else mask
     ok = (
@@ -286,9 +292,8 @@ def check_compressed_mask(mask: torch.Tensor) -> None:
     )
     if not ok:
         raise ValueError(
-            "npu_fused_infer_attention_score: argument 'atten_mask' is not the compressed causal mask "
-            "triu(ones(2048, 2048), 1) that sparse_mode 3 and 4 read (hardware computes wrong rows from "
-            "it). A mask made inside a capture is written only by that graph's replay: make it before "
+            f"{op}: argument '{arg}' is not the compressed causal mask {form} (hardware computes wrong rows "
+            "from it). A mask made inside a capture is written only by that graph's replay: make it before "
             "any capture."
         )
 

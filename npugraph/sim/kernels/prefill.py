@@ -240,7 +240,7 @@ def _qlens_check(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def _qlens_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
-    check_compressed_mask(p["mask"])
+    check_compressed_mask(p["mask"], _QLENS, "mask", "triu(ones(128, 128), 1) (MASK_TYPE_NORM_COMPRESS)")
     q_lens, kv_lens, n, d = info["q_lens"], info["kv_lens"], info["heads"], info["dim"]
     q, out = p["query"].reshape(-1, n, d), p["out"]
     sq, sk = max(q_lens, default=0), max(kv_lens, default=0)

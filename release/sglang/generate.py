@@ -1,0 +1,204 @@
+"""A real generation with SGLang 0.5.23 on npugraph's simulator (release/sglang/run.sh).
+
+    generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | sglang | npugraph
+    generate.py OUT_DIR [RUNS]                 each model and mode in its own process, into
+                                               OUT_DIR; the Llama's graph modes RUNS times
+                                               (default 1), in turn
+
+``sglang.Engine(model_path=..., device="npu")`` with SGLang's NPU defaults (its own engine:
+the scheduler in its own process), on tiny Llama and Qwen3 checkpoints written by Hugging
+Face with seeded weights in bfloat16, token-id prompts (``skip_tokenizer_init``: the
+checkpoints have no tokenizer), greedy:
+
+* ``eager``: ``disable_cuda_graph=True``;
+* ``sglang``: SGLang's own NPU decode graphs (torch_npu's ``NPUGraph.update`` each step);
+* ``npugraph``: the same with npugraph's plugin (``NPUGRAPH_ENABLE=1``).
+
+Requests arrive while others decode (streamed: a group is sent once an earlier request has
+produced some tokens), have prompts of different lengths, finish at different steps, and
+one crosses SGLang's 128-token page.  The scheduler process (release/sglang/site.py) times
+each per-step update, torch_npu's and npugraph's, and counts npugraph's steps.
+release/sglang/test_generate.py compares the modes and Hugging Face's float32 forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MODES = ("eager", "sglang", "npugraph")
+MODELS = ("llama", "qwen3")
+VOCAB = 1024
+# (sent when request `after` has produced `tokens` tokens (None: at once), prompt length, new tokens)
+REQUESTS = [
+    (None, 0, 5, 40),
+    (None, 0, 12, 24),
+    (None, 0, 19, 44),
+    (0, 3, 7, 36),
+    (0, 3, 26, 30),
+    (1, 10, 9, 40),
+    (1, 10, 118, 30),  # 118 + 30 tokens: crosses the 128-token page while decoding
+    (3, 6, 4, 34),
+]
+
+
+def write_model(path: Path, arch: str) -> None:
+    """A tiny Llama or Qwen3 (2 layers, GQA 4:2, head 64), seeded weights, bfloat16 safetensors."""
+    if (path / "config.json").exists():
+        return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    config = config_cls(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.08,  # decisive logits: greedy choices are not near-ties
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model_cls(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+
+
+def prompts() -> list[list[int]]:
+    return [
+        [(7 * i + 13 * j + 3) % (VOCAB - 3) + 3 for j in range(length)] for i, (_, _, length, _) in enumerate(REQUESTS)
+    ]
+
+
+async def _serve(engine: Any) -> list[list[int]]:
+    produced = [0] * len(REQUESTS)
+    tokens: list[list[int]] = [[] for _ in REQUESTS]
+    sent = [False] * len(REQUESTS)
+    ids = prompts()
+
+    async def one(i: int) -> None:
+        params = {"temperature": 0.0, "max_new_tokens": REQUESTS[i][3], "ignore_eos": True}
+        stream = await engine.async_generate(input_ids=ids[i], sampling_params=params, stream=True)
+        async for chunk in stream:
+            tokens[i] = list(chunk["output_ids"])
+            produced[i] = len(tokens[i])
+
+    tasks = []
+    while not all(sent):
+        for i, (after, at, _, _) in enumerate(REQUESTS):
+            if not sent[i] and (after is None or produced[after] >= at):
+                sent[i] = True
+                tasks.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(0.005)
+    await asyncio.gather(*tasks)
+    return tokens
+
+
+def run(model: Path, mode: str) -> dict[str, Any]:
+    if mode == "npugraph":
+        os.environ["NPUGRAPH_ENABLE"] = "1"
+    import sglang
+
+    kwargs: dict[str, Any] = {"model_path": str(model), "device": "npu", "skip_tokenizer_init": True}
+    if mode == "eager":
+        kwargs["disable_cuda_graph"] = True
+    counts_dir = Path(os.environ["NPUGRAPH_SGLANG_COUNTS"])
+    engine = sglang.Engine(**kwargs)
+    t0 = time.perf_counter()
+    try:
+        tokens = asyncio.run(_serve(engine))
+    finally:
+        seconds = time.perf_counter() - t0
+        engine.shutdown()
+    counts: dict[str, Any] = {}
+    for path in counts_dir.glob("counts-*.json"):  # the scheduler's (the only process that updates)
+        counts = json.loads(path.read_text())
+    return {
+        "mode": mode,
+        "model": model.name,
+        "tokens": tokens,
+        "prompts": prompts(),
+        "seconds": seconds,
+        "torch_npu_update_seconds": counts.get("torch_npu_update_seconds", []),
+        "npugraph_update_seconds": counts.get("npugraph_update_seconds", []),
+        "npugraph_steps": counts.get("npugraph_steps", 0),
+        "torch_npu_update_device_calls": counts.get("torch_npu_update_device_calls", {}),
+        "npugraph_update_device_calls": counts.get("npugraph_update_device_calls", {}),
+    }
+
+
+def result_path(out_dir: Path, model: str, mode: str, run: int = 1) -> Path:
+    """Where run ``run`` (from 1) of ``model`` in ``mode`` writes its result."""
+    return out_dir / (f"{model}.{mode}.json" if run == 1 else f"{model}.{mode}.run{run}.json")
+
+
+def results(out_dir: Path, model: str, mode: str) -> list[Path]:
+    """Every run's result of ``model`` in ``mode`` in ``out_dir``, in run order."""
+    found = []
+    while (path := result_path(out_dir, model, mode, len(found) + 1)).is_file():
+        found.append(path)
+    return found
+
+
+def generate(out_dir: Path, runs: int = 1) -> None:
+    """Each model and mode in its own process, into ``out_dir``: eager once, SGLang's graphs
+    and npugraph's once each for Qwen3 and ``runs`` times, in turn, for the Llama (the update
+    cost's verdict takes every run)."""
+    if runs < 1:
+        raise ValueError(f"runs must be at least 1, not {runs}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("*.json"):  # a result of an earlier call must not count as this one's
+        stale.unlink()
+    for arch in MODELS:
+        write_model(out_dir / arch, arch)
+    order = [(arch, "eager", 1) for arch in MODELS]
+    order += [("qwen3", mode, 1) for mode in MODES[1:]]
+    order += [("llama", mode, run) for run in range(1, runs + 1) for mode in MODES[1:]]
+    for arch, mode, run in order:
+        out = result_path(out_dir, arch, mode, run)
+        counts = out.with_suffix(".counts")
+        counts.mkdir(exist_ok=True)
+        env = {**os.environ, "NPUGRAPH_SIM_TORCH_NPU": "1", "NPUGRAPH_SGLANG_COUNTS": str(counts)}
+        log = out.with_suffix(".log")
+        done = subprocess.run(
+            [sys.executable, __file__, str(out_dir / arch), mode, str(out)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=out_dir,
+            timeout=900,
+        )
+        log.write_text(done.stdout + done.stderr)
+        if done.returncode != 0:  # not an assert: python -O would drop it, and the run would pass
+            raise RuntimeError(f"generate.py {arch} {mode} (run {run}) failed (log: {log}):\n{done.stderr[-6000:]}")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 4:
+        model, mode, out = Path(argv[1]), argv[2], Path(argv[3])
+        if mode not in MODES:
+            print(f"generate.py: MODE must be one of {', '.join(MODES)}, not {mode!r}", file=sys.stderr)
+            return 2
+        out.write_text(json.dumps(run(model, mode)))
+        return 0
+    if len(argv) in (2, 3):
+        generate(Path(argv[1]), int(argv[2]) if len(argv) == 3 else 1)
+        return 0
+    print(__doc__.splitlines()[2].strip() + "\n" + __doc__.splitlines()[3].strip(), file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# SGLang 0.5.23 as users install and start it, on npugraph's simulator (make sglang-check):
+#   1. builds (or reuses) the environment of release/sglang/env.sh ($SGLANG_ENV, default .sglang-env);
+#   2. npugraph's plugin test against SGLang's own classes (tests/test_sglang.py);
+#   3. a real generation (release/sglang/generate.py): a Llama and a Qwen3, each in eager mode,
+#      SGLang's own NPU graphs and npugraph's plugin, each in its own process (SGLang's engine,
+#      its scheduler in its own process), the Llama's graph modes three times, in turn;
+#      release/sglang/test_generate.py checks identical tokens, Hugging Face's choices, and that
+#      npugraph did every update; release/sglang/update_cost.py prints the per-step update cost
+#      of the two graph modes, per run, and what the runs support.
+# Fails if any of them fails.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(dirname "$(dirname "$HERE")")"
+ENV_DIR="${SGLANG_ENV:-$REPO/.sglang-env}"
+"$HERE/env.sh"
+
+PYTHON="$ENV_DIR/venv/bin/python"
+RESULTS="$ENV_DIR/results"
+rm -rf "$RESULTS" && mkdir -p "$RESULTS"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+status=0
+echo "== npugraph's plugin against SGLang's classes and hook registry"
+(cd "$REPO" && NPUGRAPH_SIM_TORCH_NPU=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_sglang.py) || status=1
+echo "== a real generation with SGLang $("$PYTHON" -c 'import importlib.metadata as m; print(m.version("sglang"))'): eager, SGLang's NPU graphs, npugraph"
+"$PYTHON" "$HERE/generate.py" "$RESULTS" 3 || status=1
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_generate.py) \
+    || status=1
+"$PYTHON" "$HERE/update_cost.py" "$RESULTS" || status=1
+exit $status

@@ -1,0 +1,46 @@
+"""Timing a per-step update inside a real engine, on the simulator (release/generate.py,
+release/sglang/site.py): each call's host seconds less the simulated device's, and the
+device calls it made."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["DEVICE_CALLS", "timed"]
+
+# the device calls an update makes, as the simulator counts them (HostCostModel's)
+DEVICE_CALLS = ("update_begin", "op_launch", "update_end", "event_record", "workspace_query")
+
+
+def timed(
+    owner: Any,
+    name: str,
+    samples: list[float],
+    calls: collections.Counter[str],
+    after: Callable[[], None] | None = None,
+) -> Any:
+    """``owner.name`` recording each call's host seconds, less the simulated device's (the
+    simulator runs device work inside whichever host call unblocks it), and counting the
+    device calls it makes (update sessions, launches, event records, workspace queries);
+    ``after()`` runs after each call."""
+    original = getattr(owner, name)
+
+    def timed_call(*args: Any, **kwargs: Any) -> Any:
+        from npugraph import sim  # at the call: the wrapped module may load inside the simulator's own import
+
+        counters = sim.counters
+        before = collections.Counter({k: counters()[k] for k in DEVICE_CALLS})
+        t0, d0 = time.perf_counter(), sim.device_seconds()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            samples.append((time.perf_counter() - t0) - (sim.device_seconds() - d0))
+            calls.update({k: counters()[k] - before[k] for k in DEVICE_CALLS})
+            if after is not None:
+                after()
+
+    timed_call.__wrapped__ = original  # type: ignore[attr-defined]
+    return timed_call
