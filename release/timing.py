@@ -21,11 +21,12 @@ def timed(
     samples: list[float],
     calls: collections.Counter[str],
     after: Callable[[], None] | None = None,
+    walls: list[float] | None = None,
 ) -> Any:
     """``owner.name`` recording each call's host seconds, less the simulated device's (the
     simulator runs device work inside whichever host call unblocks it), and counting the
     device calls it makes (update sessions, launches, event records, workspace queries);
-    ``after()`` runs after each call."""
+    ``after()`` runs after each call; ``walls``, if given, also gets each call's whole wall time."""
     original = getattr(owner, name)
 
     def timed_call(*args: Any, **kwargs: Any) -> Any:
@@ -37,7 +38,10 @@ def timed(
         try:
             return original(*args, **kwargs)
         finally:
-            samples.append((time.perf_counter() - t0) - (sim.device_seconds() - d0))
+            wall = time.perf_counter() - t0
+            samples.append(wall - (sim.device_seconds() - d0))
+            if walls is not None:
+                walls.append(wall)
             calls.update({k: counters()[k] - before[k] for k in DEVICE_CALLS})
             if after is not None:
                 after()
