@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import tiny_model  # this folder's
 from timing import timed  # this folder's
 
 MODES = ("eager", "aclgraph", "npugraph")
@@ -54,31 +55,11 @@ _FUSION = ("enable_npugraph_ex", "fuse_norm_quant", "fuse_qknorm_rope", "fuse_al
 
 
 def write_model(path: Path) -> None:
-    """A tiny Llama (2 layers, GQA 4:2, head 64), seeded weights, float16 safetensors."""
-    if (path / "config.json").exists():
-        return
+    """A tiny Llama (release/tiny_model.py), float16."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        initializer_range=0.08,  # decisive logits: greedy choices are not near-ties
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float16)
-    model.save_pretrained(path, safe_serialization=True)
+    tiny_model.write(path, LlamaConfig, LlamaForCausalLM, torch.float16, VOCAB)
 
 
 def prompts() -> list[list[int]]:

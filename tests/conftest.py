@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import weakref
 
@@ -78,3 +79,14 @@ def serving_goes_on(request, monkeypatch):
             h.assert_serves()
         for eng in filter(None, (r() for r in engines)):
             assert_engine_serves(eng)
+
+
+@pytest.fixture
+def torch_npu():
+    """The simulator installed as ``torch_npu`` (its module paths in ``sys.modules``: torchair,
+    ``sgl_kernel_npu`` and pyACL's ``acl`` with it), uninstalled after the test."""
+    sim.install_torch_npu()
+    try:
+        yield importlib.import_module("torch_npu")
+    finally:
+        sim.uninstall_torch_npu()

@@ -19,16 +19,6 @@ from npugraph import sim
 from npugraph.sim import npu
 
 
-@pytest.fixture
-def torch_npu():
-    """The simulator installed as ``torch_npu`` (with torchair, sgl_kernel_npu and acl)."""
-    sim.install_torch_npu()
-    try:
-        yield importlib.import_module("torch_npu")
-    finally:
-        sim.uninstall_torch_npu()
-
-
 def test_torchair_config_checks_its_options_as_torchair_does(torch_npu):
     from torchair.configs.compiler_config import CompilerConfig
 

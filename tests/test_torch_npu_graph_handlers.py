@@ -12,7 +12,6 @@ preceded, and SGLang's update from a worker thread beside the replay.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import logging
 import sys
 
@@ -25,16 +24,6 @@ from npugraph.sim import npu
 from .helpers import equal_on_host
 
 DEVICE = "npu"
-
-
-@pytest.fixture
-def torch_npu():
-    """The simulator installed as ``torch_npu`` (its module paths in ``sys.modules``)."""
-    sim.install_torch_npu()
-    try:
-        yield importlib.import_module("torch_npu")
-    finally:
-        sim.uninstall_torch_npu()
 
 
 @pytest.fixture

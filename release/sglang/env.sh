@@ -29,15 +29,10 @@ rm -rf "$ENV_DIR"
 mkdir -p "$ENV_DIR/dl"
 BIN="$ENV_DIR/venv/bin"
 
-# pip without its known noise (this disk's index warnings; the pins we override on purpose)
-quiet() {
-    "$@" 2>&1 | { grep -v -e "^WARNING: Location" -e "dependency conflicts" -e "requires .*, which is not installed" \
-        -e "but you have .* which is incompatible" || true; }
-}
+# shellcheck source=/dev/null
+source "$(dirname "$HERE")/env_common.sh"
 
-"$PY" -m venv "$ENV_DIR/venv"
-quiet "$BIN/pip" install -q --upgrade pip
-quiet "$BIN/pip" install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+fresh_venv "$ENV_DIR" "$TORCH_VERSION" "$TORCHVISION_VERSION"
 
 # SGLang: the wheel without its dependencies, then its requirements but the CUDA ones and torch's family
 quiet "$BIN/pip" download -q --no-deps "sglang==$SGLANG_VERSION" -d "$ENV_DIR/dl"

@@ -32,6 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: tiny_model.py
+import tiny_model
+
 MODES = ("eager", "sglang", "npugraph")
 MODELS = ("llama", "qwen3")
 VOCAB = 1024
@@ -49,31 +52,12 @@ REQUESTS = [
 
 
 def write_model(path: Path, arch: str) -> None:
-    """A tiny Llama or Qwen3 (2 layers, GQA 4:2, head 64), seeded weights, bfloat16 safetensors."""
-    if (path / "config.json").exists():
-        return
+    """A tiny Llama or Qwen3 (release/tiny_model.py), bfloat16."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
-    config = config_cls(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        initializer_range=0.08,  # decisive logits: greedy choices are not near-ties
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model_cls(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    tiny_model.write(path, *classes, torch.bfloat16, VOCAB)
 
 
 def prompts() -> list[list[int]]:

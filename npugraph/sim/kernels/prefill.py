@@ -108,6 +108,13 @@ def _batched(
     return t
 
 
+def _tnd_rows(t: torch.Tensor, per: list[int]) -> torch.Tensor:
+    """``t`` ``[B, N, S, ...]`` back as TND rows ``[T, N, ...]``: request ``b``'s first ``per[b]``."""
+    rows = torch.tensor([b for b, n in enumerate(per) for _ in range(n)], dtype=torch.int64, device=t.device)
+    cols = torch.tensor([i for n in per for i in range(n)], dtype=torch.int64, device=t.device)
+    return t[rows, :, cols]
+
+
 def _compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     sparse = int(p["sparse_mode"])
     if sparse == 3:
@@ -123,11 +130,8 @@ def _compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     o, lse = K.attention(q, k, v, q_per, kv_per, float(p["scale"]), causal=sparse == 3, mask=mask, band=band)
     out, smax, ssum = p["out"]
     if info["layout"] == "TND":
-        rows = [(b, i) for b, n in enumerate(info["q_per"]) for i in range(n)]
-        bi = torch.tensor([r[0] for r in rows], dtype=torch.int64, device=dev)
-        si = torch.tensor([r[1] for r in rows], dtype=torch.int64, device=dev)
-        out.copy_(o[bi, :, si])
-        lse_rows = lse[bi, :, si]  # [T, N]
+        out.copy_(_tnd_rows(o, info["q_per"]))
+        lse_rows = _tnd_rows(lse, info["q_per"])  # [T, N]
     elif info["layout"] == "BSH":
         out.copy_(o.permute(0, 2, 1, 3).reshape(out.shape))
         lse_rows = lse.permute(0, 2, 1)
@@ -250,17 +254,13 @@ def _qlens_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     kvl = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
     k = K.gather_paged(p["key_cache"], p["block_table"], kvl, sk, info["block_size"], f"{_QLENS}: block_table")
     v = K.gather_paged(p["value_cache"], p["block_table"], kvl, sk, info["block_size"], f"{_QLENS}: block_table")
-    starts = list(itertools.accumulate([0, *q_lens[:-1]]))
-    pos = torch.arange(sq, device=dev).unsqueeze(0)
-    per = torch.tensor(q_lens, device=dev).unsqueeze(1)
-    idx = torch.where(pos < per, torch.tensor(starts, device=dev).unsqueeze(1) + pos, 0)
-    qb = q[idx].permute(0, 2, 1, 3)  # [B, N, Sq, D]
+    ends = list(itertools.accumulate(q_lens))
+    qb = _batched(q, {"layout": "TND", "batch": len(q_lens)}, ends, q_lens, sq, n)  # [B, N, Sq, D]
+    q_per = torch.tensor(q_lens, device=dev)
     o, _ = K.attention(
-        qb, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), per.squeeze(1), kvl, float(p["scale_value"]), causal=True
+        qb, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), q_per, kvl, float(p["scale_value"]), causal=True
     )
-    rows = torch.tensor([r for r, n_ in enumerate(q_lens) for _ in range(n_)], dtype=torch.int64, device=dev)
-    cols = torch.tensor([i for n_ in q_lens for i in range(n_)], dtype=torch.int64, device=dev)
-    out.copy_(o[rows, :, cols].reshape(out.shape))
+    out.copy_(_tnd_rows(o, q_lens).reshape(out.shape))
 
 
 _FA_QLENS = SimOp(

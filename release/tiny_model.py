@@ -1,0 +1,35 @@
+"""The tiny checkpoints the real generations serve (release/generate.py, release/sglang/generate.py):
+2 layers, GQA 4:2, head 64, seeded weights, written by Hugging Face transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write"]
+
+
+def write(path: Path, config_cls: Any, model_cls: Any, dtype: Any, vocab: int) -> None:
+    """``model_cls(config_cls(...))`` with seed 0 in ``dtype``, as safetensors at ``path`` (kept if there)."""
+    if (path / "config.json").exists():
+        return
+    import torch
+
+    config = config_cls(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=vocab,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.08,  # decisive logits: greedy choices are not near-ties
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model_cls(config).to(dtype).save_pretrained(path, safe_serialization=True)
