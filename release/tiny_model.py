@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write"]
+__all__ = ["write", "write_tokenizer"]
 
 
 def write(path: Path, config_cls: Any, model_cls: Any, dtype: Any, vocab: int) -> None:
@@ -33,3 +33,19 @@ def write(path: Path, config_cls: Any, model_cls: Any, dtype: Any, vocab: int) -
     )
     torch.manual_seed(0)
     model_cls(config).to(dtype).save_pretrained(path, safe_serialization=True)
+
+
+def write_tokenizer(path: Path, vocab: int) -> None:
+    """A word-level tokenizer for the checkpoint at ``path``: token ``i`` is the word ``t<i>``
+    (1 bos, 2 eos), so an engine loads it as it loads any model's, with no option to skip it."""
+    if (path / "tokenizer.json").exists():
+        return
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t0"
+    )
+    fast.save_pretrained(path)

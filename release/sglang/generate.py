@@ -5,10 +5,10 @@
                                                OUT_DIR; the Llama's graph modes RUNS times
                                                (default 1), in turn
 
-``sglang.Engine(model_path=..., device="npu")`` with SGLang's NPU defaults (its own engine:
-the scheduler in its own process), on tiny Llama and Qwen3 checkpoints written by Hugging
-Face with seeded weights in bfloat16, token-id prompts (``skip_tokenizer_init``: the
-checkpoints have no tokenizer), greedy:
+``sglang.Engine(model_path=..., device="npu")`` with SGLang's NPU defaults and nothing else
+(its own engine: the scheduler in its own process), on tiny Llama and Qwen3 checkpoints
+written by Hugging Face with seeded weights in bfloat16 and a word-level tokenizer, prompts
+given as token ids, greedy:
 
 * ``eager``: ``disable_cuda_graph=True``;
 * ``sglang``: SGLang's own NPU decode graphs (torch_npu's ``NPUGraph.update`` each step);
@@ -52,12 +52,13 @@ REQUESTS = [
 
 
 def write_model(path: Path, arch: str) -> None:
-    """A tiny Llama or Qwen3 (release/tiny_model.py), bfloat16."""
+    """A tiny Llama or Qwen3 (release/tiny_model.py), bfloat16, with its tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     tiny_model.write(path, *classes, torch.bfloat16, VOCAB)
+    tiny_model.write_tokenizer(path, VOCAB)
 
 
 def prompts() -> list[list[int]]:
@@ -95,7 +96,7 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         os.environ["NPUGRAPH_ENABLE"] = "1"
     import sglang
 
-    kwargs: dict[str, Any] = {"model_path": str(model), "device": "npu", "skip_tokenizer_init": True}
+    kwargs: dict[str, Any] = {"model_path": str(model), "device": "npu"}
     if mode == "eager":
         kwargs["disable_cuda_graph"] = True
     counts_dir = Path(os.environ["NPUGRAPH_SGLANG_COUNTS"])
