@@ -310,3 +310,14 @@ def test_alloc_extend_kernel_takes_the_last_page_then_free_pages(data, seed):
         64,
     )
     assert out.cpu().tolist() == want
+
+
+def test_format_cast_keeps_the_values_in_new_storage_and_nd_in_place():
+    w = _rand(4, 6).npu()
+    nz = torch_npu.npu_format_cast(w, 29)  # FRACTAL_NZ: what MLA and quantised weights are cast to
+    assert torch.equal(nz.cpu(), w.cpu()) and nz.data_ptr() != w.data_ptr()
+    nz.zero_()
+    assert not torch.equal(nz.cpu(), w.cpu()), "a cast makes new storage: writing it leaves the source"
+    assert torch_npu.npu_format_cast(w, 2) is w, "ND: the tensor is in that format already"
+    with pytest.raises(ValueError, match="'acl_format'"):
+        torch_npu.npu_format_cast(w, "NZ")

@@ -24,6 +24,7 @@ __all__ = [
     "npu_swiglu",
     "npu_rotary_mul",
     "npu_mrope",
+    "npu_format_cast",
     "split_qkv_rmsnorm_rope",
     "_npu_rotary_embedding",
     "_npu_matmul_add_fp32",
@@ -412,3 +413,23 @@ def npu_mrope(
     }
     launch(_MROPE, params)
     return q_out, k_out
+
+
+ACL_FORMAT_ND = 2  # CANN's aclFormat: the plain row-major order every simulated tensor has
+
+
+def npu_format_cast(
+    self: torch.Tensor, acl_format: int, *, customize_dtype: int | None = None, input_dtype: int | None = None
+) -> torch.Tensor:
+    """``self`` in CANN storage format ``acl_format`` (29: FRACTAL_NZ, 2: ND, ...).
+
+    A format is the device's internal tiling of the same values, which torch_npu's kernels
+    and ops read transparently; the simulator keeps every tensor in ND order.  So a cast to
+    ND returns ``self`` (it is in that format already, as on a device), and a cast to any
+    other format a new tensor with the same values (a device's cast makes new storage, so
+    writing one afterwards does not change the other)."""
+    if isinstance(acl_format, bool) or not isinstance(acl_format, int) or acl_format < 0:
+        raise fail("npu_format_cast", "acl_format", f"must be a CANN aclFormat number, got {acl_format!r}")
+    if acl_format == ACL_FORMAT_ND:
+        return self
+    return self.clone()
