@@ -55,6 +55,7 @@ from npugraph.policy import FixedPolicy
 from npugraph.replay import AttentionMetadata, ReplayUpdater, convert
 from npugraph.replay.lens import BlockIdCheck, real_requests
 from npugraph.runtime import Runtime
+from npugraph.sim.surfaces.graphs import _GraphDispatchRecord, update_records
 from npugraph.timeline import Call, Costs, RecordingDevice, ShadowGraph, StepLog, TimelineResult, min_log, model_steps
 
 __all__ = [
@@ -661,47 +662,6 @@ def _legacy(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDevice, Calla
     return dev, step
 
 
-@dataclasses.dataclass
-class _GraphDispatchRecord:
-    """torch_npu's record of one captured op (``torch_npu/npu/graphs.py``): its event, its
-    task-group handle, the arguments as dispatch split them (non-owning views of npu
-    tensors, copies of the rest) and the op that ran (``.default`` swapped to ``.out``)."""
-
-    event: Any = None
-    handle: Any = None
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    args: list[Any] = dataclasses.field(default_factory=list)
-    op_cache_entry: Any = None
-
-
-class _TorchNpuHandler:
-    """torch_npu's ``NpuGraphOpHandler.update_args`` (``_npugraph_handlers``, UPDATE_SPECS
-    version): each spec of the recorded op whose key the step gives rewrites an argument
-    slot (positional, when the record has it) or a keyword argument."""
-
-    UPDATE_SPECS: dict[str, list[tuple[str, Any, str]]] = {
-        # _IFAv1DefaultHandler and _SimpleGraphHandler
-        "npu_fused_infer_attention_score.out": [("arg", 5, "actual_seq_lengths"), ("arg", 6, "actual_seq_lengths_kv")],
-        "_npu_paged_attention.default": [("arg", 7, "context_lens")],
-    }
-
-    @classmethod
-    def get_update_specs(cls, op_name: str) -> list[tuple[str, Any, str]]:
-        return cls.UPDATE_SPECS.get(op_name, [])
-
-    @classmethod
-    def update_args(cls, dispatch_record: _GraphDispatchRecord, update_input: dict[str, Any]) -> None:
-        specs = cls.get_update_specs(dispatch_record.op_cache_entry.__name__)
-        for loc, idx_or_name, key in specs:
-            if key not in update_input:
-                continue
-            if loc == "arg":
-                if len(dispatch_record.args) > idx_or_name:
-                    dispatch_record.args[idx_or_name] = update_input[key]
-            else:
-                dispatch_record.kwargs[idx_or_name] = update_input[key]
-
-
 class _RecordedOverload:
     """An OpOverload as a record holds it: called with the record's arguments, named as
     torch_npu's registry looks it up."""
@@ -738,7 +698,9 @@ def _torch_npu_update(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDev
     """torch_npu's ``NPUGraph.update`` as SGLang 0.5.23 drives it, line for line in host cost.
 
     Capture (``auto_dispatch_capture=True``) left one :class:`_GraphDispatchRecord` per
-    attention op.  Each step is SGLang's ``NPUCudaGraphBackend.replay_with_input_update``:
+    attention op (the simulator's record, its handler registry and its port of the update
+    loop, :func:`npugraph.sim.surfaces.graphs.update_records`, on the recording device).
+    Each step is SGLang's ``NPUCudaGraphBackend.replay_with_input_update``:
     wait on the host for the previous replay's fence event, submit ``graph.update`` to the
     backend's one-thread executor, replay on the calling thread while the worker updates
     (the graph's ExternalEvents hold each layer until its update lands), wait for the
@@ -757,7 +719,7 @@ def _torch_npu_update(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDev
     update_stream = npu.Stream()  # ... makes _GraphDispatchMode's one update stream
     op = _RecordedOverload(_OP_NAME[kernel], shadow.tasks[0].spec.kernel_fn(dev))
     positional = _POSITIONAL[kernel]
-    records = []
+    records: list[_GraphDispatchRecord] = []
     for t in shadow.tasks:
         args = [
             dev.weak_ref_tensor(t.args[n]) if isinstance(t.args[n], torch.Tensor) else t.args[n] for n in positional
@@ -766,7 +728,6 @@ def _torch_npu_update(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDev
         records.append(
             _GraphDispatchRecord(event=t.event, handle=t.handle, kwargs=kwargs, args=args, op_cache_entry=op)
         )
-    handlers = dict.fromkeys(_TorchNpuHandler.UPDATE_SPECS, _TorchNpuHandler)
     log = logging.getLogger("torch_npu.npu.graphs")
     attr_name = _UPDATE_KEY[kernel]
     as_tensor = kernel == "pa"
@@ -778,23 +739,15 @@ def _torch_npu_update(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDev
 
     def update_capture_record(cpu_update_input: list[dict[str, Any]]) -> None:
         dev.log("resume", stream=update_stream)  # marker: the worker has the task
-        if len(cpu_update_input) == 1:
-            cpu_update_input = [cpu_update_input[0].copy() for _ in records]
-        if len(cpu_update_input) != len(records):
-            raise RuntimeError(f"{len(records)} records, {len(cpu_update_input)} inputs")
-        with npu.stream(update_stream):
-            for record, update_input in zip(records, cpu_update_input):
-                npu.graph_task_update_begin(update_stream, record.handle)
-                for key in update_input:
-                    if key in record.kwargs:
-                        record.kwargs[key] = update_input[key]
-                handler_cls = handlers.get(record.op_cache_entry.__name__)
-                if handler_cls is None:
-                    raise RuntimeError(f"No handler for recorded op: {record.op_cache_entry.__name__}")
-                handler_cls.update_args(record, update_input)
-                record.op_cache_entry(*record.args, **record.kwargs)
-                npu.graph_task_update_end(update_stream)
-                record.event.record(update_stream)
+        # the simulator's port of torch_npu's loop and handler registry, on the recording device
+        update_records(
+            records,
+            cpu_update_input,
+            update_stream,
+            begin=npu.graph_task_update_begin,
+            end=npu.graph_task_update_end,
+            on_stream=npu.stream,
+        )
 
     def update(cpu_update_input: list[dict[str, Any]]) -> None:  # NPUGraph.update
         log.debug("NPUGraph.update, cpu_update_input length %d", len(cpu_update_input))

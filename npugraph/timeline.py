@@ -404,6 +404,7 @@ def _host_threads(
     heap: list[tuple[float, int]] = [(t0, 0)]
     stream_ready = t0  # when the update stream's device work (metadata ops) is done
     started = {0}
+    workers = set(by_thread) - {0}
     finished: set[int] = set()
     joining: float | None = None  # when the main thread began to wait in a join
     end = t0
@@ -413,12 +414,12 @@ def _host_threads(
         if pos[th] >= len(calls):
             end = max(end, t)
             finished.add(th)
-            if joining is not None and finished >= set(by_thread) - {0}:
+            if joining is not None and finished >= workers:
                 heapq.heappush(heap, (max(joining, t), 0))  # the last worker is done: wake the join
                 joining = None
             continue
         c = calls[pos[th]]
-        if c.kind == "join" and not finished >= set(by_thread) - {0}:
+        if c.kind == "join" and not finished >= workers:
             joining = t  # woken when the last worker is done
             continue
         # own Python, under the GIL

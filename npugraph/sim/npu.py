@@ -14,7 +14,7 @@ import torch
 from npugraph.sim.device import backend as _device
 from npugraph.sim.runtime import state as rt
 from npugraph.sim.runtime.graph import graph_pool_handle
-from npugraph.sim.runtime.state import Event, ExternalEvent, Stream
+from npugraph.sim.runtime.state import Event, ExternalEvent, Stream, StreamContext
 from npugraph.sim.runtime.taskgroups import (
     NPUTaskGroupHandle,
     graph_task_group_begin,
@@ -86,24 +86,6 @@ def current_stream(device: Any = None) -> Stream:
 def default_stream(device: Any = None) -> Stream:
     """Return the device's default (legacy) stream."""
     return rt.get_state().default_stream
-
-
-class StreamContext:
-    """``torch.npu.StreamContext(s)``: the body's work goes to ``s`` (``None``: no change);
-    the stream before it is current again after."""
-
-    def __init__(self, stream: Stream | None) -> None:
-        self.stream = stream
-        self._before: list[Stream] = []
-
-    def __enter__(self) -> None:
-        st = rt.get_state()
-        self._before.append(st.current_stream)
-        if self.stream is not None:
-            st.current_stream = self.stream
-
-    def __exit__(self, *exc: object) -> None:
-        rt.get_state().current_stream = self._before.pop()
 
 
 def stream(s: Stream | None) -> StreamContext:

@@ -20,8 +20,7 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -37,6 +36,7 @@ __all__ = [
     "Stream",
     "Event",
     "ExternalEvent",
+    "StreamContext",
     "get_state",
     "reset",
 ]
@@ -634,16 +634,20 @@ def accept_record_stream() -> None:
     torch.Tensor.record_stream = record_stream  # type: ignore[method-assign, assignment]
 
 
-@contextmanager
-def use_stream(stream: Stream | None) -> Iterator[None]:
-    """Make ``stream`` current for the block (``torch.npu.stream``)."""
-    st = get_state()
-    if stream is None:
-        yield
-        return
-    prev = st.current_stream
-    st.current_stream = stream
-    try:
-        yield
-    finally:
-        st.current_stream = prev
+class StreamContext:
+    """Make ``stream`` current for the block (``torch.npu.stream`` / ``torch.npu.StreamContext``;
+    ``None``: no change); the stream before it is current again after.  Reusable: SGLang makes
+    one and enters it every step."""
+
+    def __init__(self, stream: Stream | None) -> None:
+        self.stream = stream
+        self._before: list[Stream] = []
+
+    def __enter__(self) -> None:
+        st = get_state()
+        self._before.append(st.current_stream)
+        if self.stream is not None:
+            st.current_stream = self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        get_state().current_stream = self._before.pop()

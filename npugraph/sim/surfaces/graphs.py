@@ -19,6 +19,8 @@ import gc
 import logging
 import os
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -117,34 +119,49 @@ class _GraphDispatchMode(TorchDispatchMode):
         )
 
     def update_capture_record(self, cpu_update_input: list[dict[str, Any]]) -> None:
-        records = self.graph_dispatch_records
-        if len(cpu_update_input) == 1:
-            cpu_update_input = [cpu_update_input[0].copy() for _ in records]
-        if len(cpu_update_input) != len(records):
-            raise RuntimeError(
-                f"Currently, there are {len(records)} operators that need to be updated by capture, and there "
-                f"are only {len(cpu_update_input)} elements in the incoming cpu_update_input list",
-                _PARAM_ERROR,
-            )
-        us = self.update_stream
-        with rt.use_stream(us):
-            for record, update_input in zip(records, cpu_update_input):
-                graph_task_update_begin(us, record.handle)
-                for key in update_input:
-                    if key in record.kwargs:
-                        record.kwargs[key] = update_input[key]
-                name = record.op_cache_entry.__name__
-                handler = _NPU_GRAPH_OP_HANDLERS.get(name)
-                if handler is None:
-                    raise RuntimeError(
-                        f"No handler for recorded op: {name}. This indicates the handler was unregistered "
-                        "between capture and update.",
-                        _PARAM_ERROR,
-                    )
-                handler.update_args(record, update_input)
-                record.op_cache_entry(*record.args, **record.kwargs)
-                graph_task_update_end(us)
-                record.event.record(us)
+        update_records(self.graph_dispatch_records, cpu_update_input, self.update_stream)
+
+
+def update_records(
+    records: list[_GraphDispatchRecord],
+    cpu_update_input: list[dict[str, Any]],
+    update_stream: Any,
+    *,
+    begin: Callable[[Any, Any], None] = graph_task_update_begin,
+    end: Callable[[Any], None] = graph_task_update_end,
+    on_stream: Callable[[Any], AbstractContextManager[Any]] = rt.StreamContext,
+) -> None:
+    """torch_npu's ``update_capture_record`` over ``records``: one input dict is copied per
+    record; then per record, on ``update_stream``: begin, the generic rewrite of the record's
+    keyword arguments, its handler's spec rewrite, the op re-issued with the record's
+    arguments, end, the record's event.  ``begin``/``end``/``on_stream``: the device API
+    (the simulator's; ``npugraph bench`` passes its recording device's)."""
+    if len(cpu_update_input) == 1:
+        cpu_update_input = [cpu_update_input[0].copy() for _ in records]
+    if len(cpu_update_input) != len(records):
+        raise RuntimeError(
+            f"Currently, there are {len(records)} operators that need to be updated by capture, and there "
+            f"are only {len(cpu_update_input)} elements in the incoming cpu_update_input list",
+            _PARAM_ERROR,
+        )
+    with on_stream(update_stream):
+        for record, update_input in zip(records, cpu_update_input):
+            begin(update_stream, record.handle)
+            for key in update_input:
+                if key in record.kwargs:
+                    record.kwargs[key] = update_input[key]
+            name = record.op_cache_entry.__name__
+            handler = _NPU_GRAPH_OP_HANDLERS.get(name)
+            if handler is None:
+                raise RuntimeError(
+                    f"No handler for recorded op: {name}. This indicates the handler was unregistered "
+                    "between capture and update.",
+                    _PARAM_ERROR,
+                )
+            handler.update_args(record, update_input)
+            record.op_cache_entry(*record.args, **record.kwargs)
+            end(update_stream)
+            record.event.record(update_stream)
 
 
 class NPUGraph(_NPUGraph):
@@ -228,7 +245,7 @@ class graph:
         self.pool: tuple[Any, ...] = () if pool is None else (pool,)
         self.capture_stream = stream
         self.capture_error_mode = capture_error_mode
-        self._ctx = rt.use_stream(stream)
+        self._ctx = rt.StreamContext(stream)
         self._auto = auto_dispatch_capture
         self._mode: Any = None
         npu_graph.auto_dispatch_capture = auto_dispatch_capture
