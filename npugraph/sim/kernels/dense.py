@@ -102,14 +102,18 @@ def _rotary(p: dict[str, Any]) -> None:
         x[..., :rot] = _rotate(x[..., :rot].float(), cos, sin, bool(p["is_neox_style"])).to(t.dtype)
 
 
+def _turned(x: torch.Tensor, halves: bool) -> torch.Tensor:
+    """``x`` turned a quarter for rotary embedding by multiplication: its halves ``(x1, x2)``
+    to ``(-x2, x1)``, or (``halves=False``) each adjacent pair ``(a, b)`` to ``(-b, a)``."""
+    if halves:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
 def _rotary_mul(p: dict[str, Any]) -> None:
     x = p["input"].float()
-    if p["rotary_mode"] == "half":
-        x1, x2 = x.chunk(2, dim=-1)
-        turned = torch.cat((-x2, x1), dim=-1)
-    else:  # "interleave": pairs (x0, x1) -> (-x1, x0)
-        turned = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    p["out"].copy_(x * p["r1"].float() + turned * p["r2"].float())
+    p["out"].copy_(x * p["r1"].float() + _turned(x, p["rotary_mode"] == "half") * p["r2"].float())
 
 
 def _matmul_add(p: dict[str, Any]) -> None:
@@ -257,16 +261,11 @@ def _split_qkv_rmsnorm_rope(p: dict[str, Any]) -> None:
     for name, part, weight, bias in parts:
         h = part.reshape(part.shape[0], -1, hd)
         if p["eps"] is not None:
-            h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + float(p["eps"])) * weight.float()
+            h, _ = rms_normalize(h, weight, float(p["eps"]))
             if bias is not None:
                 h = h + bias.float()
         r = h[..., :rot]
-        if p["is_neox_style"]:
-            r1, r2 = r.chunk(2, dim=-1)
-            turned = torch.cat((-r2, r1), dim=-1)
-        else:
-            turned = torch.stack((-r[..., 1::2], r[..., 0::2]), dim=-1).flatten(-2)
-        h = torch.cat((turned * sin + r * cos, h[..., rot:]), dim=-1)
+        h = torch.cat((_turned(r, bool(p["is_neox_style"])) * sin + r * cos, h[..., rot:]), dim=-1)
         p[f"{name}_out"].copy_(h.reshape(part.shape))
     p["v_out"].copy_(x[:, qs + kvs :])
 
