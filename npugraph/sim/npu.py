@@ -24,6 +24,7 @@ from npugraph.sim.runtime.taskgroups import (
 )
 from npugraph.sim.surfaces import npugraph_ex
 from npugraph.sim.surfaces.graphs import NPUGraph, graph
+from npugraph.sim.surfaces.not_simulated import not_simulated
 from npugraph.sim.surfaces.npugraph_handlers import NpuGraphOpHandler, register_npu_graph_handler
 
 __all__ = [
@@ -296,21 +297,15 @@ def set_compile_mode(jit_compile: bool = False) -> None:
 config = types.SimpleNamespace(allow_internal_format=False)
 
 
-def _not_simulated(what: str) -> Any:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"{what} is not simulated: npugraph.sim has no pluggable device allocators or memory pools "
-            "(vllm-ascend's sleep mode needs them); run this on an Ascend host"
-        )
-
-    return refuse
+# what vllm-ascend's sleep mode needs and the simulator does not have
+_NO_POOLS = "it has no pluggable device allocators or memory pools, which vllm-ascend's sleep mode needs"
 
 
 # torch.npu.memory: the names vllm-ascend's camem allocator imports (refused when called)
 memory = types.SimpleNamespace(
-    NPUPluggableAllocator=_not_simulated("torch.npu.memory.NPUPluggableAllocator"),
-    MemPool=_not_simulated("torch.npu.memory.MemPool"),
-    use_mem_pool=_not_simulated("torch.npu.memory.use_mem_pool"),
+    NPUPluggableAllocator=not_simulated("torch.npu.memory.NPUPluggableAllocator", _NO_POOLS),
+    MemPool=not_simulated("torch.npu.memory.MemPool", _NO_POOLS),
+    use_mem_pool=not_simulated("torch.npu.memory.use_mem_pool", _NO_POOLS),
     memory_snapshot=lambda: [],
     mem_get_info=lambda device=None: mem_get_info(device),
     memory_stats=lambda device=None: memory_stats(device),

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Callable
-from typing import Any
+
+from npugraph.sim.surfaces.not_simulated import not_simulated
 
 __all__ = [
     "AiCMetrics",
@@ -27,15 +27,8 @@ __all__ = [
 ]
 
 
-def _not_simulated(what: str) -> Callable[..., Any]:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{what} is not simulated by npugraph.sim (no device profiler); run it on an Ascend host")
-
-    return refuse
-
-
-profile = _not_simulated("torch_npu.profiler.profile")
-tensorboard_trace_handler = _not_simulated("torch_npu.profiler.tensorboard_trace_handler")
+profile = not_simulated("torch_npu.profiler.profile", "no device profiler")
+tensorboard_trace_handler = not_simulated("torch_npu.profiler.tensorboard_trace_handler", "no device profiler")
 # torch_npu.profiler.dynamic_profile: init() and step() are called by vllm-ascend's worker
 dynamic_profile = types.ModuleType("torch_npu.profiler.dynamic_profile", "npugraph.sim's stand-in")
 dynamic_profile.init = lambda *a, **k: None  # type: ignore[attr-defined]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from npugraph.sim.surfaces.sgl_kernel_npu.launch import not_simulated
+from npugraph.sim.surfaces.not_simulated import not_simulated
 
 __all__ = [
     "TransferDirection",

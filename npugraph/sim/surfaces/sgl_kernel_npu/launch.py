@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["GridKernel", "not_simulated"]
+__all__ = ["GridKernel"]
 
 
 class GridKernel:
@@ -26,13 +26,3 @@ class GridKernel:
 
     def __repr__(self) -> str:
         return f"<sgl_kernel_npu stand-in kernel {self.__name__}>"
-
-
-def not_simulated(qualname: str, why: str) -> Callable[..., Any]:
-    """A name SGLang imports whose path the simulator does not serve: it refuses when called."""
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{qualname} is not simulated by npugraph.sim ({why}); run it on an Ascend host")
-
-    refuse.__name__ = refuse.__qualname__ = qualname.rsplit(".", 1)[-1]
-    return refuse

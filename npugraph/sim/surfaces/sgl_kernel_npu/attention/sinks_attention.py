@@ -3,7 +3,7 @@ Not simulated: the names exist for SGLang's Ascend backend, which imports them."
 
 from __future__ import annotations
 
-from npugraph.sim.surfaces.sgl_kernel_npu.launch import not_simulated
+from npugraph.sim.surfaces.not_simulated import not_simulated
 
 __all__ = ["attention_sinks_prefill_triton", "attention_sinks_triton"]
 

@@ -3,7 +3,7 @@ Ascend).  Not simulated: the name exists for SGLang's imports."""
 
 from __future__ import annotations
 
-from npugraph.sim.surfaces.sgl_kernel_npu.launch import not_simulated
+from npugraph.sim.surfaces.not_simulated import not_simulated
 
 __all__ = ["fused_split_qk_norm"]
 
