@@ -7,6 +7,7 @@ work (capture, update, replay, tokens) is judged by release/sglang/test_generate
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import pkgutil
 
 import pytest
@@ -56,3 +57,14 @@ def test_install_hooks_sglangs_classes_and_uninstall_restores_them(monkeypatch):
         assert sum(h is hook for _, h, _ in hr.HookRegistry._hooks[target]) == 1
     plugin.uninstall()
     assert _targets() == before
+
+
+def test_a_bad_setting_is_one_error_line_and_sglang_is_left_untouched(monkeypatch, caplog):
+    monkeypatch.setenv(plugin.ENV, "1")
+    monkeypatch.setenv("NPUGRAPH_DEVICE", "cuda")
+    before = _targets()
+    with caplog.at_level(logging.ERROR, logger="sglang.npugraph"):
+        plugin.load_plugin()
+    assert _targets() == before
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "NPUGRAPH_DEVICE='cuda' is not a device npugraph knows" in line and "SGLang left untouched" in line

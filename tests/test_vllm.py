@@ -26,6 +26,7 @@ from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
 from npugraph import AttentionMetadata, Runtime, sim
 from npugraph.errors import ConfigError, NpuGraphError
+from npugraph.integrations import common
 from npugraph.integrations import vllm as integ
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.reference import paged_attention_reference
@@ -642,7 +643,7 @@ def test_plugin_without_vllm_logs_one_line_and_device_is_validated(monkeypatch, 
     assert current_platform.get_static_graph_wrapper_cls() == before, "left untouched"
     caplog.clear()
     monkeypatch.setenv(integ.ENV_DEVICE, "SIM")  # any case, as NPUGRAPH_ENABLE
-    assert integ._env_device() == "sim"
+    assert common.env_device() == "sim"
     monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # import vllm.platforms now fails
     integ._log_once.cache_clear()
     with caplog.at_level(logging.INFO, logger="vllm.npugraph"):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
-import os
 import pkgutil
 from collections.abc import Callable
 from typing import Any
@@ -36,8 +35,15 @@ from typing import Any
 import attrs
 import torch
 
-from npugraph.errors import NpuGraphError
-from npugraph.integrations.report import report_path, say_captured
+from npugraph.errors import ConfigError, NpuGraphError
+from npugraph.integrations.common import (
+    ENV_ENABLE,
+    check_settings,
+    enabled,
+    report_path,
+    runtime_from_env,
+    say_captured,
+)
 from npugraph.ops import AttentionCall
 from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
@@ -46,7 +52,7 @@ __all__ = ["ENV", "install", "load_plugin", "uninstall", "report_path"]
 
 logger = logging.getLogger("sglang.npugraph")
 
-ENV = "NPUGRAPH_ENABLE"
+ENV = ENV_ENABLE
 _BACKEND = "sglang.srt.hardware_backend.npu.graph_runner.npu_cudagraph_backend.NPUCudaGraphBackend"
 _ATTENTION = "sglang.srt.hardware_backend.npu.attention.ascend_backend.AscendAttnBackend"
 _RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
@@ -71,11 +77,6 @@ class _State:
 _CAPTURING: contextvars.ContextVar[_State | None] = contextvars.ContextVar("npugraph_sglang_capture", default=None)
 
 
-def _device_name() -> str:
-    device = os.environ.get("NPUGRAPH_DEVICE", "").strip()
-    return device or "npu"
-
-
 def _after_init(result: Any, backend: Any, cuda_graph_runner: Any, *args: Any, **kwargs: Any) -> None:
     """``NPUCudaGraphBackend.__init__``: take the backend if its runner is SGLang's decode runner."""
     name = type(cuda_graph_runner).__name__
@@ -83,12 +84,12 @@ def _after_init(result: Any, backend: Any, cuda_graph_runner: Any, *args: Any, *
         _say_once(f"npugraph: {name}'s graphs stay SGLang's (npugraph takes {_DECODE_RUNNER}, the decode graphs)")
         return
     model_config = cuda_graph_runner.model_runner.model_config
-    runtime = Runtime(_device_name(), max_model_len=int(model_config.context_len))
+    runtime = runtime_from_env(int(model_config.context_len), "npu")
     setattr(backend, _STATE, _State(runtime=runtime, namespace=runtime.unique_namespace("sglang.decode")))
 
 
 def _state(backend: Any) -> _State | None:
-    return backend.__dict__.get(_STATE)
+    return getattr(backend, "__dict__", {}).get(_STATE)
 
 
 def _capture_one(
@@ -217,7 +218,7 @@ def _replay_with_input_update(
 
 def _after_capture(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     """``DecodeCudaGraphRunner.capture``: say, once per engine process, that npugraph is active here."""
-    state = _state(getattr(runner, "backend", None) or object())
+    state = _state(getattr(runner, "backend", None))
     if state is None:
         return
     say_captured(state.runtime, logger, state.namespace)
@@ -293,7 +294,13 @@ def uninstall() -> None:
 
 
 def load_plugin() -> None:
-    """SGLang's ``sglang.srt.plugins`` entry point: install when ``NPUGRAPH_ENABLE=1``."""
-    if os.environ.get(ENV, "").strip() != "1":
+    """SGLang's ``sglang.srt.plugins`` entry point: install when ``NPUGRAPH_ENABLE`` is on, its
+    settings checked first (a bad one is one error line, and SGLang is left untouched)."""
+    if not enabled():
+        return
+    try:
+        check_settings()
+    except ConfigError as exc:
+        logger.error("npugraph: %s; SGLang left untouched", exc)
         return
     install()

@@ -43,8 +43,18 @@ import torch
 
 from npugraph.errors import ConfigError, MetadataError, NpuGraphError
 from npugraph.integrations import vllm_ascend
-from npugraph.integrations.report import ENV_REPORT_DIR, report_path  # noqa: F401 (vLLM users set it by this name)
-from npugraph.integrations.report import say_captured as _say_captured
+from npugraph.integrations.common import (  # noqa: F401 (the settings keep their names here)
+    ENV_DEVICE,
+    ENV_DEVICE_LENGTHS,
+    ENV_ENABLE,
+    ENV_EVENT_GROUP,
+    ENV_REPORT_DIR,
+    check_settings,
+    enabled,
+    report_path,
+    runtime_from_env,
+)
+from npugraph.integrations.common import say_captured as _say_captured
 from npugraph.replay import AttentionMetadata, StepMetadata
 from npugraph.runtime import Runtime
 
@@ -63,10 +73,6 @@ __all__ = [
 # A child of vLLM's own logger: its handler and format show npugraph's lines in vLLM's log.
 logger = logging.getLogger("vllm.npugraph")
 
-ENV_ENABLE = "NPUGRAPH_ENABLE"
-ENV_DEVICE = "NPUGRAPH_DEVICE"
-ENV_EVENT_GROUP = "NPUGRAPH_EVENT_GROUP"
-ENV_DEVICE_LENGTHS = "NPUGRAPH_DEVICE_LENGTHS"
 WRAPPER_PATH = "npugraph.integrations.vllm.NpuGraphWrapper"
 _RUNTIME_ATTR = "_npugraph_runtime"
 
@@ -87,13 +93,7 @@ def runtime_for(vllm_config: Any) -> Runtime:
                 "npugraph needs max_model_len: the VllmConfig has no model_config; call "
                 "npugraph.integrations.vllm.attach_runtime(vllm_config, Runtime(...)) first"
             )
-        device = _env_device() or ("npu" if _platform_has_npu_graphs() else "sim")
-        rt = Runtime(
-            device,
-            max_model_len=int(model.max_model_len),
-            event_group=_env_event_group(),
-            device_lengths=_env_device_lengths(),
-        )
+        rt = runtime_from_env(int(model.max_model_len), "npu" if _platform_has_npu_graphs() else "sim")
         attach_runtime(vllm_config, rt)
     return rt
 
@@ -169,45 +169,6 @@ def _step_metadata(attn_metadata: Any) -> StepMetadata:
     if isinstance(attn_metadata, list):
         return [one(d) for d in attn_metadata]
     return one(attn_metadata)
-
-
-def _env_device() -> str | None:
-    """``NPUGRAPH_DEVICE``, checked (any case): ``npu``, ``npu:N``, ``sim`` or unset."""
-    value = os.environ.get(ENV_DEVICE, "").strip().lower()
-    if not value:
-        return None
-    name, _, index = value.partition(":")
-    if name not in ("npu", "sim") or (index and not index.isdigit()):
-        raise ConfigError(
-            f"{ENV_DEVICE}={os.environ.get(ENV_DEVICE)!r} is not a device npugraph knows; use 'npu', 'npu:N' "
-            "or 'sim' (or unset it)"
-        )
-    return value
-
-
-def _env_event_group() -> int | None:
-    """``NPUGRAPH_EVENT_GROUP``: tasks per ExternalEvent (unset: chosen per namespace at
-    capture, :data:`npugraph.capture.AUTO_EVENT_GROUP`; 1: one per layer)."""
-    value = os.environ.get(ENV_EVENT_GROUP, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(
-            f"{ENV_EVENT_GROUP}={value!r} is not a group size; use an integer >= 1 (layers per "
-            "ExternalEvent; 1 records one per layer) or unset it (chosen per namespace at capture)"
-        )
-    return int(value)
-
-
-def _env_device_lengths() -> bool:
-    """``NPUGRAPH_DEVICE_LENGTHS``: ``0`` keeps FIA's lengths on the host, updated per layer
-    (default ``1``: the tiling-sink kernel where the device has it)."""
-    value = os.environ.get(ENV_DEVICE_LENGTHS, "").strip().lower()
-    if value in ("", "1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{ENV_DEVICE_LENGTHS}={value!r} is not a switch; use 1 (the default) or 0, or unset it")
 
 
 def _noop_call(*args: Any, **kwargs: Any) -> None:
@@ -542,12 +503,10 @@ def register() -> None:
     It never raises (vLLM's plugin loader would print a traceback and go on): a bad
     setting is one error line in vLLM's log, and vLLM is left untouched.
     """
-    if os.environ.get(ENV_ENABLE, "").strip().lower() not in ("1", "true", "yes", "on"):
+    if not enabled():
         return
     try:
-        device = _env_device()
-        _env_event_group()
-        _env_device_lengths()
+        device = check_settings()
     except ConfigError as exc:
         logger.error("npugraph: %s; vLLM left untouched", exc)
         return

@@ -1,0 +1,121 @@
+"""What every engine integration (vLLM, SGLang) shares: the ``NPUGRAPH_*`` settings, checked,
+the runtime they make, and what an engine process says after npugraph captured its graphs
+(one INFO line, and the capture manifest at a path the line gives)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+from npugraph.errors import ConfigError
+from npugraph.runtime import Runtime
+
+__all__ = [
+    "ENV_DEVICE",
+    "ENV_DEVICE_LENGTHS",
+    "ENV_ENABLE",
+    "ENV_EVENT_GROUP",
+    "ENV_REPORT_DIR",
+    "check_settings",
+    "enabled",
+    "env_device",
+    "env_device_lengths",
+    "env_event_group",
+    "report_path",
+    "runtime_from_env",
+    "say_captured",
+]
+
+ENV_ENABLE = "NPUGRAPH_ENABLE"
+ENV_DEVICE = "NPUGRAPH_DEVICE"
+ENV_EVENT_GROUP = "NPUGRAPH_EVENT_GROUP"
+ENV_DEVICE_LENGTHS = "NPUGRAPH_DEVICE_LENGTHS"
+ENV_REPORT_DIR = "NPUGRAPH_REPORT_DIR"
+
+
+def enabled() -> bool:
+    """``NPUGRAPH_ENABLE``: on for ``1``, ``true``, ``yes`` or ``on`` (any case)."""
+    return os.environ.get(ENV_ENABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def env_device() -> str | None:
+    """``NPUGRAPH_DEVICE``, checked (any case): ``npu``, ``npu:N``, ``sim`` or unset."""
+    value = os.environ.get(ENV_DEVICE, "").strip().lower()
+    if not value:
+        return None
+    name, _, index = value.partition(":")
+    if name not in ("npu", "sim") or (index and not index.isdigit()):
+        raise ConfigError(
+            f"{ENV_DEVICE}={os.environ.get(ENV_DEVICE)!r} is not a device npugraph knows; use 'npu', 'npu:N' "
+            "or 'sim' (or unset it)"
+        )
+    return value
+
+
+def env_event_group() -> int | None:
+    """``NPUGRAPH_EVENT_GROUP``: tasks per ExternalEvent (unset: chosen per namespace at
+    capture, :data:`npugraph.capture.AUTO_EVENT_GROUP`; 1: one per layer)."""
+    value = os.environ.get(ENV_EVENT_GROUP, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(
+            f"{ENV_EVENT_GROUP}={value!r} is not a group size; use an integer >= 1 (layers per "
+            "ExternalEvent; 1 records one per layer) or unset it (chosen per namespace at capture)"
+        )
+    return int(value)
+
+
+def env_device_lengths() -> bool:
+    """``NPUGRAPH_DEVICE_LENGTHS``: ``0`` keeps FIA's lengths on the host, updated per layer
+    (default ``1``: the tiling-sink kernel where the device has it)."""
+    value = os.environ.get(ENV_DEVICE_LENGTHS, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{ENV_DEVICE_LENGTHS}={value!r} is not a switch; use 1 (the default) or 0, or unset it")
+
+
+def check_settings() -> str | None:
+    """Check every ``NPUGRAPH_*`` setting (a plugin does, before it touches its engine: a bad
+    one is :class:`~npugraph.errors.ConfigError`); returns ``NPUGRAPH_DEVICE``'s value."""
+    device = env_device()
+    env_event_group()
+    env_device_lengths()
+    return device
+
+
+def runtime_from_env(max_model_len: int, default_device: str) -> Runtime:
+    """An engine's runtime, as the settings ask: ``NPUGRAPH_DEVICE`` (else ``default_device``),
+    ``NPUGRAPH_EVENT_GROUP``, ``NPUGRAPH_DEVICE_LENGTHS``."""
+    return Runtime(
+        env_device() or default_device,
+        max_model_len=max_model_len,
+        event_group=env_event_group(),
+        device_lengths=env_device_lengths(),
+    )
+
+
+def report_path(pid: int | None = None) -> str:
+    """Where an engine process writes its capture report: ``$NPUGRAPH_REPORT_DIR`` (default:
+    the temporary directory) / ``npugraph-capture-<pid>.json``."""
+    folder = os.environ.get(ENV_REPORT_DIR) or tempfile.gettempdir()
+    return os.path.join(folder, f"npugraph-capture-{os.getpid() if pid is None else pid}.json")
+
+
+def say_captured(runtime: Runtime, logger: logging.Logger, namespace: str | None = None) -> str:
+    """Write ``runtime``'s capture manifest to :func:`report_path` and log, at INFO on
+    ``logger``, one line saying that npugraph captured in this process and what (sizes,
+    kernel per size, ExternalEvents, graph memory); returns the line.  A report that cannot
+    be written is said in the line, and serving goes on."""
+    path = report_path()
+    try:
+        runtime.save_manifest(path)
+        where = f"capture report: {path}"
+    except Exception as exc:  # the report is for debugging: never a reason to stop serving
+        where = f"capture report not written ({type(exc).__name__}: {exc})"
+    line = f"npugraph: active in this engine process (pid {os.getpid()}): {runtime.capture_report(namespace)}; {where}"
+    logger.info(line)
+    return line
