@@ -41,16 +41,11 @@ ENV_REVISION=3  # bump when what this script installs changes: a cached environm
 SOC_VERSION_FOR_SDIST=ascend910b1  # an Atlas A2: vllm-ascend's "A2" device type
 
 STAMP="$ENV_DIR/.built-$VLLM_VERSION-$ASCEND_VERSION-$TORCH_VERSION-r$ENV_REVISION"
-if [[ -f "$STAMP" ]]; then
-    echo "release env: $ENV_DIR (cached)"
-    exit 0
-fi
-rm -rf "$ENV_DIR"
-mkdir -p "$ENV_DIR/dl"
-BIN="$ENV_DIR/venv/bin"
-
 # shellcheck source=/dev/null
 source "$HERE/env_common.sh"
+reuse_or_start "$STAMP" "$ENV_DIR" release
+BIN="$ENV_DIR/venv/bin"
+
 
 fresh_venv "$ENV_DIR" "$TORCH_VERSION" "$TORCHVISION_VERSION"
 

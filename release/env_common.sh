@@ -1,4 +1,16 @@
 # Sourced by release/env.sh and release/sglang/env.sh.
+
+# Stop here, successfully, if the environment $2 was built with what $1 (a stamp file) names;
+# otherwise start it afresh (a stale one is removed). $3: its name, for the message.
+reuse_or_start() {
+    if [[ -f "$1" ]]; then
+        echo "$3 env: $2 (cached)"
+        exit 0
+    fi
+    rm -rf "$2"
+    mkdir -p "$2/dl"
+}
+
 # pip without its known noise (this disk's index warnings; the pins we override on purpose);
 # the status is pip's: a failed install stops the build (set -o pipefail)
 quiet() {

@@ -34,13 +34,13 @@ from __future__ import annotations
 import collections
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import tiny_model  # this folder's
+from runs import clear_results, run_logged  # this folder's
 from timing import timed  # this folder's
 
 MODES = ("eager", "aclgraph", "npugraph")
@@ -197,24 +197,11 @@ def generate(out_dir: Path, runs: int = 1) -> None:
     # vllm-ascend 0.23.0.post1's maybe_pad_and_reduce returns its input at TP 1, which torch
     # 2.14 warns about on a user's host and refuses under CI=1.  Run as users run.
     env.pop("CI", None)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob("*.json"):  # a result of an earlier call must not count as this one's
-        stale.unlink()
+    clear_results(out_dir)
     order = [("eager", 1)] + [(mode, run) for run in range(1, runs + 1) for mode in MODES[1:]]
     for mode, run in order:
         out = result_path(out_dir, mode, run)
-        log = out.with_suffix(".log")
-        done = subprocess.run(
-            [sys.executable, __file__, str(out_dir / "model"), mode, str(out)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=out_dir,
-            timeout=900,
-        )
-        log.write_text(done.stdout + done.stderr)
-        if done.returncode != 0:  # not an assert: python -O would drop it, and the run would pass
-            raise RuntimeError(f"generate.py {mode} (run {run}) failed (log: {log}):\n{done.stderr[-6000:]}")
+        run_logged([sys.executable, __file__, str(out_dir / "model"), mode, str(out)], out, env, f"{mode} (run {run})")
 
 
 def main(argv: list[str]) -> int:

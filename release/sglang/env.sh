@@ -21,16 +21,11 @@ TORCHVISION_VERSION=0.29.1
 ENV_REVISION=1  # bump when what this script installs changes: a cached environment is rebuilt
 
 STAMP="$ENV_DIR/.built-$SGLANG_VERSION-$TORCH_VERSION-r$ENV_REVISION"
-if [[ -f "$STAMP" ]]; then
-    echo "sglang env: $ENV_DIR (cached)"
-    exit 0
-fi
-rm -rf "$ENV_DIR"
-mkdir -p "$ENV_DIR/dl"
-BIN="$ENV_DIR/venv/bin"
-
 # shellcheck source=/dev/null
 source "$(dirname "$HERE")/env_common.sh"
+reuse_or_start "$STAMP" "$ENV_DIR" sglang
+BIN="$ENV_DIR/venv/bin"
+
 
 fresh_venv "$ENV_DIR" "$TORCH_VERSION" "$TORCHVISION_VERSION"
 

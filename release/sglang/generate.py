@@ -26,14 +26,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: tiny_model.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: tiny_model.py, runs.py
 import tiny_model
+from runs import clear_results, run_logged
 
 MODES = ("eager", "sglang", "npugraph")
 MODELS = ("llama", "qwen3")
@@ -146,9 +146,7 @@ def generate(out_dir: Path, runs: int = 1) -> None:
     cost's verdict takes every run)."""
     if runs < 1:
         raise ValueError(f"runs must be at least 1, not {runs}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob("*.json"):  # a result of an earlier call must not count as this one's
-        stale.unlink()
+    clear_results(out_dir)
     for arch in MODELS:
         write_model(out_dir / arch, arch)
     order = [(arch, "eager", 1) for arch in MODELS]
@@ -159,18 +157,8 @@ def generate(out_dir: Path, runs: int = 1) -> None:
         counts = out.with_suffix(".counts")
         counts.mkdir(exist_ok=True)
         env = {**os.environ, "NPUGRAPH_SIM_TORCH_NPU": "1", "NPUGRAPH_SGLANG_COUNTS": str(counts)}
-        log = out.with_suffix(".log")
-        done = subprocess.run(
-            [sys.executable, __file__, str(out_dir / arch), mode, str(out)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=out_dir,
-            timeout=900,
-        )
-        log.write_text(done.stdout + done.stderr)
-        if done.returncode != 0:  # not an assert: python -O would drop it, and the run would pass
-            raise RuntimeError(f"generate.py {arch} {mode} (run {run}) failed (log: {log}):\n{done.stderr[-6000:]}")
+        args = [sys.executable, __file__, str(out_dir / arch), mode, str(out)]
+        run_logged(args, out, env, f"{arch} {mode} (run {run})")
 
 
 def main(argv: list[str]) -> int:
