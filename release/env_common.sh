@@ -24,3 +24,20 @@ fresh_venv() {
     quiet "$1/venv/bin/pip" install -q --upgrade pip
     quiet "$1/venv/bin/pip" install -q "torch==$2" "torchvision==$3"
 }
+
+# The requirements of the wheel $2 (its METADATA's Requires-Dist, extras left out), less those
+# whose name is one of the |-separated names (regexes) $3, any case; printed by the python $1
+wheel_requirements() {
+    "$1" - "$2" "$3" <<'PYEOF'
+import re, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as whl:
+    meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in whl.read(meta).decode().splitlines():
+        if not line.startswith("Requires-Dist: ") or "extra ==" in line:
+            continue
+        req = line[len("Requires-Dist: "):]
+        if re.match(rf"({sys.argv[2]})(?![\w.-])", req, re.IGNORECASE):
+            continue
+        print(req)
+PYEOF
+}

@@ -26,28 +26,16 @@ source "$(dirname "$HERE")/env_common.sh"
 reuse_or_start "$STAMP" "$ENV_DIR" sglang
 BIN="$ENV_DIR/venv/bin"
 
-
 fresh_venv "$ENV_DIR" "$TORCH_VERSION" "$TORCHVISION_VERSION"
 
 # SGLang: the wheel without its dependencies, then its requirements but the CUDA ones and torch's family
 quiet "$BIN/pip" download -q --no-deps "sglang==$SGLANG_VERSION" -d "$ENV_DIR/dl"
 WHEEL="$(ls "$ENV_DIR"/dl/sglang-"$SGLANG_VERSION"-*.whl)"
-"$BIN/python" - "$WHEEL" >"$ENV_DIR/sglang-requirements.txt" <<'PYEOF'
-import re, sys, zipfile
 # what only a CUDA (or ROCm) machine can install or use; torch's family is pinned apart
-CUDA = (r"cuda-python|flash-attn-4|flashinfer[-_]python|humming-kernels|nvidia-[\w-]+|nvshmem4py-cu13|quack-kernels|"
-        r"sgl-deep-ep|sgl-deep-gemm|sgl-flash-mla|sglang-kernel|tilelang|apache-tvm-ffi|torch_memory_saver|kernels|"
-        r"torch|torchvision|torchaudio|torchcodec|av|decord2|deepseek-recipe|tml-renderers|smg-grpc-servicer|py-spy|numba")
-with zipfile.ZipFile(sys.argv[1]) as whl:
-    meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
-    for line in whl.read(meta).decode().splitlines():
-        if not line.startswith("Requires-Dist: ") or "extra ==" in line:
-            continue
-        req = line[len("Requires-Dist: "):]
-        if re.match(rf"({CUDA})(?![\w.-])", req, re.IGNORECASE):
-            continue
-        print(req)
-PYEOF
+CUDA="cuda-python|flash-attn-4|flashinfer[-_]python|humming-kernels|nvidia-[\w-]+|nvshmem4py-cu13|quack-kernels"
+CUDA+="|sgl-deep-ep|sgl-deep-gemm|sgl-flash-mla|sglang-kernel|tilelang|apache-tvm-ffi|torch_memory_saver|kernels"
+CUDA+="|torch|torchvision|torchaudio|torchcodec|av|decord2|deepseek-recipe|tml-renderers|smg-grpc-servicer|py-spy|numba"
+wheel_requirements "$BIN/python" "$WHEEL" "$CUDA" >"$ENV_DIR/sglang-requirements.txt"
 quiet "$BIN/pip" install -q --no-deps "$WHEEL"
 quiet "$BIN/pip" install -q -r "$ENV_DIR/sglang-requirements.txt" pytest hypothesis "torch==$TORCH_VERSION" \
     "torchvision==$TORCHVISION_VERSION"
