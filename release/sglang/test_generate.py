@@ -18,7 +18,9 @@ import pytest
 pytest.importorskip("sglang", reason="needs the SGLang environment (release/sglang/env.sh)")
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent.parent))  # release/: hf_reference.py
 from generate import MODELS, MODES, REQUESTS, generate, results
+from hf_reference import greedy_choices
 
 # Hugging Face in float32 against the simulator's bfloat16 kernels: a token counts as the
 # reference's choice when its logit is within this of the best one (the checkpoints' logits
@@ -51,20 +53,11 @@ def test_the_three_modes_give_identical_greedy_tokens(out_dir: Path, model: str)
 
 @pytest.mark.parametrize("model", MODELS)
 def test_the_tokens_are_hugging_faces_greedy_choices(out_dir: Path, model: str) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     run = _run(out_dir, model, "eager")
-    hf = AutoModelForCausalLM.from_pretrained(out_dir / model, dtype=torch.float32).eval()
-    exact = total = 0
-    for prompt, tokens in zip(run["prompts"], run["tokens"]):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
-        chosen = logits.gather(1, torch.tensor(tokens).view(-1, 1)).view(-1)
-        gap = logits.max(-1).values - chosen
-        assert gap.max().item() <= LOGIT_TOLERANCE, f"prompt {prompt[:4]}...: a token {gap.max():.3f} below the best"
-        exact += int((logits.argmax(-1) == torch.tensor(tokens)).sum())
-        total += len(tokens)
+    choices = greedy_choices(out_dir / model, run["prompts"], run["tokens"])
+    for prompt, (gap, _) in zip(run["prompts"], choices):
+        assert gap <= LOGIT_TOLERANCE, f"prompt {prompt[:4]}...: a token {gap:.3f} below the best"
+    exact, total = sum(n for _, n in choices), sum(len(t) for t in run["tokens"])
     assert exact >= 0.9 * total  # the rest are near-ties bfloat16 may break either way
 
 
