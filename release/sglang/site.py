@@ -9,8 +9,8 @@ replays graphs (SGLang's scheduler) times
   update thread, beside the replay) and npugraph's (``ReplayUpdater._write``);
 
 each less the simulated device's time, counts npugraph's steps, and rewrites
-``DIR/counts-<pid>.json`` after each call (the scheduler is killed at shutdown: nothing
-written at exit would survive).  Unset, it does nothing.
+``DIR/counts-<pid>.json`` after each step's call (the scheduler is killed at shutdown:
+nothing written at exit would survive).  Unset, it does nothing.
 """
 
 from __future__ import annotations
@@ -50,15 +50,11 @@ def _install(folder: str) -> None:
 
     def graphs(module: Any) -> None:  # the simulator's torch_npu.npu.graphs: NPUGraph.update
         cls = module.NPUGraph
-        cls.update = timed(
-            cls, "update", counts["torch_npu_update_seconds"], counts["torch_npu_update_device_calls"], write
-        )
+        cls.update = timed(cls, "update", counts["torch_npu_update_seconds"], counts["torch_npu_update_device_calls"])
 
     def updater(module: Any) -> None:
         cls = module.ReplayUpdater
-        cls._write = timed(
-            cls, "_write", counts["npugraph_update_seconds"], counts["npugraph_update_device_calls"], write
-        )
+        cls._write = timed(cls, "_write", counts["npugraph_update_seconds"], counts["npugraph_update_device_calls"])
 
     def runtime(module: Any) -> None:
         step = module.Runtime.step
@@ -71,7 +67,8 @@ def _install(folder: str) -> None:
 
     def backend(module: Any) -> None:
         # timed per instance, at construction: SGLang's plugins hooked the class by then, so
-        # the call timed is the one SGLang makes (npugraph's hook when the plugin is on)
+        # the call timed is the one SGLang makes (npugraph's hook when the plugin is on); the
+        # counts are written after it, outside every timed call (the updates are inside it)
         cls = module.NPUCudaGraphBackend
         init = cls.__init__
 
