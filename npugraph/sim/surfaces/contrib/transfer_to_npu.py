@@ -117,14 +117,8 @@ def _init() -> None:
         "torch.cuda.* is torch.npu.* now; Tensor.cuda and Module.cuda are npu; device arguments saying cuda "
         "say npu; torch.distributed.init_process_group takes hccl for nccl"
     )
-    for name in getattr(npu, "__all__", ()):
+    for name in npu.__all__:  # torch_npu merges torch.npu's public names into torch.cuda
         setattr(torch.cuda, name, getattr(npu, name))
-    for name in ("synchronize", "current_device", "set_device", "device_count", "is_available", "Stream", "Event",
-                 "current_stream", "stream", "mem_get_info", "empty_cache", "memory_allocated", "memory_reserved",
-                 "max_memory_allocated", "reset_peak_memory_stats", "get_device_name", "get_device_properties",
-                 "graph", "graph_pool_handle", "device"):  # fmt: skip
-        if hasattr(npu, name):
-            setattr(torch.cuda, name, getattr(npu, name))
     torch.cuda.CUDAGraph = npu.NPUGraph  # type: ignore[attr-defined, misc]
     torch.cuda.is_available = lambda: True
     _wrap_all(torch.cuda, _CUDA_FNS)
