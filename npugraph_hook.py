@@ -155,13 +155,16 @@ def _install_triton() -> None:
     """Triton on the simulator (:mod:`npugraph.sim.surfaces.triton_ascend`), wired in as Triton's modules load:
     kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` unless set, the only way they
     run on a CPU), the simulator's backend joins ``triton.backends``, interpreted launches
-    become simulator kernels, and triton-ascend's language extension has a stand-in."""
+    become simulator kernels, block shapes need not be powers of two (as triton-ascend's),
+    bfloat16 arithmetic works on values, and triton-ascend's language extension has a stand-in."""
     if any(isinstance(f, _TritonStandIns) for f in sys.meta_path):
         return
     os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.meta_path.insert(0, _TritonStandIns())
     after_import("triton.backends", _simulator_triton("register_backend"))
+    after_import("triton.language", _simulator_triton("relax_block_shapes"))
     after_import("triton.runtime.interpreter", _simulator_triton("launch_as_kernels"))
+    after_import("triton.runtime.interpreter", _simulator_triton("bfloat16_arithmetic"))
 
 
 def from_pth() -> None:

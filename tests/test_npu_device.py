@@ -509,14 +509,13 @@ def test_after_import_runs_once_the_module_has_executed(tmp_path, monkeypatch):
         sys.modules.pop("npugraph_after_import_probe", None)
 
 
-def test_triton_ascends_language_extension_stand_in_says_what_it_is():
+def test_triton_ascends_language_extension_stand_in_has_what_vllm_ascend_imports():
     from npugraph.sim.surfaces import triton_ascend
 
     ext = triton_ascend.cann_extension()
     assert ext.__name__ == "triton.language.extra.cann.extension"
     for name in ("insert_slice", "extract_slice", "get_element"):
-        with pytest.raises(NotImplementedError, match=f"triton-ascend's {name} is not simulated"):
-            getattr(ext, name)()
+        assert callable(getattr(ext, name))  # each is tested in Triton's interpreter: test_sim_triton_ascend.py
 
 
 def test_install_npu_device_after_install_torch_npu_installs_everything_at_once():
