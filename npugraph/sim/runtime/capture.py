@@ -85,12 +85,23 @@ class CaptureSession:
 
     # host reads
     def check_host_read(self, t: torch.Tensor, how: str) -> None:
-        if t.device.type != "meta" and storage_key(t) in self.pending:
+        if t.device.type == "meta":
+            return
+        if storage_key(t) in self.pending:
             raise CaptureError(
                 f"operation not permitted when stream is capturing: {how} reads a "
                 f"{tuple(t.shape)} {t.dtype} tensor produced inside NPU graph capture on the "
                 "host; its value only exists after replay. Move the host read out of the "
                 "captured region."
+            )
+        if t.device.type == "npu":
+            # a read of device memory to the host is a synchronous copy (rtMemcpy), which a
+            # capture refuses whatever the memory holds (CANN: error 107030), as CUDA does
+            raise CaptureError(
+                f"operation not permitted when stream is capturing: {how} copies a {tuple(t.shape)} "
+                f"{t.dtype} npu tensor to the host, a synchronous device-to-host copy (rtMemcpy), which "
+                "the device refuses during a graph capture (error 107030 on Ascend). Read it before "
+                "the capture, or keep the value on the device."
             )
 
     def alloc(self, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
