@@ -280,3 +280,38 @@ def test_model_tensors_are_not_kept_alive_by_the_runtime():
     gc.collect()
     assert all(r() is None for r in refs)
     assert rt.manager.entry("main", 2).tasks, "the graph is still captured (addresses only)"
+
+
+_MEASURED = """
+import json
+from npugraph import Runtime, sim
+from npugraph.models import Decoder, DecoderConfig
+from npugraph.models.engine import DecodeEngine
+cfg = DecoderConfig(layers=2, num_blocks=64, max_model_len=128)
+rt = Runtime("sim", max_model_len=cfg.max_model_len)
+DecodeEngine(rt, Decoder(cfg, rt), [1, 4, 16, 64]).capture()
+print(json.dumps({"took": {e.tokens: e.memory_bytes for e in rt.manager.entries()},
+                  "pool": sim.pool_bytes(rt.manager._pool), "report": rt.capture_report(),
+                  "manifest": rt.manifest()["totals"]["memory_bytes"]}))
+"""
+
+
+def test_each_capture_says_the_device_memory_it_took_and_smaller_graphs_reuse_the_pool():
+    # measured as a device does it (free memory before and after each capture, as vLLM
+    # does), per size; largest first, so the smaller graphs of the shared pool reuse its
+    # blocks.  Memory freed during a capture counts against it, so in a process of its own
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _MEASURED], capture_output=True, text=True, timeout=300, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    took, pool = {int(k): v for k, v in out["took"].items()}, out["pool"]
+    # what the first capture took is what the pool holds, and a few KiB of npugraph's own
+    assert 0 < pool <= took[64] < pool + 64 * 1024, (took, pool)
+    assert all(took[k] < pool // 10 for k in (16, 4, 1)), took  # reused (a few bytes of npugraph's own)
+    assert (
+        f"device memory {sum(took.values()) / 2**20:.1f} MiB (per size, MiB: 64: {pool / 2**20:.1f}, 16: 0.0"
+        in (out["report"])
+    ), out["report"]
+    assert out["manifest"] == sum(took.values())

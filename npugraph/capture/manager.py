@@ -240,6 +240,8 @@ class CaptureManager:
         npu.graph_task_group_begin(stream)
         spec.launch(self.device, kwargs)
         handle = npu.graph_task_group_end(stream)
+        if hasattr(handle, "label"):  # the simulator names it in fault reports
+            handle.label = f"layer {layer!r}"
         ctx.tasks.append(
             TaskRecord(
                 index=len(ctx.tasks),
@@ -450,10 +452,13 @@ class CaptureManager:
         *,
         sink_refusal: str = "",
         lens_room: tuple[int, int] | None = None,
+        free_before: int | None = None,
     ) -> Any:
         npu = self.device.npu
         for spec in SPECS.values():
             spec.prepare(self.device.memory)
+        if free_before is None:  # a capture done again counts from before its first try
+            free_before = self._free_memory()
         ctx = _Capture(
             namespace=namespace,
             key=key,
@@ -467,6 +472,8 @@ class CaptureManager:
             groups, rows = lens_room or (self._lens_groups.get(namespace, 1), tokens)
             ctx.lens_arena = LensArena.make(self.device.memory, groups, max(rows, tokens))
         graph = npu.NPUGraph()
+        if hasattr(graph, "label"):  # the simulator names it in fault and hang reports
+            graph.label = f"{namespace}/{key!r}"
 
         def again(
             sched: EventSchedule | None, *, refusal: str = sink_refusal, room: tuple[int, int] | None = lens_room
@@ -486,6 +493,7 @@ class CaptureManager:
                 sched,
                 sink_refusal=refusal,
                 lens_room=room,
+                free_before=free_before,
             )
 
         t0 = time.perf_counter()
@@ -562,6 +570,7 @@ class CaptureManager:
                 capture_seconds=time.perf_counter() - t0,
                 pool=self.pool,
                 lens_groups=tuple(ctx.lens_groups.values()),
+                memory_bytes=max(0, free_before - self._free_memory()),
             )
             if self.on_captured is not None:
                 self.on_captured(entry)
@@ -626,8 +635,14 @@ class CaptureManager:
                 self.capture(fn, *args, key=k, namespace=namespace, **kwargs)
         logger.info("npugraph: %s", self.capture_report(namespace, time.perf_counter() - t0))
 
+    def _free_memory(self) -> int:
+        """The device's free memory now (``mem_get_info``: the driver's count on a device,
+        the card's on the simulator; no synchronize): capture measures what it took."""
+        return int(self.device.npu.mem_get_info()[0])
+
     def capture_report(self, namespace: str | None = None, seconds: float | None = None) -> str:
-        """One line on what is captured: graphs, attention tasks, kernels, time, pool memory."""
+        """One line on what is captured: graphs, attention tasks, kernels, time, device memory
+        (per size, what each capture took), pool memory."""
         entries = self.entries(namespace)
         kernels: dict[str, int] = {}
         for e in entries:
@@ -639,9 +654,20 @@ class CaptureManager:
             f"{len(entries)} graphs captured in {where} ({sum(len(e.tasks) for e in entries)} attention tasks; "
             + ", ".join(f"{n} {k}" for k, n in sorted(kernels.items()))
             + f") in {took:.1f} s"
+            + self._memory_said(entries)
             + (f", graph pool {pool / 2**20:.1f} MiB" if pool is not None else "")
             + self._choices_said(entries)
         )
+
+    @staticmethod
+    def _memory_said(entries: Sequence[CapturedGraph]) -> str:
+        """The device memory the captures took, in all and per size (largest first)."""
+        if not entries:
+            return ""
+        taken = sorted(entries, key=lambda e: -e.tokens)
+        mib = [(e.tokens, e.memory_bytes / 2**20) for e in taken]
+        each = ", ".join(f"{t}: {m:.1f}" for t, m in mib[:8]) + (", ..." if len(mib) > 8 else "")
+        return f", device memory {sum(m for _, m in mib):.1f} MiB (per size, MiB: {each})"
 
     def _choices_said(self, entries: Sequence[CapturedGraph]) -> str:
         """What capture chose, and why: each kernel's sizes (with why FIA's lengths are or are

@@ -81,6 +81,10 @@ class CapturedGraph:
     # the device memory its tiling-sink tasks read their lengths and plan from: held here,
     # as the graph reads it on every replay (one per KV-cache group and shape)
     lens_groups: tuple[LensGroup, ...] = ()
+    # the device memory its capture took and kept (the device's free memory before less
+    # after: pool blocks, workspaces, driver memory), never below 0; the first graph of a
+    # shared pool takes the blocks the smaller ones reuse
+    memory_bytes: int = 0
 
     @property
     def layers(self) -> tuple[str, ...]:

@@ -3,9 +3,10 @@
 Schema (``schema_version`` 1)::
 
   {"schema_version": 1, "device": str, "max_model_len": int,
-   "totals": {"graphs", "tasks", "workspace_bytes", "pool_bytes", "output_bytes"},
+   "totals": {"graphs", "tasks", "workspace_bytes", "pool_bytes", "output_bytes", "memory_bytes"},
    "namespaces": {ns: {"keys": [
        {"key": repr, "tokens": int, "batch": int, "capture_seconds": float,
+        "memory_bytes": int (the device memory its capture took; absent in older manifests),
         "pool": [int, int], "kernel": "pa"|"fia", "kernel_reason": str,
         "workspace": {"bytes": int, "shared_by": [task indices]}, "output_bytes": int,
         "replays": int, "steps": int, "replayable": bool, "phase": str (the step phase),
@@ -83,7 +84,7 @@ def build_manifest(
 ) -> dict[str, Any]:
     """Describe every captured graph of ``manager`` (its step state, and its recent updates)."""
     namespaces: dict[str, Any] = {}
-    totals = {"graphs": 0, "tasks": 0, "workspace_bytes": 0, "pool_bytes": 0, "output_bytes": 0}
+    totals = {"graphs": 0, "tasks": 0, "workspace_bytes": 0, "pool_bytes": 0, "output_bytes": 0, "memory_bytes": 0}
     for ns in manager.namespaces():
         keys = []
         for e in manager.entries(ns):
@@ -132,6 +133,7 @@ def build_manifest(
                     "tokens": e.tokens,
                     "batch": e.batch,
                     "capture_seconds": e.capture_seconds,
+                    "memory_bytes": e.memory_bytes,
                     "pool": list(e.pool) if isinstance(e.pool, tuple) else repr(e.pool),
                     "kernel": e.choice.kernel,
                     "kernel_reason": e.choice.reason,
@@ -152,6 +154,7 @@ def build_manifest(
             totals["tasks"] += len(e.tasks)
             totals["workspace_bytes"] += e.workspace_bytes
             totals["output_bytes"] += out_bytes
+            totals["memory_bytes"] += e.memory_bytes
         keys.sort(key=lambda k: int(k["tokens"]))  # type: ignore[call-overload]
         namespaces[ns] = {"keys": keys}
         if ns in manager.configured:

@@ -525,6 +525,31 @@ class ReplayUpdater:
             state.applied[:] = [None] * len(state.applied)
         state.phase = StepPhase.IDLE
 
+    def _release_stuck(self, hang: BaseException) -> bool:
+        """After a hang the device reported (an event record that never landed: a device
+        fault, as npugraph records every event it waits on), record each ExternalEvent one
+        of npugraph's replays is stuck on, so that the device drains; the graph is BROKEN
+        until its next complete step.  Whether the device then drained."""
+        by_graph = {id(e.graph): e for e in self.manager.entries()}
+        stuck = []
+        for blocked in getattr(hang, "blocked", ()):
+            entry = by_graph.get(id(blocked.get("graph")))
+            event = blocked.get("event")
+            if entry is not None and any(t.event is event for t in entry.tasks):
+                stuck.append((entry, event))
+        if not stuck:
+            return False
+        us = self.stream
+        with self.device.npu.stream(us):
+            for entry, event in stuck:
+                event.record(us)
+                self.state(entry).phase = StepPhase.BROKEN
+        try:
+            self.device.npu.synchronize()
+        except Exception:  # still stuck elsewhere: the error already says where
+            return False
+        return True
+
     def replay_faulted(self, entry: CapturedGraph, waits_skipped: Sequence[Any]) -> None:
         """A replay of ``entry`` was cancelled by a device fault: the events whose waits
         it skipped stay recorded; the graph is BROKEN until its next complete step."""
@@ -650,6 +675,11 @@ class ReplayUpdater:
             raise err from exc
         except dev.deadlock_errors as exc:
             err = GraphDeadlock(describe_device_error(self.manager, exc))
+            if self._release_stuck(exc):
+                err = GraphDeadlock(
+                    f"{str(err).rstrip()}\nnpugraph recorded the events its replays waited on (their step's "
+                    "output is lost), so the device drained; those graphs' next steps update every layer."
+                )
             self._report(err, None)
             raise err from exc
         except dev.race_errors as exc:

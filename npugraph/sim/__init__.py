@@ -62,6 +62,7 @@ from npugraph.sim.kernels.fused import _npu_fused_infer_attention_score_out_grap
 from npugraph.sim.kernels.pa import _npu_paged_attention, _npu_paged_attention_get_workspace
 from npugraph.sim.kernels.prefill import _npu_flash_attention_qlens, npu_fusion_attention
 from npugraph.sim.runtime.capture import weak_ref_tensor as _weak_ref_tensor
+from npugraph.sim.runtime.faults import FaultPlan, InjectedFault
 from npugraph.sim.runtime.state import HostCostModel, SimConfig, accept_record_stream, get_state
 from npugraph.sim.runtime.state import reset as _reset
 from npugraph.sim.runtime.taskgroups import NPUTaskGroupHandle
@@ -120,6 +121,7 @@ __all__ = [
     "UpdateMismatchError",
     "UseAfterFree",
     "ReplayFault",
+    "InjectedFault",
     "ConcurrentUpdateError",
 ]
 
@@ -142,12 +144,15 @@ def configure(
     adversarial_seed: int | None = None,
     cost_model: HostCostModel | None = None,
     kernel_time_model: object = None,
+    faults: str | None = None,
 ) -> None:
     """Reset the simulated device with a new configuration.
 
     ``adversarial_seed``: defer work and interleave streams in a seeded random order.
     ``cost_model``: charge modelled host time per device call (benchmarks).
     ``kernel_time_model``: ``f(op_name, params) -> seconds`` of modelled device time.
+    ``faults``: device faults to inject, in ``NPUGRAPH_SIM_FAULT``'s syntax
+    (:mod:`npugraph.sim.runtime.faults`); ``None``: that variable's.
     All queues, counters and streams of the previous device are dropped.
     """
     _reset(
@@ -155,6 +160,7 @@ def configure(
             adversarial_seed=adversarial_seed,
             cost_model=cost_model,
             kernel_time_model=kernel_time_model,
+            faults=FaultPlan.from_env() if faults is None else FaultPlan.parse(faults),
         )
     )
 

@@ -44,6 +44,7 @@ class _NPUGraph:
 
     def __init__(self) -> None:
         self.graph_id = rt._new_id()
+        self.label: str | None = None  # simulator-only: its capturer's name for it, in error messages
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -58,7 +59,7 @@ class _NPUGraph:
         self._session: CaptureSession | None = None
 
     def __repr__(self) -> str:
-        return f"<sim.npu.NPUGraph #{self.graph_id}>"
+        return f"<sim.npu.NPUGraph #{self.graph_id}" + (f" [{self.label}]>" if self.label else ">")
 
     def capture_begin(self, pool: tuple[int, int] | None = None, capture_error_mode: str = "global") -> None:
         """Begin recording the current stream's work into this graph.

@@ -16,6 +16,12 @@ from npugraph.sim.runtime.memory import ArgRef, check_refs
 __all__ = ["OpNode", "KernelTask", "ExtWaitNode", "ExtRecordNode", "GraphRun", "storage_key"]
 
 
+def graph_name(graph: Any) -> str:
+    """``graph #N``, with the label its capturer gave it (simulator-only, for error messages)."""
+    label = getattr(graph, "label", None)
+    return f"graph #{graph.graph_id}" + (f" [{label}]" if label else "")
+
+
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -43,7 +49,7 @@ class OpNode:
 
     def run(self) -> None:
         if self.refs:
-            check_refs(self.refs, f"replay of graph #{self.graph.graph_id}: aten op {self.func}")
+            check_refs(self.refs, f"replay of {graph_name(self.graph)}: aten op {self.func}")
         t0 = time.perf_counter()
         run_planned(self.func, *self.on_host)
         rt.get_state().device_clock += time.perf_counter() - t0
@@ -71,6 +77,7 @@ class KernelTask:
     def run(self) -> None:
         where = self.describe()
         check_refs(self.refs, where)
+        rt.get_state().injected.replayed_kernel(self.op.name, where)
         try:
             self.op.execute(self.params, where=where)
         except ValueError as exc:  # a kernel's own argument check: say which node of which graph
@@ -80,8 +87,11 @@ class KernelTask:
             self.group.executions += 1
 
     def describe(self) -> str:
-        g = f" (task group #{self.group.group_id})" if self.group else ""
-        return f"{self.op.qualname} at node {self.index} of graph #{self.graph.graph_id}{g}"
+        group = self.group
+        g = ""
+        if group is not None:
+            g = f" (task group #{group.group_id}" + (f" [{group.label}])" if group.label else ")")
+        return f"{self.op.qualname} at node {self.index} of {graph_name(self.graph)}{g}"
 
 
 class ExtWaitNode:
@@ -166,7 +176,7 @@ class GraphRun:
         if isinstance(node, ExtWaitNode):
             skipped = (node.event, *skipped)
         fault = ReplayFault(
-            f"replay of graph #{self.graph.graph_id} failed at node {self.pc} ({node.describe()}); the rest of "
+            f"replay of {graph_name(self.graph)} failed at node {self.pc} ({node.describe()}); the rest of "
             f"the replay was cancelled: {type(exc).__name__}: {exc}",
             graph=self.graph,
             node=self.pc,
@@ -183,7 +193,7 @@ class GraphRun:
     def describe(self) -> dict[str, Any]:
         node = self.nodes[self.pc]
         group = getattr(node, "group", None)
-        text = f"replay of graph #{self.graph.graph_id} at node {self.pc}: {node.describe()}"
+        text = f"replay of {graph_name(self.graph)} at node {self.pc}: {node.describe()}"
         if isinstance(node, ExtWaitNode):
             text += ", which is never recorded"
             if group is not None and group.task is not None:

@@ -27,6 +27,7 @@ import attrs
 
 from npugraph.sim.errors import CaptureError, DeadlockError, RaceError, ReplayFault
 from npugraph.sim.runtime.eager import EagerOrdering
+from npugraph.sim.runtime.faults import FaultPlan, Faults
 from npugraph.sim.runtime.memory import Memory
 
 __all__ = [
@@ -87,12 +88,14 @@ class SimConfig:
     streams are interleaved in a seeded random order consistent with their
     dependencies, so missing ordering shows up as wrong results or typed errors.
     ``cost_model`` charges host time per device call (benchmarks only).
+    ``faults``: device faults to inject (:mod:`.faults`); by default ``NPUGRAPH_SIM_FAULT``'s.
     """
 
     adversarial_seed: int | None = None
     cost_model: HostCostModel | None = None
     # f(op_name, params) -> seconds of device time per kernel; None: the kernel's wall time
     kernel_time_model: Any = None
+    faults: FaultPlan | None = attrs.field(factory=FaultPlan.from_env)
 
 
 class _Work(Protocol):
@@ -132,6 +135,7 @@ class SimState:
         # Replay faults (kernel errors inside a replay) waiting for the next synchronize,
         # which reports them as hardware does: a replay is asynchronous.
         self.faults: list[Any] = []
+        self.injected = Faults(config.faults)  # faults to inject, and the counts toward them
         # host seconds spent executing device work (replays, kernels, updates landing): on
         # the simulator the device runs on the CPU, inside whichever host call unblocks it
         self.busy_s = 0.0
@@ -564,7 +568,10 @@ class _ExternalRecord:
 
 
 def fire_external_record(event: ExternalEvent, where: str = "") -> None:
-    """Set the flag; a record that lands while it is already set is lost."""
+    """Set the flag; a record that lands while it is already set is lost (and so is one
+    an injected ``lost-record`` fault takes)."""
+    if get_state().injected.record_lost():
+        return
     if event._flag:
         raise RaceError(
             f"{external_event_name(event)} was recorded {where} while its flag was already set: "

@@ -40,6 +40,7 @@ class TaskGroup:
         self.pending_update = False
         self.executions = 0
         self.updates = 0
+        self.label: str | None = None  # simulator-only: its capturer's name for it, in error messages
 
     def __repr__(self) -> str:
         op = self.task.op.qualname if self.task else "empty"
@@ -56,6 +57,15 @@ class NPUTaskGroupHandle:
 
     def __repr__(self) -> str:
         return f"<_NPUTaskGroupHandle #{self._group.group_id}>"
+
+    @property
+    def label(self) -> str | None:
+        """Simulator-only: a name for the group in the device's error messages (a runtime's layer)."""
+        return self._group.label
+
+    @label.setter
+    def label(self, value: str | None) -> None:
+        self._group.label = value
 
 
 class _TaskUpdate:
