@@ -1,16 +1,79 @@
-"""What the release environment runs at interpreter start (``ascend_site.pth``), for the one
-piece of vllm-ascend it cannot have: ``vllm_ascend_C``, its C++ custom ops (built against CANN).
+"""What the release environment runs at interpreter start (``ascend_site.pth``): what an
+Ascend host settles by being one, and, for release/generate.py only, its counts.
 
-vllm-ascend decides lazily whether its custom ops exist (``vllm_ascend.utils.enable_custom_op``,
-cached): it imports ``vllm_ascend.vllm_ascend_C`` the first time a layer asks.  With
-``torch.compile`` (vllm-ascend's ACL graph mode) that first time is inside Dynamo's trace,
-where an import that fails stops the compilation.  On an Ascend host the import succeeds;
-here it cannot, so the answer ("disabled", logged once) is settled as soon as
-``vllm_ascend.utils`` is imported, outside any trace.
+* ``vllm_ascend_C``, vllm-ascend's C++ custom ops (built against CANN), cannot be here.
+  vllm-ascend decides lazily whether they exist (``vllm_ascend.utils.enable_custom_op``,
+  cached): it imports ``vllm_ascend.vllm_ascend_C`` the first time a layer asks.  With
+  ``torch.compile`` (vllm-ascend's ACL graph mode) that first time is inside Dynamo's trace,
+  where an import that fails stops the compilation.  On an Ascend host the import succeeds;
+  here it cannot, so the answer ("disabled", logged once) is settled as soon as
+  ``vllm_ascend.utils`` is imported, outside any trace.
+* torch reads a set ``CI`` variable as "this is torch's own CI" and then turns its
+  deprecation of custom ops that return an input (vllm-ascend 0.23.0.post1's
+  ``maybe_pad_and_reduce`` at TP 1) from a warning into an error.  A user's host (or a CI
+  of theirs that is not torch's) gets the warning: so does this environment, whatever
+  ``CI`` says, unless ``TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING`` is set by hand.
+* With ``NPUGRAPH_VLLM_COUNTS=DIR`` (release/generate.py), the process that runs the model
+  (vLLM's EngineCore) times each per-step graph update, vllm-ascend's
+  ``update_full_graph_params`` and npugraph's ``ReplayUpdater._write``, counts npugraph's
+  steps and keeps its capture report, into ``DIR/counts-<pid>.json`` (release/engine_counts.py).
+* With ``NPUGRAPH_VLLM_FAULT=host-copy`` (release/test_faults.py), each Llama MLP calls a
+  custom op that reads a value to the host while a graph is being captured: a model whose
+  layer copies to the host under capture (on a device, ``rtMemcpy`` fails with 107030).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
 from npugraph_hook import after_import
 
+os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "0")
 after_import("vllm_ascend.utils", lambda utils: utils.enable_custom_op())
+
+
+def _count(folder: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # release/: engine_counts.py
+    from engine_counts import EngineCounts
+
+    counts = EngineCounts(folder)
+
+    def acl_graph(module: Any) -> None:
+        # replaced as the module finishes loading: every vllm-ascend module that imports the
+        # name by value (``from ...acl_graph import update_full_graph_params``) gets this one
+        module.update_full_graph_params = counts.time(module, "update_full_graph_params", "vllm_ascend_update")
+
+    after_import("vllm_ascend.compilation.acl_graph", acl_graph)
+    counts.npugraph(after_import, write_each_step=True)
+
+
+def _host_copy_in_every_mlp(llama: Any) -> None:
+    import torch
+
+    # a custom op, as a vendor kernel is: torch.compile keeps it opaque, so its Python runs
+    # at every call of the compiled model, the graph capture's included
+    @torch.library.custom_op("npugraph_release::host_peek", mutates_args=(), schema="(Tensor x) -> Tensor")
+    def host_peek(x: torch.Tensor) -> torch.Tensor:
+        if torch.npu.is_current_stream_capturing():
+            x.flatten()[0].item()  # a read to the host of a value only the replay will have
+        return x.clone()
+
+    @host_peek.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    forward = llama.LlamaMLP.forward
+
+    def peeking(self: Any, x: torch.Tensor) -> torch.Tensor:
+        return forward(self, torch.ops.npugraph_release.host_peek(x))
+
+    llama.LlamaMLP.forward = peeking
+
+
+if os.environ.get("NPUGRAPH_VLLM_COUNTS"):
+    _count(os.environ["NPUGRAPH_VLLM_COUNTS"])
+if os.environ.get("NPUGRAPH_VLLM_FAULT") == "host-copy":
+    after_import("vllm.model_executor.models.llama", _host_copy_in_every_mlp)

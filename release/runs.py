@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-__all__ = ["clear_results", "run_logged"]
+__all__ = ["clear_results", "result_path", "results", "run_logged"]
 
 
 def clear_results(out_dir: Path) -> None:
@@ -25,3 +25,17 @@ def run_logged(args: list[str], out: Path, env: dict[str, str], what: str) -> No
     log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"generate.py {what} failed (log: {log}):\n{done.stderr[-6000:]}")
+
+
+def result_path(out_dir: Path, model: str, mode: str, run: int = 1) -> Path:
+    """Where run ``run`` (from 1) of ``model`` in ``mode`` writes its result:
+    ``llama.npugraph.json``, ``llama.npugraph.run2.json``, ..."""
+    return out_dir / (f"{model}.{mode}.json" if run == 1 else f"{model}.{mode}.run{run}.json")
+
+
+def results(out_dir: Path, model: str, mode: str) -> list[Path]:
+    """Every run's result of ``model`` in ``mode`` in ``out_dir``, in run order (up to a gap)."""
+    found = []
+    while (path := result_path(out_dir, model, mode, len(found) + 1)).is_file():
+        found.append(path)
+    return found

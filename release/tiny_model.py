@@ -1,15 +1,25 @@
 """The tiny checkpoints the real generations serve (release/generate.py, release/sglang/generate.py):
-2 layers, GQA 4:2, head 64, seeded weights, written by Hugging Face transformers."""
+2 layers, GQA 4:2, head 64 unless asked, seeded weights, written by Hugging Face transformers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write", "write_tokenizer"]
+__all__ = ["checkpoint", "write", "write_tokenizer"]
 
 
-def write(path: Path, config_cls: Any, model_cls: Any, dtype: Any, vocab: int) -> None:
+def checkpoint(path: Path, arch: str, vocab: int, head_dim: int = 64) -> None:
+    """A tiny ``arch`` (``llama`` or ``qwen3``: q/k norms) in bfloat16 with its tokenizer at ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    write(path, *classes, torch.bfloat16, vocab, head_dim)
+    write_tokenizer(path, vocab)
+
+
+def write(path: Path, config_cls: Any, model_cls: Any, dtype: Any, vocab: int, head_dim: int = 64) -> None:
     """``model_cls(config_cls(...))`` with seed 0 in ``dtype``, as safetensors at ``path`` (kept if there)."""
     if (path / "config.json").exists():
         return
@@ -21,7 +31,7 @@ def write(path: Path, config_cls: Any, model_cls: Any, dtype: Any, vocab: int) -
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,
+        head_dim=head_dim,
         vocab_size=vocab,
         max_position_embeddings=1024,
         rms_norm_eps=1e-6,

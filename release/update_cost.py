@@ -1,7 +1,7 @@
 """The per-step graph update on the real engine: vllm-ascend's own (``update_full_graph_params``)
-against npugraph's, from the runs of release/generate.py in the two graph modes (release/run.sh).
+against npugraph's, from the Llama's runs of release/generate.py in the two graph modes (release/run.sh).
 
-    update_cost.py RESULTS_DIR     (reads each run's aclgraph and npugraph results, writes update-cost.json)
+    update_cost.py RESULTS_DIR     (reads each run's llama aclgraph and npugraph results, writes update-cost.json)
 
 Simulator host time: each update call's wall time less the simulated device's, on this
 machine's CPU; the simulator's own Python costs are in it, an NPU host's driver costs are
@@ -72,12 +72,12 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.splitlines()[3].strip(), file=sys.stderr)
         return 2
-    import generate  # this folder's: the results' names
+    import runs  # this folder's: the results' names
 
     results = Path(argv[1])
-    pairs = list(zip(generate.results(results, "aclgraph"), generate.results(results, "npugraph")))
+    pairs = list(zip(runs.results(results, "llama", "aclgraph"), runs.results(results, "llama", "npugraph")))
     if not pairs:
-        print(f"update_cost.py: no aclgraph.json and npugraph.json in {results}", file=sys.stderr)
+        print(f"update_cost.py: no llama.aclgraph.json and llama.npugraph.json in {results}", file=sys.stderr)
         return 2
     rows = []
     for acl_path, npg_path in pairs:

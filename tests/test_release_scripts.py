@@ -67,9 +67,9 @@ def _release_module(name):
 def _write_run(tmp_path, run, ascend, npugraph):
     import json
 
-    generate = _release_module("generate")
-    generate.result_path(tmp_path, "aclgraph", run).write_text(json.dumps({"vllm_ascend_update_seconds": ascend}))
-    generate.result_path(tmp_path, "npugraph", run).write_text(json.dumps({"npugraph_update_seconds": npugraph}))
+    runs = _release_module("runs")
+    runs.result_path(tmp_path, "llama", "aclgraph", run).write_text(json.dumps({"vllm_ascend_update_seconds": ascend}))
+    runs.result_path(tmp_path, "llama", "npugraph", run).write_text(json.dumps({"npugraph_update_seconds": npugraph}))
 
 
 def test_the_update_cost_row_is_a_ratio_of_medians_with_its_interval(tmp_path, capsys):
@@ -122,11 +122,11 @@ def test_update_cost_and_generate_refuse_what_they_cannot_use(tmp_path, capsys):
     update_cost = _release_module("update_cost")
     generate = _release_module("generate")
     assert update_cost.main(["update_cost.py", str(tmp_path)]) == 2  # no results there
-    assert "no aclgraph.json" in capsys.readouterr().err
+    assert "no llama.aclgraph.json" in capsys.readouterr().err
     assert generate.main(["generate.py", str(tmp_path), "0"]) == 2  # zero runs: usage, nothing run
     assert generate.main(["generate.py", str(tmp_path), "x", "y", "z"]) == 2
     assert not list(tmp_path.iterdir())
     # a second run's name does not shadow the first's, and results() stops at a gap
     _write_run(tmp_path, 1, [1e-6, 2e-6], [1e-6, 2e-6])
     _write_run(tmp_path, 3, [1e-6, 2e-6], [1e-6, 2e-6])
-    assert [p.name for p in generate.results(tmp_path, "aclgraph")] == ["aclgraph.json"]
+    assert [p.name for p in _release_module("runs").results(tmp_path, "llama", "aclgraph")] == ["llama.aclgraph.json"]

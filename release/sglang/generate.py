@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: tiny_model.py, runs.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: tiny_model.py, runs.py, engine_counts.py
+import engine_counts
 import tiny_model
-from runs import clear_results, run_logged
+from runs import clear_results, result_path, run_logged
 
 MODES = ("eager", "sglang", "npugraph")
 MODELS = ("llama", "qwen3")
@@ -53,12 +54,7 @@ REQUESTS = [
 
 def write_model(path: Path, arch: str) -> None:
     """A tiny Llama or Qwen3 (release/tiny_model.py), bfloat16, with its tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
-    tiny_model.write(path, *classes, torch.bfloat16, VOCAB)
-    tiny_model.write_tokenizer(path, VOCAB)
+    tiny_model.checkpoint(path, arch, VOCAB)
 
 
 def prompts() -> list[list[int]]:
@@ -107,9 +103,7 @@ def run(model: Path, mode: str) -> dict[str, Any]:
     finally:
         seconds = time.perf_counter() - t0
         engine.shutdown()
-    counts: dict[str, Any] = {}
-    for path in counts_dir.glob("counts-*.json"):  # the scheduler's (the only process that updates)
-        counts = json.loads(path.read_text())
+    counts = engine_counts.read(counts_dir)  # the scheduler's (the only process that updates)
     return {
         "mode": mode,
         "model": model.name,
@@ -125,19 +119,6 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         "torch_npu_update_device_calls": counts.get("torch_npu_update_device_calls", {}),
         "npugraph_update_device_calls": counts.get("npugraph_update_device_calls", {}),
     }
-
-
-def result_path(out_dir: Path, model: str, mode: str, run: int = 1) -> Path:
-    """Where run ``run`` (from 1) of ``model`` in ``mode`` writes its result."""
-    return out_dir / (f"{model}.{mode}.json" if run == 1 else f"{model}.{mode}.run{run}.json")
-
-
-def results(out_dir: Path, model: str, mode: str) -> list[Path]:
-    """Every run's result of ``model`` in ``mode`` in ``out_dir``, in run order."""
-    found = []
-    while (path := result_path(out_dir, model, mode, len(found) + 1)).is_file():
-        found.append(path)
-    return found
 
 
 def generate(out_dir: Path, runs: int = 1) -> None:

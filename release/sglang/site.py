@@ -9,14 +9,11 @@ replays graphs (SGLang's scheduler) times
   update thread, beside the replay) and npugraph's (``ReplayUpdater._write``);
 
 each less the simulated device's time, counts npugraph's steps, and rewrites
-``DIR/counts-<pid>.json`` after each step's call (the scheduler is killed at shutdown:
-nothing written at exit would survive).  Unset, it does nothing.
+``DIR/counts-<pid>.json`` after each step's call (release/engine_counts.py).  Unset, it does nothing.
 """
 
 from __future__ import annotations
 
-import collections
-import json
 import os
 import sys
 from pathlib import Path
@@ -26,44 +23,16 @@ _DIR = os.environ.get("NPUGRAPH_SGLANG_COUNTS")
 
 
 def _install(folder: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: timing.py
-    from timing import timed
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: engine_counts.py
+    from engine_counts import EngineCounts
 
     from npugraph_hook import after_import
 
-    counts: dict[str, Any] = {
-        "graph_step_seconds": [],
-        "graph_step_wall_seconds": [],
-        "graph_step_device_calls": collections.Counter(),
-        "torch_npu_update_seconds": [],
-        "npugraph_update_seconds": [],
-        "npugraph_steps": 0,
-        "torch_npu_update_device_calls": collections.Counter(),
-        "npugraph_update_device_calls": collections.Counter(),
-    }
-    path = Path(folder) / f"counts-{os.getpid()}.json"
-
-    def write() -> None:
-        path.write_text(
-            json.dumps({k: dict(v) if isinstance(v, collections.Counter) else v for k, v in counts.items()})
-        )
+    counts = EngineCounts(folder)
 
     def graphs(module: Any) -> None:  # the simulator's torch_npu.npu.graphs: NPUGraph.update
         cls = module.NPUGraph
-        cls.update = timed(cls, "update", counts["torch_npu_update_seconds"], counts["torch_npu_update_device_calls"])
-
-    def updater(module: Any) -> None:
-        cls = module.ReplayUpdater
-        cls._write = timed(cls, "_write", counts["npugraph_update_seconds"], counts["npugraph_update_device_calls"])
-
-    def runtime(module: Any) -> None:
-        step = module.Runtime.step
-
-        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-            counts["npugraph_steps"] += 1
-            return step(self, *args, **kwargs)
-
-        module.Runtime.step = counted
+        cls.update = counts.time(cls, "update", "torch_npu_update", write=False)
 
     def backend(module: Any) -> None:
         # timed per instance, at construction: SGLang's plugins hooked the class by then, so
@@ -74,21 +43,15 @@ def _install(folder: str) -> None:
 
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **kwargs)
-            self.replay_with_input_update = timed(
-                self,
-                "replay_with_input_update",
-                counts["graph_step_seconds"],
-                counts["graph_step_device_calls"],
-                write,
-                counts["graph_step_wall_seconds"],
+            self.replay_with_input_update = counts.time(
+                self, "replay_with_input_update", "graph_step", walls="graph_step_wall_seconds"
             )
 
         cls.__init__ = __init__
 
     after_import("sglang.srt.hardware_backend.npu.graph_runner.npu_cudagraph_backend", backend)
     after_import("npugraph.sim.surfaces.graphs", graphs)
-    after_import("npugraph.replay.updater", updater)
-    after_import("npugraph.runtime", runtime)
+    counts.npugraph(after_import, write_each_step=False)
 
 
 if _DIR:

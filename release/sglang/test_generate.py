@@ -18,9 +18,10 @@ import pytest
 pytest.importorskip("sglang", reason="needs the SGLang environment (release/sglang/env.sh)")
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(1, str(Path(__file__).parent.parent))  # release/: hf_reference.py
-from generate import MODELS, MODES, REQUESTS, generate, results
+sys.path.insert(1, str(Path(__file__).parent.parent))  # release/: hf_reference.py, runs.py
+from generate import MODELS, MODES, REQUESTS, generate
 from hf_reference import greedy_choices
+from runs import results
 
 # Hugging Face in float32 against the simulator's bfloat16 kernels: a token counts as the
 # reference's choice when its logit is within this of the best one (the checkpoints' logits

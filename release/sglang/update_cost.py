@@ -29,7 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import generate  # this folder's: the results' names
+import generate  # noqa: F401 - this folder's: puts release/ on the path
+from runs import results as run_results  # release/'s: the results' names
 
 _spec = importlib.util.spec_from_file_location("release_update_cost", Path(__file__).parent.parent / "update_cost.py")
 assert _spec is not None and _spec.loader is not None
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.splitlines()[4].strip(), file=sys.stderr)
         return 2
     results = Path(argv[1])
-    pairs = list(zip(generate.results(results, "llama", "sglang"), generate.results(results, "llama", "npugraph")))
+    pairs = list(zip(run_results(results, "llama", "sglang"), run_results(results, "llama", "npugraph")))
     if not pairs:
         print(f"update_cost.py: no llama.sglang.json and llama.npugraph.json in {results}", file=sys.stderr)
         return 2

@@ -1,0 +1,86 @@
+"""What a real generation measures inside the engine's own process (release/ascend_site.py for
+vLLM, release/sglang/site.py for SGLang): each engine runs its model in a process of its own
+(vLLM's EngineCore, SGLang's scheduler), so the counts are kept there, by hooks installed at
+interpreter start, and written to ``DIR/counts-<pid>.json`` after each timed call (the engine
+process is killed at shutdown: nothing written at exit would survive).  The generation script
+reads them back with :func:`read`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from timing import timed  # this folder's
+
+__all__ = ["EngineCounts", "read"]
+
+
+class EngineCounts:
+    """One engine process's counts: lists of seconds and counters of device calls, by name."""
+
+    def __init__(self, folder: str) -> None:
+        self.values: dict[str, Any] = {
+            "npugraph_update_seconds": [],
+            "npugraph_update_device_calls": collections.Counter(),
+            "npugraph_steps": 0,
+            "npugraph_capture_report": [],
+        }
+        self.folder = Path(folder)
+
+    def write(self) -> None:
+        # the pid at the write: vLLM forks its engine process from the one that installed this
+        values = {k: dict(v) if isinstance(v, collections.Counter) else v for k, v in self.values.items()}
+        (self.folder / f"counts-{os.getpid()}.json").write_text(json.dumps(values))
+
+    def time(self, owner: Any, name: str, key: str, walls: str | None = None, write: bool = True) -> Any:
+        """``owner.name`` timed into ``key_seconds`` (and its device calls into
+        ``key_device_calls``, its whole wall times into ``walls``), the counts written after
+        each call unless ``write`` is false."""
+        seconds = self.values.setdefault(f"{key}_seconds", [])
+        calls = self.values.setdefault(f"{key}_device_calls", collections.Counter())
+        wall = self.values.setdefault(walls, []) if walls else None
+        return timed(owner, name, seconds, calls, self.write if write else None, wall)
+
+    def npugraph(self, after_import: Callable[[str, Callable[[Any], None]], None], write_each_step: bool) -> None:
+        """npugraph's side, wherever it runs: each per-step update (``ReplayUpdater._write``)
+        timed, each step counted, and each runtime's capture report at its first step; the
+        counts written after each step if ``write_each_step`` (not where the step runs inside
+        a call the caller times: the write would land inside it)."""
+
+        def updater(module: Any) -> None:
+            cls = module.ReplayUpdater
+            cls._write = self.time(cls, "_write", "npugraph_update", write=False)
+
+        def runtime(module: Any) -> None:
+            step = module.Runtime.step
+            seen: list[Any] = []
+
+            def counted(runtime: Any, *args: Any, **kwargs: Any) -> Any:
+                if not any(r is runtime for r in seen):
+                    seen.append(runtime)
+                    self.values["npugraph_capture_report"].append(runtime.capture_report())
+                try:
+                    return step(runtime, *args, **kwargs)
+                finally:
+                    self.values["npugraph_steps"] += 1
+                    if write_each_step:
+                        self.write()
+
+            module.Runtime.step = counted
+
+        after_import("npugraph.replay.updater", updater)
+        after_import("npugraph.runtime", runtime)
+
+
+def read(folder: Path) -> dict[str, Any]:
+    """The counts of the one engine process that wrote any in ``folder`` (``{}`` if none did);
+    two processes that both counted are an error (the generation is one engine, one model process)."""
+    found = sorted(folder.glob("counts-*.json"))
+    if len(found) > 1:
+        raise RuntimeError(f"more than one engine process counted in {folder}: {[p.name for p in found]}")
+    return json.loads(found[0].read_text()) if found else {}
