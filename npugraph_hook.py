@@ -95,10 +95,12 @@ class _TorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``then(module)`` once the module ``name`` has been executed, wherever it is imported from."""
+    """Runs each of ``thens`` on the module ``name`` once it has been executed, wherever it
+    is imported from, in the order they were asked for (one finder per name: a second
+    finder for the same name would never be asked, as the first answers)."""
 
     def __init__(self, name: str, then: Callable[[Any], None]) -> None:
-        self.name, self.then = name, then
+        self.name, self.thens = name, [then]
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if name != self.name:
@@ -106,18 +108,24 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
-        run, then = spec.loader.exec_module, self.then
+        run, thens = spec.loader.exec_module, self.thens
 
         def exec_module(module: Any) -> None:
             run(module)
-            then(module)
+            for then in thens:
+                then(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
 def after_import(name: str, then: Callable[[Any], None]) -> None:
-    """Call ``then(module)`` when ``name`` is first imported (before whoever imported it goes on)."""
+    """Call ``then(module)`` when ``name`` is first imported (before whoever imported it goes
+    on), after whatever was asked for ``name`` before."""
+    for finder in sys.meta_path:
+        if isinstance(finder, _AfterImport) and finder.name == name:
+            finder.thens.append(then)
+            return
     sys.meta_path.insert(0, _AfterImport(name, then))
 
 

@@ -501,9 +501,11 @@ def test_after_import_runs_once_the_module_has_executed(tmp_path, monkeypatch):
     before = list(sys.meta_path)
     try:
         npugraph_hook.after_import("npugraph_after_import_probe", lambda m: seen.append(m.VALUE + 1))
+        # a second wish for the same module runs too, after the first (one finder answers a name)
+        npugraph_hook.after_import("npugraph_after_import_probe", lambda m: seen.append(m.VALUE + 2))
         import npugraph_after_import_probe  # noqa: F401
 
-        assert seen == [42]
+        assert seen == [42, 43]
     finally:
         sys.meta_path[:] = before
         sys.modules.pop("npugraph_after_import_probe", None)

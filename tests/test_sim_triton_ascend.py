@@ -123,3 +123,19 @@ def test_a_slice_past_the_block_is_refused_not_clipped() -> None:
     # and the device serves on
     pick[(1,)](x + 1, torch.tensor([0, 1], dtype=torch.int32, device="npu"), out, N=32, K=4, STRIDE=3)
     assert out.cpu().tolist() == [1.0] * 5
+
+
+def test_a_launch_inside_a_capture_is_one_node_replayed_on_the_memory_of_the_moment() -> None:
+    # every hook on Triton's interpreter at once: launches as simulator kernels (captured),
+    # bfloat16 on values, triton-ascend's slices
+    x = torch.zeros(4, 16, dtype=torch.bfloat16, device="npu")
+    out = torch.empty(4, 16, dtype=torch.bfloat16, device="npu")
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g):
+        rotate_halves[(1,)](x, out, ROWS=4, COLS=16, HALF=8)
+    for scale in (1.0, 3.0):
+        src = torch.randn(4, 16, dtype=torch.bfloat16) * scale
+        x.copy_(src.to("npu"))
+        g.replay()
+        torch.npu.synchronize()
+        assert torch.equal(out.cpu(), torch.cat([-src[:, 8:], src[:, :8]], dim=1))
