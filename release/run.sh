@@ -10,7 +10,9 @@
 #      ACL graph mode and npugraph's plugin, each in its own process, the Llama's graph modes twice;
 #      release/test_generate.py checks that every run's tokens are identical and Hugging
 #      Face's, and that npugraph did every update; release/update_cost.py prints the
-#      per-step update cost of the two graph modes, per run, and what the runs support.
+#      per-step update cost of the two graph modes, per run, and what the runs support;
+#   5. three faults in a real engine (release/test_faults.py): a host copy inside a layer
+#      under capture, a kernel fault at replay, an event record the device loses.
 # Fails if any of them fails.
 set -euo pipefail
 
@@ -47,6 +49,13 @@ echo "== npugraph's plugin against vllm-ascend $(basename "$SRC")"
     -p no:cacheprovider tests/test_vllm_ascend.py -k real_vllm_ascend) || status=1
 echo "== triton-ascend's language extension in Triton's interpreter (vllm-ascend's fused kernels use it)"
 (cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_sim_triton_ascend.py) || status=1
+echo "== vllm-ascend's own test of its fused q/k-norm + rope Triton kernel (its nightly's; 1 and 16 tokens)"
+OPS="$RESULTS/ops"
+mkdir -p "$OPS"
+cp "$SRC/tests/e2e/nightly/single_node/ops/singlecard_ops/triton/test_split_qkv_rmsnorm_rope.py" "$OPS/"
+cp "$HERE/conftest_ops.py" "$OPS/conftest.py"
+# 1,024 and 10,240 tokens left out: Triton's interpreter runs them for hours
+(cd "$OPS" && "$PYTHON" -m pytest -q -p no:cacheprovider test_split_qkv_rmsnorm_rope.py -k "not 1024") || status=1
 
 echo "== a real generation on vllm-ascend's platform: eager, ACL graph, npugraph"
 GENERATED="$RESULTS/generate"
@@ -58,4 +67,8 @@ mkdir -p "$GENERATED"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider release/test_generate.py) \
     || status=1
 "$PYTHON" "$HERE/update_cost.py" "$GENERATED" || status=1
+
+echo "== faults in a real engine (npugraph's plugin): each ends the engine cleanly and says where"
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider release/test_faults.py) \
+    || status=1
 exit $status
