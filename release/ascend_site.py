@@ -15,8 +15,9 @@ Ascend host settles by being one, and, for release/generate.py only, its counts.
   ``CI`` says, unless ``TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING`` is set by hand.
 * With ``NPUGRAPH_VLLM_COUNTS=DIR`` (release/generate.py), the process that runs the model
   (vLLM's EngineCore) times each per-step graph update, vllm-ascend's
-  ``update_full_graph_params`` and npugraph's ``ReplayUpdater._write``, counts npugraph's
-  steps and keeps its capture report, into ``DIR/counts-<pid>.json`` (release/engine_counts.py).
+  ``update_full_graph_params`` and npugraph's ``ReplayUpdater._write``, counts the steps
+  vllm-ascend runs as a full graph and npugraph's steps, and keeps npugraph's capture
+  report, into ``DIR/counts-<pid>.json`` (release/engine_counts.py).
 * With ``NPUGRAPH_VLLM_FAULT=host-copy`` (release/test_faults.py), each Llama MLP calls a
   custom op that reads a value to the host while a graph is being captured: a model whose
   layer copies to the host under capture (on a device, ``rtMemcpy`` fails with 107030).
@@ -46,16 +47,36 @@ def _count(folder: str) -> None:
         # name by value (``from ...acl_graph import update_full_graph_params``) gets this one
         module.update_full_graph_params = counts.time(module, "update_full_graph_params", "vllm_ascend_update")
 
+    def model_runner(module: Any) -> None:
+        # vllm-ascend's own decision that a step replays a full graph (in both graph modes:
+        # under npugraph's plugin the update it then calls is npugraph's no-op)
+        cls = module.NPUModelRunner
+        decide = cls._update_full_graph_params_if_needed
+        counts.values["graph_steps"] = 0
+
+        def counted(self: Any, forward_context: Any, *args: Any, **kwargs: Any) -> Any:
+            if forward_context.cudagraph_runtime_mode.name == "FULL" and not forward_context.capturing:
+                counts.values["graph_steps"] += 1
+            try:
+                return decide(self, forward_context, *args, **kwargs)
+            finally:
+                counts.write()
+
+        cls._update_full_graph_params_if_needed = counted
+
     after_import("vllm_ascend.compilation.acl_graph", acl_graph)
+    after_import("vllm_ascend.worker.model_runner_v1", model_runner)
     counts.npugraph(after_import, write_each_step=True)
 
 
 def _host_copy_in_every_mlp(llama: Any) -> None:
     import torch
 
-    # a custom op, as a vendor kernel is: torch.compile keeps it opaque, so its Python runs
-    # at every call of the compiled model, the graph capture's included
-    @torch.library.custom_op("npugraph_release::host_peek", mutates_args=(), schema="(Tensor x) -> Tensor")
+    # a custom op for the npu device, as vLLM registers its own: torch.compile keeps it
+    # opaque, so its Python runs at every call of the compiled model, the capture's included
+    @torch.library.custom_op(
+        "npugraph_release::host_peek", mutates_args=(), device_types="npu", schema="(Tensor x) -> Tensor"
+    )
     def host_peek(x: torch.Tensor) -> torch.Tensor:
         if torch.npu.is_current_stream_capturing():
             x.flatten()[0].item()  # a read to the host of a value only the replay will have

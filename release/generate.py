@@ -134,6 +134,7 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         "vllm_ascend_update_device_calls": counts.get("vllm_ascend_update_device_calls", {}),
         "npugraph_update_device_calls": counts.get("npugraph_update_device_calls", {}),
         "npugraph_steps": counts.get("npugraph_steps", 0),
+        "graph_steps": counts.get("graph_steps", 0),
         "npugraph_capture_report": counts.get("npugraph_capture_report", []),
     }
 

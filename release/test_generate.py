@@ -1,7 +1,8 @@
 """A real generation on vllm-ascend 0.23.0.post1, on the simulator, as users start it (vLLM's
-default engine, vllm-ascend's default configuration): eager, vllm-ascend's own ACL graph mode
-and npugraph's plugin give the same greedy tokens on a Llama and a Qwen3, which Hugging
-Face's float32 forward of the same checkpoints confirms (release/run.sh runs this in the
+default engine, vllm-ascend's default configuration), on a Llama and a Qwen3: npugraph's
+plugin gives vllm-ascend's own ACL graph mode's greedy tokens, eager gives the same (up to
+near-ties where vllm-ascend fuses kernels in graph mode only), and Hugging Face's float32
+forward of the same checkpoints confirms each mode's (release/run.sh runs this in the
 release environment; elsewhere it skips).
 
 Each model and mode runs release/generate.py in its own process (a fresh engine, as a user
@@ -45,25 +46,46 @@ def _run(out_dir: Path, model: str, mode: str) -> dict[str, Any]:
     return json.loads(results(out_dir, model, mode)[0].read_text())
 
 
+# vllm-ascend fuses the Qwen3's q/k norm and rope into one Triton kernel in its compiled
+# (graph) modes only: its rounding differs from eager's separate kernels, so a near-tie may
+# break the other way in eager (both sides are then Hugging Face's choices, within the
+# tolerance).  The Llama's graph modes run eager's kernels: its tokens must be eager's.
+FUSED_IN_GRAPH_MODES = {"qwen3"}
+
+
 @pytest.mark.parametrize("model", MODELS)
-def test_the_three_modes_give_identical_greedy_tokens_in_every_run(out_dir: Path, model: str) -> None:
-    eager = _run(out_dir, model, "eager")
-    assert [len(t) for t in eager["tokens"]] == [new for *_, new in REQUESTS[model]], "every request got its tokens"
-    assert eager["engine_steps"] > max(at + new for at, _, new in REQUESTS[model])  # every one served to its end
+def test_npugraph_gives_vllm_ascends_own_graph_tokens_in_every_run(out_dir: Path, model: str) -> None:
+    """The same compiled model and kernels, captured and updated by vllm-ascend or by
+    npugraph: identical tokens, in every run (each a fresh engine, captured anew)."""
+    own = _run(out_dir, model, "aclgraph")
+    assert [len(t) for t in own["tokens"]] == [new for *_, new in REQUESTS[model]], "every request got its tokens"
     for mode in MODES[1:]:
         found = results(out_dir, model, mode)
         assert found, f"no {model} {mode} run"
-        for path in found:  # each run a fresh engine, captured anew
-            assert json.loads(path.read_text())["tokens"] == eager["tokens"], f"{path.name} differs from eager"
+        for path in found:
+            assert json.loads(path.read_text())["tokens"] == own["tokens"], f"{path.name} differs from aclgraph"
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_the_tokens_are_hugging_faces_greedy_choices(out_dir: Path, model: str) -> None:
-    eager = _run(out_dir, model, "eager")
-    choices = greedy_choices(out_dir / model, eager["prompts"], eager["tokens"])
-    for prompt, (gap, _) in zip(eager["prompts"], choices):
+def test_eager_gives_the_graph_modes_tokens(out_dir: Path, model: str) -> None:
+    eager, graph = _run(out_dir, model, "eager"), _run(out_dir, model, "aclgraph")
+    assert [len(t) for t in eager["tokens"]] == [new for *_, new in REQUESTS[model]], "every request got its tokens"
+    assert eager["engine_steps"] > max(at + new for at, _, new in REQUESTS[model])  # every one served to its end
+    if model not in FUSED_IN_GRAPH_MODES:
+        assert eager["tokens"] == graph["tokens"]
+        return
+    same = sum(e == g for e, g in zip(eager["tokens"], graph["tokens"]))
+    assert same >= len(eager["tokens"]) - 2, f"{same} of {len(eager['tokens'])} requests as the graph modes"
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mode", ["eager", "aclgraph"])  # npugraph's are aclgraph's (above)
+def test_the_tokens_are_hugging_faces_greedy_choices(out_dir: Path, model: str, mode: str) -> None:
+    run = _run(out_dir, model, mode)
+    choices = greedy_choices(out_dir / model, run["prompts"], run["tokens"])
+    for prompt, (gap, _) in zip(run["prompts"], choices):
         assert gap <= LOGIT_TOLERANCE, f"prompt {prompt[:4]}...: a token {gap:.3f} below the best"
-    exact, total = sum(n for _, n in choices), sum(len(t) for t in eager["tokens"])
+    exact, total = sum(n for _, n in choices), sum(len(t) for t in run["tokens"])
     assert exact >= 0.9 * total  # the rest are near-ties bfloat16 may break either way
 
 
@@ -71,17 +93,22 @@ def test_the_tokens_are_hugging_faces_greedy_choices(out_dir: Path, model: str) 
 def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_plugin(
     out_dir: Path, model: str
 ) -> None:
+    """In each run, every step vllm-ascend ran as a full graph was updated once, by
+    vllm-ascend in its own mode and by npugraph alone under the plugin.  (The runs need not
+    have the same number of graph steps: the engine is its own process, and which client
+    step a request arrives at can move by one between runs.)"""
     eager = _run(out_dir, model, "eager")
     assert not eager["vllm_ascend_update_seconds"] and not eager["npugraph_steps"], "eager replays no graph"
-    for acl_path, npg_path in zip(results(out_dir, model, "aclgraph"), results(out_dir, model, "npugraph")):
-        acl, npg = json.loads(acl_path.read_text()), json.loads(npg_path.read_text())
-        assert acl["vllm_ascend_update_seconds"] and not acl["npugraph_steps"], acl_path.name
-        assert not npg["vllm_ascend_update_seconds"], f"{npg_path.name}: vllm-ascend's own update ran"
-        # every graph step vllm-ascend updated itself, npugraph updates with the plugin
-        assert npg["npugraph_steps"] == len(npg["npugraph_update_seconds"]), npg_path.name
-        # a graph step for each decode step but those with a prefill in them (vLLM runs them eagerly)
-        assert len(npg["npugraph_update_seconds"]) == len(acl["vllm_ascend_update_seconds"]), npg_path.name
-        assert len(npg["npugraph_update_seconds"]) >= eager["engine_steps"] // 2, npg_path.name
+    assert not eager["graph_steps"]
+    for path in results(out_dir, model, "aclgraph"):
+        acl = json.loads(path.read_text())
+        assert len(acl["vllm_ascend_update_seconds"]) == acl["graph_steps"] and not acl["npugraph_steps"], path.name
+        assert acl["graph_steps"] >= eager["engine_steps"] // 2, path.name
+    for path in results(out_dir, model, "npugraph"):
+        npg = json.loads(path.read_text())
+        assert not npg["vllm_ascend_update_seconds"], f"{path.name}: vllm-ascend's own update ran"
+        assert npg["npugraph_steps"] == len(npg["npugraph_update_seconds"]) == npg["graph_steps"], path.name
+        assert npg["graph_steps"] >= eager["engine_steps"] // 2, path.name
         per_step = {k: v / npg["npugraph_steps"] for k, v in npg["npugraph_update_device_calls"].items()}
         assert per_step["update_begin"] == per_step["event_record"] == 2.0, "one update and one event per layer"
         (report,) = npg["npugraph_capture_report"]  # one runtime, in the engine process
