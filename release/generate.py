@@ -43,7 +43,7 @@ from typing import Any
 
 import engine_counts  # this folder's
 import tiny_model  # this folder's
-from runs import clear_results, result_path, run_logged  # this folder's
+from runs import clear_results, counts_folder, order, result_path, run_logged  # this folder's
 
 MODES = ("eager", "aclgraph", "npugraph")
 MODELS = {"llama": 64, "qwen3": 128}  # and each one's head size
@@ -143,20 +143,13 @@ def generate(out_dir: Path, runs: int = 1) -> None:
     """Each model and mode in its own process, into ``out_dir``: eager once, vllm-ascend's
     graphs and npugraph's once each for the Qwen3 and ``runs`` times, in turn, for the Llama
     (so that a drift of the machine over the minutes falls on both alike)."""
-    if runs < 1:
-        raise ValueError(f"runs must be at least 1, not {runs}")
+    plan = order(tuple(MODELS), MODES[1:], runs, "llama")
     clear_results(out_dir)
     for arch in MODELS:
         write_model(out_dir / arch)
-    order = [(arch, "eager", 1) for arch in MODELS]
-    order += [("qwen3", mode, 1) for mode in MODES[1:]]
-    order += [("llama", mode, run) for run in range(1, runs + 1) for mode in MODES[1:]]
-    for arch, mode, run in order:
+    for arch, mode, run in plan:
         out = result_path(out_dir, arch, mode, run)
-        counts = out.with_suffix(".counts")
-        counts.mkdir(exist_ok=True)
-        for stale in counts.glob("counts-*.json"):
-            stale.unlink()
+        counts = counts_folder(out)
         env = {
             **os.environ,
             "NPUGRAPH_SIM_TORCH_NPU": "1",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-__all__ = ["clear_results", "result_path", "results", "run_logged"]
+__all__ = ["clear_results", "counts_folder", "order", "result_path", "results", "run_logged"]
 
 
 def clear_results(out_dir: Path) -> None:
@@ -39,3 +39,26 @@ def results(out_dir: Path, model: str, mode: str) -> list[Path]:
     while (path := result_path(out_dir, model, mode, len(found) + 1)).is_file():
         found.append(path)
     return found
+
+
+def order(
+    models: tuple[str, ...], graph_modes: tuple[str, ...], runs: int, repeated: str
+) -> list[tuple[str, str, int]]:
+    """The (model, mode, run) a generation runs, in order: eager once per model, the graph
+    modes once for each other model, then ``runs`` times, in turn, for ``repeated`` (the
+    update cost's verdict takes every run; a drift of the machine falls on both modes alike)."""
+    if runs < 1:
+        raise ValueError(f"runs must be at least 1, not {runs}")
+    plan = [(model, "eager", 1) for model in models]
+    plan += [(model, mode, 1) for model in models if model != repeated for mode in graph_modes]
+    plan += [(repeated, mode, run) for run in range(1, runs + 1) for mode in graph_modes]
+    return plan
+
+
+def counts_folder(out: Path) -> Path:
+    """The folder beside result ``out`` where its engine process writes its counts, emptied."""
+    folder = out.with_suffix(".counts")
+    folder.mkdir(exist_ok=True)
+    for stale in folder.glob("counts-*.json"):
+        stale.unlink()
+    return folder

@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: tiny_model.py, runs.py, engine_counts.py
 import engine_counts
 import tiny_model
-from runs import clear_results, result_path, run_logged
+from runs import clear_results, counts_folder, order, result_path, run_logged
 
 MODES = ("eager", "sglang", "npugraph")
 MODELS = ("llama", "qwen3")
@@ -125,18 +125,13 @@ def generate(out_dir: Path, runs: int = 1) -> None:
     """Each model and mode in its own process, into ``out_dir``: eager once, SGLang's graphs
     and npugraph's once each for Qwen3 and ``runs`` times, in turn, for the Llama (the update
     cost's verdict takes every run)."""
-    if runs < 1:
-        raise ValueError(f"runs must be at least 1, not {runs}")
+    plan = order(MODELS, MODES[1:], runs, "llama")
     clear_results(out_dir)
     for arch in MODELS:
         write_model(out_dir / arch, arch)
-    order = [(arch, "eager", 1) for arch in MODELS]
-    order += [("qwen3", mode, 1) for mode in MODES[1:]]
-    order += [("llama", mode, run) for run in range(1, runs + 1) for mode in MODES[1:]]
-    for arch, mode, run in order:
+    for arch, mode, run in plan:
         out = result_path(out_dir, arch, mode, run)
-        counts = out.with_suffix(".counts")
-        counts.mkdir(exist_ok=True)
+        counts = counts_folder(out)
         env = {**os.environ, "NPUGRAPH_SIM_TORCH_NPU": "1", "NPUGRAPH_SGLANG_COUNTS": str(counts)}
         args = [sys.executable, __file__, str(out_dir / arch), mode, str(out)]
         run_logged(args, out, env, f"{arch} {mode} (run {run})")
