@@ -49,13 +49,18 @@ def _count(folder: str) -> None:
 
     def model_runner(module: Any) -> None:
         # vllm-ascend's own decision that a step replays a full graph (in both graph modes:
-        # under npugraph's plugin the update it then calls is npugraph's no-op)
+        # under npugraph's plugin the update it then calls is npugraph's no-op), once vLLM
+        # has finished capturing (npugraph's wrapper marks the forward context as capturing
+        # only inside its own capture, vllm-ascend's for the whole capture run)
+        from vllm.compilation import monitor
+
         cls = module.NPUModelRunner
         decide = cls._update_full_graph_params_if_needed
         counts.values["graph_steps"] = 0
 
         def counted(self: Any, forward_context: Any, *args: Any, **kwargs: Any) -> Any:
-            if forward_context.cudagraph_runtime_mode.name == "FULL" and not forward_context.capturing:
+            serving = not monitor.cudagraph_capturing_enabled and not forward_context.capturing
+            if serving and forward_context.cudagraph_runtime_mode.name == "FULL":
                 counts.values["graph_steps"] += 1
             try:
                 return decide(self, forward_context, *args, **kwargs)
