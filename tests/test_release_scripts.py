@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 RELEASE = ROOT / "release"
 
@@ -130,3 +132,42 @@ def test_update_cost_and_generate_refuse_what_they_cannot_use(tmp_path, capsys):
     _write_run(tmp_path, 1, [1e-6, 2e-6], [1e-6, 2e-6])
     _write_run(tmp_path, 3, [1e-6, 2e-6], [1e-6, 2e-6])
     assert [p.name for p in _release_module("runs").results(tmp_path, "llama", "aclgraph")] == ["llama.aclgraph.json"]
+
+
+def test_a_generation_plans_eager_once_and_the_repeated_models_graph_modes_in_turn():
+    runs = _release_module("runs")
+    plan = runs.order(("llama", "qwen3"), ("aclgraph", "npugraph"), 2, "llama")
+    assert plan == [
+        ("llama", "eager", 1),
+        ("qwen3", "eager", 1),
+        ("qwen3", "aclgraph", 1),
+        ("qwen3", "npugraph", 1),
+        ("llama", "aclgraph", 1),
+        ("llama", "npugraph", 1),
+        ("llama", "aclgraph", 2),
+        ("llama", "npugraph", 2),
+    ]
+    with pytest.raises(ValueError, match="runs must be at least 1"):
+        runs.order(("llama",), ("aclgraph",), 0, "llama")
+
+
+def test_engine_counts_are_written_by_the_process_that_counts_and_read_back_from_one(tmp_path):
+    import json
+    import os
+
+    engine_counts = _release_module("engine_counts")
+
+    class Updater:
+        def update(self, n: int) -> int:
+            return n + 1
+
+    counts = engine_counts.EngineCounts(str(tmp_path))
+    Updater.update = counts.time(Updater, "update", "probe")
+    assert Updater().update(1) == 2 and Updater().update(2) == 3
+    path = tmp_path / f"counts-{os.getpid()}.json"
+    written = json.loads(path.read_text())  # after each call: an engine process is killed at shutdown
+    assert len(written["probe_seconds"]) == 2 and written["npugraph_steps"] == 0
+    assert engine_counts.read(tmp_path) == written
+    (tmp_path / "counts-1.json").write_text("{}")  # a second engine process: not one engine
+    with pytest.raises(RuntimeError, match="more than one engine process counted"):
+        engine_counts.read(tmp_path)
