@@ -113,3 +113,13 @@ def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_
         assert per_step["update_begin"] == per_step["event_record"] == 2.0, "one update and one event per layer"
         (report,) = npg["npugraph_capture_report"]  # one runtime, in the engine process
         assert report.startswith("4 graphs captured"), report
+
+
+def test_no_run_printed_a_traceback_or_an_error(out_dir: Path) -> None:
+    """As a user runs it, start-up, serving and shutdown (vLLM's engine process included)
+    say no error: each run's whole output is kept beside its result."""
+    logs = sorted(p.with_suffix(".log") for model in MODELS for mode in MODES for p in results(out_dir, model, mode))
+    assert logs and all(log.is_file() for log in logs), logs
+    for log in logs:
+        text = log.read_text()
+        assert "Traceback" not in text and " ERROR " not in text, f"{log.name} printed an error"
