@@ -96,3 +96,15 @@ def test_a_bad_fault_setting_is_named():
 
 def _inputs(b) -> dict:
     return {"input_ids": b.input_ids, "positions": b.positions, "slot_mapping": b.slot_mapping}
+
+
+def test_a_lost_record_with_the_next_step_already_queued_behind_it_still_drains():
+    # the next step's update is ordered after the stuck replay: what releases it must not be
+    rt, eng, steps = _engine("lost-record@1")
+    (b0, _), (b1, _), (b2, ref2), (b3, ref3) = steps[:4]
+    rt.step(8, eng.metadata(b0.meta), inputs=_inputs(b0))
+    rt.step(8, eng.metadata(b1.meta), inputs=_inputs(b1))
+    with pytest.raises(GraphDeadlock, match=r"so the device drained"):
+        rt.synchronize()
+    assert torch.equal(eng.step(b2), ref2)
+    assert torch.equal(eng.step(b3), ref3)

@@ -539,10 +539,12 @@ class ReplayUpdater:
                 stuck.append((entry, event))
         if not stuck:
             return False
-        us = self.stream
-        with self.device.npu.stream(us):
+        # on a stream of their own: the update stream may itself wait behind the stuck replay
+        # (the next step's update is ordered after it); made only here, after a device fault
+        side = self.device.npu.Stream()
+        with self.device.npu.stream(side):
             for entry, event in stuck:
-                event.record(us)
+                event.record(side)
                 self.state(entry).phase = StepPhase.BROKEN
         try:
             self.device.npu.synchronize()
