@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["greedy_choices"]
+__all__ = ["check_greedy_choices", "greedy_choices"]
 
 
 def greedy_choices(
@@ -25,3 +25,23 @@ def greedy_choices(
         gap = float((logits.max(-1).values - chosen).max())
         out.append((gap, int((logits.argmax(-1) == torch.tensor(tokens)).sum())))
     return out
+
+
+def check_greedy_choices(
+    model_dir: Path | str,
+    prompts: list[list[int]],
+    generations: list[list[int]],
+    tolerance: float,
+    exact_share: float = 0.9,
+) -> None:
+    """Raise ``AssertionError`` unless every generated token's logit is within ``tolerance``
+    of the best one (Hugging Face's float32 forward, :func:`greedy_choices`) and at least
+    ``exact_share`` of them are its argmax (the rest: near-ties the engine's dtype may break
+    either way).  Raised, not asserted: ``python -O`` would drop an assert, and the check pass."""
+    choices = greedy_choices(model_dir, prompts, generations)
+    for prompt, (gap, _) in zip(prompts, choices):
+        if gap > tolerance:
+            raise AssertionError(f"prompt {prompt[:4]}...: a token {gap:.3f} below the best")
+    exact, total = sum(n for _, n in choices), sum(len(t) for t in generations)
+    if exact < exact_share * total:
+        raise AssertionError(f"{exact} of {total} tokens are Hugging Face's argmax, fewer than {exact_share:.0%}")
