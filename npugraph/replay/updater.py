@@ -525,12 +525,16 @@ class ReplayUpdater:
             state.applied[:] = [None] * len(state.applied)
         state.phase = StepPhase.IDLE
 
+    def _entries_by_graph(self) -> dict[int, CapturedGraph]:
+        """npugraph's captured graphs by the id of their device graph (what a device error names)."""
+        return {id(e.graph): e for e in self.manager.entries()}
+
     def _release_stuck(self, hang: BaseException) -> bool:
         """After a hang the device reported (an event record that never landed: a device
         fault, as npugraph records every event it waits on), record each ExternalEvent one
         of npugraph's replays is stuck on, so that the device drains; the graph is BROKEN
         until its next complete step.  Whether the device then drained."""
-        by_graph = {id(e.graph): e for e in self.manager.entries()}
+        by_graph = self._entries_by_graph()
         stuck = []
         for blocked in getattr(hang, "blocked", ()):
             entry = by_graph.get(id(blocked.get("graph")))
@@ -651,7 +655,7 @@ class ReplayUpdater:
         try:
             dev.npu.synchronize()
         except dev.fault_errors as exc:
-            by_graph = {id(e.graph): e for e in self.manager.entries()}
+            by_graph = self._entries_by_graph()
             for fault in (exc, *getattr(exc, "others", ())):
                 faulted = by_graph.get(id(getattr(fault, "graph", None)))
                 if faulted is not None:
