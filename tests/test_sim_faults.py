@@ -22,7 +22,10 @@ from npugraph.models.engine import DecodeEngine
 FIA = "npu_fused_infer_attention_score"
 
 
-def _engine(faults: str) -> tuple[Runtime, DecodeEngine, list]:
+ORDERS = ["replay-first", "update-first"]
+
+
+def _engine(faults: str, order: str = "replay-first") -> tuple[Runtime, DecodeEngine, list]:
     """A 2-layer decoder captured at 4 (PA) and 8 (FIA, its lengths updated per layer, as on a
     device without the tiling-sink kernel: each layer a task group) on a device with
     ``faults`` injected; its steps of size 8, and their outputs on a device without faults."""
@@ -33,7 +36,7 @@ def _engine(faults: str) -> tuple[Runtime, DecodeEngine, list]:
     for plan in ("", faults):  # the same seeded weights on a healthy device, then on a faulty one
         sim.configure(faults=plan)
         torch.manual_seed(0)
-        rt = Runtime("sim", max_model_len=cfg.max_model_len, device_lengths=False)
+        rt = Runtime("sim", max_model_len=cfg.max_model_len, device_lengths=False, order=order)
         eng = DecodeEngine(rt, Decoder(cfg, rt), [4, 8])
         eng.capture()
         if not plan:
@@ -61,16 +64,18 @@ def test_a_kernel_fault_in_a_replay_is_named_by_the_device_and_by_npugraph_and_t
     assert torch.equal(eng.step(b1), ref1)
 
 
-def test_npugraphs_synchronize_turns_the_kernel_fault_into_replay_failed_naming_the_layer():
-    rt, eng, steps = _engine(f"kernel={FIA}@2")
+@pytest.mark.parametrize("order", ORDERS)
+def test_npugraphs_synchronize_turns_the_kernel_fault_into_replay_failed_naming_the_layer(order):
+    rt, eng, steps = _engine(f"kernel={FIA}@2", order)
     (b0, _), (b1, ref1) = steps[:2]
     with pytest.raises(ReplayFailed, match=r"replay of main/8 failed in layer 'main\.layers\.1\.attn' \(task 1, fia"):
         eng.step(b0)
     assert torch.equal(eng.step(b1), ref1)
 
 
-def test_a_lost_event_record_is_a_hang_the_device_names_and_npugraph_recovers_from():
-    rt, eng, steps = _engine("lost-record@1")  # the first step's first record never lands
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_lost_event_record_is_a_hang_the_device_names_and_npugraph_recovers_from(order):
+    rt, eng, steps = _engine("lost-record@1", order)  # the first step's first record never lands
     (b0, _), (b1, ref1), (b2, ref2) = steps[:3]
     rt.step(8, eng.metadata(b0.meta), inputs=_inputs(b0))
     with pytest.raises(sim.DeadlockError, match=r"main/8/main\.layers\.0\.attn") as raw:
@@ -98,9 +103,10 @@ def _inputs(b) -> dict:
     return {"input_ids": b.input_ids, "positions": b.positions, "slot_mapping": b.slot_mapping}
 
 
-def test_a_lost_record_with_the_next_step_already_queued_behind_it_still_drains():
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_lost_record_with_the_next_step_already_queued_behind_it_still_drains(order):
     # the next step's update is ordered after the stuck replay: what releases it must not be
-    rt, eng, steps = _engine("lost-record@1")
+    rt, eng, steps = _engine("lost-record@1", order)
     (b0, _), (b1, _), (b2, ref2), (b3, ref3) = steps[:4]
     rt.step(8, eng.metadata(b0.meta), inputs=_inputs(b0))
     rt.step(8, eng.metadata(b1.meta), inputs=_inputs(b1))
