@@ -568,6 +568,42 @@ def test_a_forked_child_computes_after_its_parent_used_the_thread_pool():
     assert out.strip() == "child 0"
 
 
+def test_a_forked_child_computes_when_a_library_raises_the_thread_count_again():
+    # vLLM's n-gram proposer (speculative decoding) restores numba's thread count after each
+    # proposal through the same libgomp: back to the host's cores, in the forked engine.  The
+    # device's ops, its kernels' CPU views and its graph replays must still compute on one
+    # thread there (without the guard: a hang in libgomp at the next matmul)
+    out = _run(
+        """
+        import os, torch, torch_npu
+        x = torch.randn(1024, 1024)
+        (x @ x).sum(); torch.randn(1 << 22).sum()  # the parent's parallel regions
+        pid = os.fork()
+        if pid == 0:
+            a = torch.randn(512, 512, device="npu")
+            ok = True
+            torch.set_num_threads(2)  # what numba's set_num_threads does through libgomp
+            ok &= bool(torch.allclose((a @ a).cpu(), a.cpu().double().matmul(a.cpu().double()).float(), atol=1e-3))
+            out = torch.empty(512, 512, device="npu")
+            g = torch.npu.NPUGraph()
+            with torch.npu.graph(g):
+                out.copy_(a @ a)
+            ones = torch.ones(512, 512)  # host work of the child's own: one thread from here
+            a.copy_(ones)
+            torch.set_num_threads(2)  # again, between the last device op and the replay
+            g.replay()
+            torch.npu.synchronize()
+            ok &= bool((out.cpu() == 512).all())
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        """,
+        env={"OMP_NUM_THREADS": "2"},
+        timeout=90,  # a hang is the failure
+    )
+    assert out.strip() == "child 0"
+
+
 def test_the_card_is_what_the_host_can_back_and_what_the_host_cannot_back_is_refused():
     out = _run(
         """

@@ -166,7 +166,8 @@ def install(module: Any) -> None:
     # The device's compute is the host's OpenMP pool, which does not survive a fork: a child
     # whose parent ran a parallel region hangs in libgomp at its first one (vLLM forks its
     # engine after the front end wrote a checkpoint or ran npu ops).  A forked child computes
-    # on one thread, as torch's DataLoader workers do.
+    # on one thread, as torch's DataLoader workers do; the device's ops keep it so, whatever
+    # raises the count later (npu_device.cpp: one_thread_if_forked).
     os.register_at_fork(after_in_child=_one_thread)
 
 

@@ -141,6 +141,10 @@ class GraphRun:
 
     def step(self, max_nodes: int) -> bool:
         nodes, n = self.nodes, len(self.nodes)
+        if self.pc == 0:
+            # nodes compute on CPU views taken at capture, past the device's own guard
+            # (npu_device.cpp): in a forked child, one OpenMP thread
+            torch.ops.npugraph_sim.one_thread_if_forked()
         try:
             # A device graph has no autograd: replay like the no-grad work it recorded.
             with torch.no_grad():

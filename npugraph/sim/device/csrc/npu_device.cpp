@@ -21,6 +21,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
@@ -40,6 +41,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <pthread.h>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -307,8 +309,34 @@ at::Tensor same_memory(const at::Tensor& t, c10::Device device, c10::Allocator* 
   return out;
 }
 
+// The device's compute is this host's OpenMP pool, which does not survive a fork: in a
+// child whose parent ran a parallel region, any region of more than one thread waits in
+// libgomp forever for the parent's workers.  The child is set to one thread at the fork
+// (backend.py), but a library may raise the count again later (vLLM's n-gram proposer
+// restores numba's thread count through the same libgomp, to the host's cores): so in a
+// forked child every device op, and every CPU view a kernel computes on, first puts it back.
+std::atomic<bool> forked_child{false};
+
+void note_fork() {
+  forked_child.store(true, std::memory_order_relaxed);
+}
+
+bool register_fork_handler() {
+  pthread_atfork(nullptr, nullptr, note_fork);
+  return true;
+}
+
+const bool fork_handler_registered = register_fork_handler();
+
+void one_thread_if_forked() {
+  if (forked_child.load(std::memory_order_relaxed) && at::get_num_threads() > 1) {
+    at::set_num_threads(1);
+  }
+}
+
 // The CPU tensor over an npu tensor's memory (host memory: the CPU kernels run on it).
 at::Tensor host_view(const at::Tensor& t) {
+  one_thread_if_forked();
   if (!t.defined() || t.device().type() != kNpu) {
     return t;
   }
@@ -443,6 +471,7 @@ at::Tensor back_to_npu(const at::Tensor& r, const std::vector<Swapped>& swapped,
 }
 
 void npu_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  one_thread_if_forked();
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   const size_t first = stack->size() - nargs;
@@ -680,6 +709,7 @@ TORCH_LIBRARY(npugraph_sim, m) {
   m.def("current_device() -> int", current_device_op);
   m.def("set_device(int index) -> ()", set_device_op);
   m.def("device_count() -> int", device_count_op);
+  m.def("one_thread_if_forked() -> ()", one_thread_if_forked);
   m.def("synchronize_device(int index) -> ()");  // implemented in Python: the streams are there
 }
 
