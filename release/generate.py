@@ -16,6 +16,12 @@ decode and finishing at different steps: decode batches of 1 to 8 requests, whic
 vllm-ascend pads to its captured sizes 1, 2, 4 and 8, with PA at sizes 1 and 2
 (``pa_shape_list``, vllm-ascend's documented choice) and FIA at 4 and 8.
 
+``ngram`` is the Llama's architecture with speculative decoding in graph mode: vLLM's
+n-gram proposer, two draft tokens.  A step runs as a graph only when every request has two
+drafts (a uniform batch of 3-token queries: captured at 3, 6, 9, 18 and 24 tokens, FIA); a
+random model's greedy text rarely repeats itself, so this checkpoint has a vocabulary of 32
+words, where it does: about half its steps are speculative graph steps.
+
 * ``eager``: ``enforce_eager=True``;
 * ``aclgraph``: vllm-ascend's own ACL graph mode (``FULL_DECODE_ONLY``: its
   ``ACLGraphWrapper`` captures, its ``update_full_graph_params`` updates every step);
@@ -41,12 +47,34 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import engine_counts  # this folder's
 import tiny_model  # this folder's
 from runs import clear_results, counts_folder, order, result_path, run_logged  # this folder's
 
 MODES = ("eager", "aclgraph", "npugraph")
-MODELS = {"llama": 64, "qwen3": 128}  # and each one's head size
+
+
+@attrs.frozen(kw_only=True)
+class Model:
+    """One checkpoint the generation serves, and how vLLM serves it."""
+
+    arch: str  # tiny_model.checkpoint's
+    head_dim: int
+    vocab: int = 1024
+    speculative: dict[str, Any] | None = None  # vLLM's speculative_config
+
+
+MODELS = {
+    "llama": Model(arch="llama", head_dim=64),
+    "qwen3": Model(arch="qwen3", head_dim=128),
+    "ngram": Model(
+        arch="llama",
+        head_dim=64,
+        vocab=32,
+        speculative={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+    ),
+}
 PA_SIZES = [1, 2]
 # per model, (arrives at engine step, prompt length, new tokens): arrivals while others
 # decode, and different lengths, so requests finish at different steps and the batch grows
@@ -56,24 +84,27 @@ PA_SIZES = [1, 2]
 REQUESTS = {
     "llama": [(0, 5, 40), (0, 12, 24), (0, 19, 44), (3, 7, 36), (6, 26, 30), (9, 9, 40), (9, 33, 20), (14, 4, 34)],
     "qwen3": [(0, 5, 20), (0, 12, 16), (0, 19, 22), (3, 7, 16), (6, 26, 14), (9, 9, 12)],
+    # four requests decoding together, so that most steps have two drafts for every one
+    "ngram": [(0, 20, 30), (0, 23, 30), (1, 21, 30), (2, 26, 30)],
 }
-VOCAB = 1024
 
 
 def write_model(path: Path) -> None:
     """The tiny checkpoint named by ``path``'s folder name (release/tiny_model.py)."""
-    tiny_model.checkpoint(path, path.name, VOCAB, head_dim=MODELS[path.name])
+    model = MODELS[path.name]
+    tiny_model.checkpoint(path, model.arch, model.vocab, head_dim=model.head_dim)
 
 
 def prompts(model: str) -> list[list[int]]:
+    vocab = MODELS[model].vocab
     return [
-        [(7 * i + 13 * j + 3) % (VOCAB - 3) + 3 for j in range(length)]
+        [(7 * i + 13 * j + 3) % (vocab - 3) + 3 for j in range(length)]
         for i, (_, length, _) in enumerate(REQUESTS[model])
     ]
 
 
 def engine_args(model: Path, mode: str) -> dict[str, Any]:
-    """``vllm.LLM``'s arguments for ``mode``: what a user passes, nothing else."""
+    """``vllm.LLM``'s arguments for ``model`` in ``mode``: what a user passes, nothing else."""
     kwargs: dict[str, Any] = {
         "model": str(model),
         "dtype": "bfloat16",
@@ -87,6 +118,9 @@ def engine_args(model: Path, mode: str) -> dict[str, Any]:
     else:
         kwargs["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
         kwargs["additional_config"] = {"pa_shape_list": PA_SIZES}
+    speculative = MODELS[model.name].speculative
+    if speculative is not None:
+        kwargs["speculative_config"] = dict(speculative)
     return kwargs
 
 

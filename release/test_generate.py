@@ -1,5 +1,6 @@
 """A real generation on vllm-ascend 0.23.0.post1, on the simulator, as users start it (vLLM's
-default engine, vllm-ascend's default configuration), on a Llama and a Qwen3: npugraph's
+default engine, vllm-ascend's default configuration), on a Llama, a Qwen3 and a Llama with
+n-gram speculative decoding (two draft tokens, in graph mode): npugraph's
 plugin gives vllm-ascend's own ACL graph mode's greedy tokens, eager gives the same (up to
 near-ties where vllm-ascend fuses kernels in graph mode only), and Hugging Face's float32
 forward of the same checkpoints confirms each mode's (release/run.sh runs this in the
@@ -70,7 +71,8 @@ def test_npugraph_gives_vllm_ascends_own_graph_tokens_in_every_run(out_dir: Path
 def test_eager_gives_the_graph_modes_tokens(out_dir: Path, model: str) -> None:
     eager, graph = _run(out_dir, model, "eager"), _run(out_dir, model, "aclgraph")
     assert [len(t) for t in eager["tokens"]] == [new for *_, new in REQUESTS[model]], "every request got its tokens"
-    assert eager["engine_steps"] > max(at + new for at, _, new in REQUESTS[model])  # every one served to its end
+    if MODELS[model].speculative is None:  # (a step may give a request more than one token)
+        assert eager["engine_steps"] > max(at + new for at, _, new in REQUESTS[model])  # every one served to its end
     if model not in FUSED_IN_GRAPH_MODES:
         assert eager["tokens"] == graph["tokens"]
         return
@@ -85,6 +87,15 @@ def test_the_tokens_are_hugging_faces_greedy_choices(out_dir: Path, model: str, 
     check_greedy_choices(out_dir / model, run["prompts"], run["tokens"], LOGIT_TOLERANCE)
 
 
+# How many graphs npugraph captures per model: decode sizes 1, 2, 4 and 8 (PA at 1 and 2,
+# FIA at 4 and 8); with two draft tokens, uniform batches of 3-token queries at 3, 6, 9, 18
+# and 24 tokens, all FIA
+CAPTURED = {"llama": "4 graphs captured", "qwen3": "4 graphs captured", "ngram": "5 graphs captured"}
+# At least this share (1/n) of a run's steps ran as a graph: with n-gram speculative
+# decoding a step is a graph only when every request has both drafts (about half of them)
+GRAPH_STEP_SHARE = {"llama": 2, "qwen3": 2, "ngram": 4}
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_plugin(
     out_dir: Path, model: str
@@ -96,19 +107,20 @@ def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_
     eager = _run(out_dir, model, "eager")
     assert not eager["vllm_ascend_update_seconds"] and not eager["npugraph_steps"], "eager replays no graph"
     assert not eager["graph_steps"]
+    least = eager["engine_steps"] // GRAPH_STEP_SHARE[model]
     for path in results(out_dir, model, "aclgraph"):
         acl = json.loads(path.read_text())
         assert len(acl["vllm_ascend_update_seconds"]) == acl["graph_steps"] and not acl["npugraph_steps"], path.name
-        assert acl["graph_steps"] >= eager["engine_steps"] // 2, path.name
+        assert acl["graph_steps"] >= least, path.name
     for path in results(out_dir, model, "npugraph"):
         npg = json.loads(path.read_text())
         assert not npg["vllm_ascend_update_seconds"], f"{path.name}: vllm-ascend's own update ran"
         assert npg["npugraph_steps"] == len(npg["npugraph_update_seconds"]) == npg["graph_steps"], path.name
-        assert npg["graph_steps"] >= eager["engine_steps"] // 2, path.name
+        assert npg["graph_steps"] >= least, path.name
         per_step = {k: v / npg["npugraph_steps"] for k, v in npg["npugraph_update_device_calls"].items()}
         assert per_step["update_begin"] == per_step["event_record"] == 2.0, "one update and one event per layer"
         (report,) = npg["npugraph_capture_report"]  # one runtime, in the engine process
-        assert report.startswith("4 graphs captured"), report
+        assert report.startswith(CAPTURED[model]), report
 
 
 def test_no_run_printed_a_traceback_or_an_error(out_dir: Path) -> None:

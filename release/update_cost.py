@@ -1,7 +1,8 @@
 """The per-step graph update on the real engine: vllm-ascend's own (``update_full_graph_params``)
-against npugraph's, from the Llama's runs of release/generate.py in the two graph modes (release/run.sh).
+against npugraph's, from the runs of release/generate.py in the two graph modes (release/run.sh):
+the Llama's (one token a request a step) and the n-gram speculative Llama's (three).
 
-    update_cost.py RESULTS_DIR     (reads each run's llama aclgraph and npugraph results, writes update-cost.json)
+    update_cost.py RESULTS_DIR     (reads each run's llama and ngram aclgraph and npugraph results, writes update-cost.json)
 
 Simulator host time: each update call's wall time less the simulated device's, on this
 machine's CPU; the simulator's own Python costs are in it, an NPU host's driver costs are
@@ -19,6 +20,10 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any
+
+# the models whose graph steps are timed (the Qwen3's are few: its graph steps run a Triton
+# kernel in the interpreter, and it serves fewer tokens)
+MODELS = ("llama", "ngram")
 
 
 def _quantiles(xs: list[float]) -> dict[str, float]:
@@ -75,19 +80,23 @@ def main(argv: list[str]) -> int:
     import runs  # this folder's: the results' names
 
     results = Path(argv[1])
-    pairs = list(zip(runs.results(results, "llama", "aclgraph"), runs.results(results, "llama", "npugraph")))
+    pairs = [
+        (model, acl, npg)
+        for model in MODELS
+        for acl, npg in zip(runs.results(results, model, "aclgraph"), runs.results(results, model, "npugraph"))
+    ]
     if not pairs:
         print(f"update_cost.py: no llama.aclgraph.json and llama.npugraph.json in {results}", file=sys.stderr)
         return 2
     rows = []
-    for acl_path, npg_path in pairs:
+    for model, acl_path, npg_path in pairs:
         acl = json.loads(acl_path.read_text())
         npg = json.loads(npg_path.read_text())
         calls = {
             "vllm_ascend": acl.get("vllm_ascend_update_device_calls", {}),
             "npugraph": npg.get("npugraph_update_device_calls", {}),
         }
-        rows.append(row(acl["vllm_ascend_update_seconds"], npg["npugraph_update_seconds"], calls))
+        rows.append({"model": model, **row(acl["vllm_ascend_update_seconds"], npg["npugraph_update_seconds"], calls)})
     ratios = [r["speedup_median"] for r in rows]
     out = {
         "what": rows[0]["what"],
@@ -100,7 +109,7 @@ def main(argv: list[str]) -> int:
         a, n = r["vllm_ascend_update_full_graph_params"], r["npugraph_update"]
         low, high = r["speedup_95"]
         print(
-            f"run {i}: per-step update (simulator host time, median over {r['steps']['npugraph']} steps): "
+            f"run {i} ({r['model']}): per-step update (simulator host time, median over {r['steps']['npugraph']} steps): "
             f"vllm-ascend {a['median_us']:.0f} us, npugraph {n['median_us']:.0f} us: "
             f"{r['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]"
         )
