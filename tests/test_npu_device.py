@@ -234,6 +234,47 @@ def test_hccl_at_world_size_two():
     assert "1 [3.0, 3.0, 3.0, 3.0] [0.0, 1.0] [8.0, 8.0] [0.0, 0.0, 1.0, 1.0] [4.0, 6.0]" in out
 
 
+def test_a_collective_captured_in_a_graph_runs_at_every_replay():
+    # HCCL's tasks are part of an ACL graph: each replay all-reduces (meeting the other rank's
+    # replay) and all-gathers the values its inputs hold then.  The simulator had run them
+    # once, at capture, and left them out of the graph: a tensor-parallel engine's replays
+    # then served wrong tokens, silently
+    out = _run(
+        f"""
+        import os
+        import torch
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        def worker(rank, size):
+            dist.init_process_group("hccl", init_method="tcp://127.0.0.1:{_port()}", rank=rank, world_size=size)
+            torch.npu.set_device(rank)
+            x = torch.zeros(4, device="npu")
+            summed = torch.empty(4, device="npu")
+            flat = torch.empty(2 * size, device="npu")
+            g = torch.npu.NPUGraph()
+            with torch.npu.graph(g):
+                summed.copy_(x * 2)
+                dist.all_reduce(summed)
+                dist.all_gather_into_tensor(flat, summed[:2] + rank)
+            seen = []
+            for step in (1, 5):
+                x.copy_(torch.full((4,), float(step * (rank + 1))))
+                g.replay()
+                torch.npu.synchronize()
+                seen.append((summed.cpu().tolist(), flat.cpu().tolist()))
+            os.write(1, (f"{{rank}} {{seen}}" + "\\n").encode())
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.spawn(worker, args=(2,), nprocs=2)
+        """
+    )
+    # step s: rank r holds 2*s*(r+1); the sum over both ranks is 6*s; rank r gathers 6*s + r
+    want = "[([6.0, 6.0, 6.0, 6.0], [6.0, 6.0, 7.0, 7.0]), ([30.0, 30.0, 30.0, 30.0], [30.0, 30.0, 31.0, 31.0])]"
+    assert f"0 {want}" in out and f"1 {want}" in out, out
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("size", [1, 2])
 def test_vllm_init_distributed_environment_with_hccl(size):

@@ -13,7 +13,7 @@ from npugraph.sim.runtime import state as rt
 from npugraph.sim.runtime.aten import run_planned
 from npugraph.sim.runtime.memory import ArgRef, check_refs
 
-__all__ = ["OpNode", "KernelTask", "ExtWaitNode", "ExtRecordNode", "GraphRun", "storage_key"]
+__all__ = ["CollectiveNode", "OpNode", "KernelTask", "ExtWaitNode", "ExtRecordNode", "GraphRun", "storage_key"]
 
 
 def graph_name(graph: Any) -> str:
@@ -92,6 +92,30 @@ class KernelTask:
         if group is not None:
             g = f" (task group #{group.group_id}" + (f" [{group.label}])" if group.label else ")")
         return f"{self.op.qualname} at node {self.index} of {graph_name(self.graph)}{g}"
+
+
+class CollectiveNode:
+    """A captured collective (``hccl``): each replay runs it again, meeting the other ranks'
+    replays of theirs, as HCCL's tasks in an ACL graph do.  ``call`` issues it on CPU views
+    of the captured tensors' memory (taken at capture: a graph's addresses do not move)."""
+
+    __slots__ = ("call", "graph", "name", "refs")
+
+    def __init__(self, name: str, call: Any, graph: Any, refs: tuple[ArgRef, ...]) -> None:
+        self.name, self.call, self.graph, self.refs = name, call, graph, refs
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self) -> None:
+        if self.refs:
+            check_refs(self.refs, f"replay of {graph_name(self.graph)}: hccl {self.name}")
+        t0 = time.perf_counter()
+        self.call().wait()
+        rt.get_state().device_clock += time.perf_counter() - t0
+
+    def describe(self) -> str:
+        return f"hccl {self.name}"
 
 
 class ExtWaitNode:
