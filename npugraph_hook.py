@@ -164,7 +164,8 @@ def _install_triton() -> None:
     kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` unless set, the only way they
     run on a CPU), the simulator's backend joins ``triton.backends``, interpreted launches
     become simulator kernels, block shapes need not be powers of two (as triton-ascend's),
-    bfloat16 arithmetic works on values, and triton-ascend's language extension has a stand-in."""
+    bfloat16 arithmetic works on values, integer overflow checks that cannot assert are left
+    out, and triton-ascend's language extension has a stand-in."""
     if any(isinstance(f, _TritonStandIns) for f in sys.meta_path):
         return
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -173,6 +174,8 @@ def _install_triton() -> None:
     after_import("triton.language", _simulator_triton("relax_block_shapes"))
     after_import("triton.runtime.interpreter", _simulator_triton("launch_as_kernels"))
     after_import("triton.runtime.interpreter", _simulator_triton("bfloat16_arithmetic"))
+    after_import("triton.runtime.interpreter", _simulator_triton("no_unasserted_overflow_checks"))
+    after_import("triton.runtime.interpreter", _simulator_triton("cached_numpy_dtypes"))
 
 
 def from_pth() -> None:

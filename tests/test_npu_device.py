@@ -264,6 +264,11 @@ def test_a_collective_captured_in_a_graph_runs_at_every_replay():
                 torch.npu.synchronize()
                 seen.append((summed.cpu().tolist(), flat.cpu().tolist()))
             os.write(1, (f"{{rank}} {{seen}}" + "\\n").encode())
+            try:  # on another stream than the capturing one: refused before it reaches gloo
+                with torch.npu.graph(torch.npu.NPUGraph()), torch.npu.stream(torch.npu.Stream()):
+                    dist.all_reduce(summed)
+            except RuntimeError as exc:
+                os.write(1, (f"{{rank}} refused: {{exc}}" + "\\n").encode())
             dist.destroy_process_group()
 
         if __name__ == "__main__":
@@ -273,6 +278,7 @@ def test_a_collective_captured_in_a_graph_runs_at_every_replay():
     # step s: rank r holds 2*s*(r+1); the sum over both ranks is 6*s; rank r gathers 6*s + r
     want = "[([6.0, 6.0, 6.0, 6.0], [6.0, 6.0, 7.0, 7.0]), ([30.0, 30.0, 30.0, 30.0], [30.0, 30.0, 31.0, 31.0])]"
     assert f"0 {want}" in out and f"1 {want}" in out, out
+    assert out.count("hccl allreduce issued on") == 2, out
 
 
 @pytest.mark.vllm

@@ -240,6 +240,19 @@ def test_task_group_holds_exactly_one_op():
         _pa(q, kc, vc, bt, lens, out)
 
 
+def test_a_kernel_on_another_stream_while_one_captures_is_refused_naming_both():
+    # capture_error_mode='global' (the default): work on any other stream during a capture
+    q, kc, vc, bt, out = _pa_setup()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    side = npu.Stream()
+    g = npu.NPUGraph()
+    refused = r"_npu_paged_attention\S* issued on .*stream#\d+> while .*stream#\d+> is capturing"
+    with pytest.raises(torch_npu.CaptureError, match=refused), npu.graph(g), npu.stream(side):
+        _pa(q, kc, vc, bt, lens, out)
+    npu.synchronize()  # and the device serves on
+    assert equal_on_host(_eager_pa(q, kc, vc, bt, lens), _eager_pa(q, kc, vc, bt, lens))
+
+
 # --- §4 task updates ------------------------------------------------------------------
 
 

@@ -206,3 +206,34 @@ def test_the_card_counts_memory_once_however_many_aliases_a_graph_holds():
     grown = npu.memory_allocated() - start
     assert grown <= torch_npu.pool_bytes(pool) < kc.numel() * kc.element_size()
     assert torch_npu.pool_bytes(pool) >= y.numel() * y.element_size()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_zeroing_a_large_allocation_gives_its_pages_back_and_reads_zeros_at_every_byte():
+    # vLLM and SGLang zero their KV caches (gigabytes) at start-up: a large allocation is a
+    # mapping of its own whose whole pages a zero_ gives back (they read as zeros), its
+    # partial pages at either end written; what lies outside the range keeps its values
+    n = (96 << 20) + 123
+    pattern = torch.randint(1, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    x = torch.empty(n, dtype=torch.uint8, device="npu")
+    x.copy_(pattern)  # every page touched
+    npu.synchronize()
+    lo, hi = 4093, n - 5001  # neither end on a page
+    before = _resident_bytes()
+    x[lo:hi].zero_()
+    given_back = before - _resident_bytes()
+    expected = pattern.clone()
+    expected[lo:hi] = 0
+    assert torch.equal(x.cpu(), expected)
+    assert given_back > 80 << 20, given_back
+    x[lo : lo + 3] = 9  # the given-back pages are memory like any other
+    expected[lo : lo + 3] = 9
+    assert torch.equal(x.cpu(), expected)
+    x.zero_()
+    assert int(x.count_nonzero()) == 0
+    small = torch.full((1000,), 3.0, device="npu")  # a small one: zeroed as any op does
+    assert float(small.zero_().abs().sum()) == 0.0

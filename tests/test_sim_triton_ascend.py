@@ -139,3 +139,39 @@ def test_a_launch_inside_a_capture_is_one_node_replayed_on_the_memory_of_the_mom
         g.replay()
         torch.npu.synchronize()
         assert torch.equal(out.cpu(), torch.cat([-src[:, 8:], src[:, :8]], dim=1))
+
+
+@triton.jit
+def int_sums(a_ptr, b_ptr, o_ptr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+    i = tl.arange(0, N)
+    tl.store(o_ptr + i, tl.load(a_ptr + i) + tl.load(b_ptr + i))
+
+
+def test_an_integer_overflow_wraps_as_on_a_device_unchecked_without_debug() -> None:
+    # the interpreter's overflow checks assert nothing unless debug is on; they are left out
+    # then (a third of the time of vllm-ascend's rope kernel), and the sum wraps as an NPU's
+    from triton.runtime import interpreter
+
+    assert not interpreter.interpreter_builder.options.debug
+    assert not interpreter.interpreter_builder.options.sanitize_overflow
+    a = torch.tensor([2**31 - 1, -(2**31), 5, -7], dtype=torch.int32)
+    b = torch.tensor([1, -1, 6, 7], dtype=torch.int32)
+    out = torch.empty(4, dtype=torch.int32, device="npu")
+    int_sums[(1,)](a.to("npu"), b.to("npu"), out, N=4)
+    wrapped = ((a.long() + b.long() + 2**31) % 2**32 - 2**31).tolist()  # two's complement, by hand
+    assert out.cpu().tolist() == wrapped == [-(2**31), 2**31 - 1, 11, 0]
+
+
+def test_the_kept_numpy_types_are_tritons_answers_for_every_type() -> None:
+    from triton.runtime import interpreter
+
+    kept = interpreter._get_np_dtype
+    triton_own = kept.triton
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64]
+    scalars += [tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]
+    types = [*scalars, tl.pointer_type(tl.bfloat16), tl.pointer_type(tl.int32)]
+    types += [tl.block_type(t, [4, 8]) for t in types]
+    for _ in range(2):  # asked, then kept
+        for t in types:
+            assert kept(t) == triton_own(t), t
+    assert kept(tl.block_type(tl.bfloat16, [2])) == np.dtype(np.uint16)  # patterns, as Triton keeps them

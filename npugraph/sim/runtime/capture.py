@@ -84,6 +84,15 @@ class CaptureSession:
         self.last_wait_at = -1  # its node index
 
     # host reads
+    def check_stream(self, stream: rt.Stream, what: str) -> None:
+        """Refuse ``what`` (a kernel, a collective) issued on ``stream`` while this session's
+        stream captures, as capture_error_mode='global' does."""
+        if stream is not self.stream:
+            raise CaptureError(
+                f"{what} issued on {stream!r} while {self.stream!r} is capturing "
+                "(capture_error_mode='global' forbids work on other streams during capture)"
+            )
+
     def check_host_read(self, t: torch.Tensor, how: str) -> None:
         if t.device.type == "meta":
             return

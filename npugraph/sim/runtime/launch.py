@@ -27,7 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from npugraph.sim.device.backend import on_host
-from npugraph.sim.errors import CaptureError, WorkspaceTooSmall
+from npugraph.sim.errors import WorkspaceTooSmall
 from npugraph.sim.runtime import state as rt
 from npugraph.sim.runtime.capture import make_host_copy
 from npugraph.sim.runtime.memory import MEMORY
@@ -198,11 +198,7 @@ def launch(op: SimOp, params: dict[str, Any]) -> None:
         return
     session = st.capture
     if session is not None:
-        if session.stream is not stream:
-            raise CaptureError(
-                f"{op.qualname} launched on {stream!r} while {session.stream!r} is capturing "
-                "(capture_error_mode='global' forbids work on other streams during capture)"
-            )
+        session.check_stream(stream, op.qualname)
         op.check_workspace(params, f"capture of {op.qualname}", info)
         session.record_kernel(op, params)
         return

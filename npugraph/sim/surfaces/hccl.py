@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from npugraph.sim.device.backend import on_host as _host  # npu tensors (also in lists) as CPU views
-from npugraph.sim.errors import CaptureError
 from npugraph.sim.runtime import state as rt
 from npugraph.sim.runtime.memory import ArgRef
 from npugraph.sim.runtime.nodes import CollectiveNode, storage_key
@@ -75,11 +74,7 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         if session is None:
             return call(*(_host(t) for t in tensors))
         name = sys._getframe(1).f_code.co_name  # the collective's own method
-        if session.stream is not st.current_stream:
-            raise CaptureError(
-                f"hccl {name} issued on {st.current_stream!r} while {session.stream!r} is capturing "
-                "(capture_error_mode='global' forbids work on other streams during capture)"
-            )
+        session.check_stream(st.current_stream, f"hccl {name}")
         refs: list[ArgRef] = []
         held = [session.hold(f"{name}[{i}]", t, refs) for i, t in enumerate(tensors)]
         views = [_host(h) for h in held]  # the graph's addresses do not move: made once

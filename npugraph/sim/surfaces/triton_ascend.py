@@ -16,6 +16,11 @@ the simulator they run in PyPI Triton's interpreter (``TRITON_INTERPRET=1``), wi
   allows them;
 * bfloat16 arithmetic on values, not on the interpreter's raw 16-bit patterns
   (:func:`bfloat16_arithmetic`);
+* two costs of the interpreter's own that change no result: integer overflow checks whose
+  result nothing reads (:func:`no_unasserted_overflow_checks`: a compiled kernel has none
+  without ``debug``), and a table of numpy types built again at each operation
+  (:func:`cached_numpy_dtypes`); together they were about a third of the time of
+  vllm-ascend's rope kernel;
 * a stand-in for ``triton.language.extra.cann.extension`` (:func:`cann_extension`):
   triton-ascend's language extension, which vllm-ascend imports at module level, with its
   ``extract_slice``, ``insert_slice`` and ``get_element`` for interpreted kernels (vllm-ascend's
@@ -46,6 +51,8 @@ __all__ = [
     "register_backend",
     "relax_block_shapes",
     "bfloat16_arithmetic",
+    "cached_numpy_dtypes",
+    "no_unasserted_overflow_checks",
 ]
 
 BACKEND_NAME = "npu"  # triton-ascend's backend name
@@ -237,6 +244,50 @@ def bfloat16_arithmetic(interpreter: types.ModuleType) -> None:
     builder.ternary_op = ternary_op
     builder.create_fma = create_fma
     builder.create_rsqrt = create_rsqrt
+
+
+def no_unasserted_overflow_checks(interpreter: types.ModuleType) -> None:
+    """Leave out the interpreter's integer overflow checks when they cannot assert (once).
+
+    ``a + b`` on integers in a kernel runs ``binary_op_sanitize_overflow_impl`` when the
+    options' ``sanitize_overflow`` is on (the interpreter's default): the sum again in int64,
+    two comparisons and a ``device_assert``, which does nothing unless ``debug`` is on.  A
+    compiled kernel without ``debug`` emits none of it, and an NPU's add wraps; so with
+    ``debug`` off the check only costs time (a third of vllm-ascend's rope kernel over
+    2,048 tokens, a minute of each engine's start on the simulator).  With ``debug`` on
+    the checks stay, and assert, as Triton's own.  (Idempotent.)"""
+    import dataclasses
+
+    builder = interpreter.interpreter_builder  # the one the interpreter runs every kernel with
+    if not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+
+def cached_numpy_dtypes(interpreter: types.ModuleType) -> None:
+    """The interpreter's ``_get_np_dtype``, each answer kept (once).
+
+    Triton's builds a dictionary of its 19 scalar types at every call, and calls it at every
+    operation of every program: an eighth of the time of vllm-ascend's rope kernel.  The
+    answer depends on the type alone, so each is asked of Triton's function once and kept."""
+    original = interpreter._get_np_dtype
+    if getattr(original, "_npugraph_sim", False):
+        return
+    known: dict[Any, Any] = {}  # scalar type -> numpy's (block and pointer types are unhashable)
+
+    def _get_np_dtype(tt_dtype: Any) -> Any:
+        language = interpreter.tl  # resolved at the call: triton.language may still be loading now
+        if isinstance(tt_dtype, language.block_type):  # a block's is its element's
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, language.pointer_type):
+            return original(tt_dtype)
+        answer = known.get(tt_dtype)
+        if answer is None:
+            answer = known[tt_dtype] = original(tt_dtype)
+        return answer
+
+    _get_np_dtype._npugraph_sim = True  # type: ignore[attr-defined]
+    _get_np_dtype.triton = original  # type: ignore[attr-defined]  # what each answer must equal
+    interpreter._get_np_dtype = _get_np_dtype  # type: ignore[attr-defined]
 
 
 def launch_as_kernels(interpreter: types.ModuleType) -> None:

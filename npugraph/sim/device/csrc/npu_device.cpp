@@ -43,6 +43,8 @@
 #include <mutex>
 #include <pthread.h>
 #include <string>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -75,6 +77,8 @@ struct MemoryStats {
   int64_t allocations[64] = {};
   int64_t frees[64] = {};
   int64_t capacity = 0;  // bytes of each card (0: no limit), set from Python at install
+  // the large allocations, each a private anonymous mapping of its own (map_large), by start
+  std::map<const void*, size_t> mapped;
 };
 
 MemoryStats& stats() {
@@ -86,6 +90,7 @@ void npu_free(void* p) {
   if (p == nullptr) {
     return;
   }
+  size_t mapping = 0;
   {
     MemoryStats& s = stats();
     std::lock_guard<std::mutex> g(s.lock);
@@ -95,8 +100,64 @@ void npu_free(void* p) {
       s.frees[it->second.first] += 1;
       s.sizes.erase(it);
     }
+    auto m = s.mapped.find(p);
+    if (m != s.mapped.end()) {
+      mapping = m->second;
+      s.mapped.erase(m);
+    }
   }
-  c10::free_cpu(p);
+  if (mapping != 0) {
+    munmap(p, mapping);
+  } else {
+    c10::free_cpu(p);
+  }
+}
+
+// A large allocation (a KV cache: gigabytes) is a private anonymous mapping of its own, so
+// that zeroing it need not touch every page (zero_large): the kernel gives a page it has
+// not backed yet, or one given back with MADV_DONTNEED, as zeros when it is first touched.
+// vLLM and SGLang zero their KV caches at start-up; writing 10 GiB page by page took half a
+// minute of every engine's start on the simulator, and committed host memory a card holds.
+void* map_large(size_t nbytes) {
+  void* p = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED, "NPU out of memory: the host refused a mapping of ",
+                   nbytes, " bytes for npugraph's simulated card");
+  MemoryStats& s = stats();
+  std::lock_guard<std::mutex> g(s.lock);
+  s.mapped[p] = nbytes;
+  return p;
+}
+
+// Zero [p, p + nbytes) if it lies inside one large allocation: the whole pages inside it
+// are given back (they read as zeros from then on), the partial pages at its ends written.
+// Returns false where it does not (the caller zeroes as any op does).
+bool zero_large(char* p, size_t nbytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (nbytes < 2 * page) {
+    return false;
+  }
+  {
+    MemoryStats& s = stats();
+    std::lock_guard<std::mutex> g(s.lock);
+    auto it = s.mapped.upper_bound(p);
+    if (it == s.mapped.begin()) {
+      return false;
+    }
+    --it;
+    const char* start = static_cast<const char*>(it->first);
+    if (p < start || p + nbytes > start + it->second) {
+      return false;
+    }
+  }
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t first = (begin + page - 1) / page * page;
+  const uintptr_t last = (begin + nbytes) / page * page;
+  std::memset(p, 0, first - begin);
+  std::memset(reinterpret_cast<char*>(last), 0, begin + nbytes - last);
+  if (madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED) != 0) {
+    std::memset(reinterpret_cast<char*>(first), 0, last - first);
+  }
+  return true;
 }
 
 // What the host has available (MemAvailable, bytes), or -1 where it cannot tell.
@@ -158,7 +219,9 @@ struct NpuAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DeviceIndex dev = current_index;
     check_room(dev, static_cast<int64_t>(nbytes));
-    void* p = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
+    void* p = nbytes >= static_cast<size_t>(kAskHostFrom) ? map_large(nbytes)
+              : nbytes                                   ? c10::alloc_cpu(nbytes)
+                                                         : nullptr;
     if (p != nullptr) {
       MemoryStats& s = stats();
       std::lock_guard<std::mutex> g(s.lock);
@@ -475,6 +538,12 @@ void npu_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   const size_t first = stack->size() - nargs;
+  if (nargs == 1 && schema.operator_name().name == "aten::zero_" && (*stack)[first].isTensor()) {
+    const at::Tensor& t = (*stack)[first].toTensor();
+    if (is_npu(t) && t.is_contiguous() && zero_large(static_cast<char*>(t.data_ptr()), t.nbytes())) {
+      return;  // the argument stays on the stack: zero_ returns it
+    }
+  }
   std::vector<Swapped> swapped;
   std::optional<c10::DeviceIndex> dev;
   bool host_operand = false;  // a CPU tensor (not a 0-d scalar) passed as a tensor argument
