@@ -77,10 +77,13 @@ class EngineCounts:
         after_import("npugraph.runtime", runtime)
 
 
-def read(folder: Path) -> dict[str, Any]:
-    """The counts of the one engine process that wrote any in ``folder`` (``{}`` if none did);
-    two processes that both counted are an error (the generation is one engine, one model process)."""
+def read(folder: Path, processes: int = 1) -> list[dict[str, Any]]:
+    """The counts of each model process that wrote any in ``folder`` (none if none did): the
+    engine's, or each rank's worker under tensor parallelism.  More than ``processes`` is an
+    error (the generation is one engine, with one model process per rank)."""
     found = sorted(folder.glob("counts-*.json"))
-    if len(found) > 1:
-        raise RuntimeError(f"more than one engine process counted in {folder}: {[p.name for p in found]}")
-    return json.loads(found[0].read_text()) if found else {}
+    if len(found) > processes:
+        raise RuntimeError(
+            f"{len(found)} model processes counted in {folder}, not {processes}: {[p.name for p in found]}"
+        )
+    return [json.loads(p.read_text()) for p in found]

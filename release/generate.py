@@ -22,6 +22,10 @@ drafts (a uniform batch of 3-token queries: captured at 3, 6, 9, 18 and 24 token
 random model's greedy text rarely repeats itself, so this checkpoint has a vocabulary of 32
 words, where it does: about half its steps are speculative graph steps.
 
+``tp2`` is the Llama at ``tensor_parallel_size=2``: vLLM's engine process and a worker
+process per rank, ``hccl`` (the simulator's, over gloo) between them, a collective inside
+every captured graph; each rank's worker counts its own updates.
+
 * ``eager``: ``enforce_eager=True``;
 * ``aclgraph``: vllm-ascend's own ACL graph mode (``FULL_DECODE_ONLY``: its
   ``ACLGraphWrapper`` captures, its ``update_full_graph_params`` updates every step);
@@ -63,6 +67,7 @@ class Model:
     head_dim: int
     vocab: int = 1024
     speculative: dict[str, Any] | None = None  # vLLM's speculative_config
+    tensor_parallel: int = 1  # vLLM's tensor_parallel_size: one worker process per rank
 
 
 MODELS = {
@@ -74,6 +79,7 @@ MODELS = {
         vocab=32,
         speculative={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
     ),
+    "tp2": Model(arch="llama", head_dim=64, tensor_parallel=2),
 }
 PA_SIZES = [1, 2]
 # per model, (arrives at engine step, prompt length, new tokens): arrivals while others
@@ -86,6 +92,9 @@ REQUESTS = {
     "qwen3": [(0, 5, 20), (0, 12, 16), (0, 19, 22), (3, 7, 16), (6, 26, 14), (9, 9, 12)],
     # four requests decoding together, so that most steps have two drafts for every one
     "ngram": [(0, 20, 30), (0, 23, 30), (1, 21, 30), (2, 26, 30)],
+    # the Llama's weights over two ranks (2 of its 4 query heads and 1 of its 2 KV heads
+    # each), fewer tokens: batches of 1 to 6, padded to 1, 2, 4 and 8 as the Llama's
+    "tp2": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
 }
 
 
@@ -122,9 +131,11 @@ def engine_args(model: Path, mode: str) -> dict[str, Any]:
     else:
         kwargs["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
         kwargs["additional_config"] = {"pa_shape_list": PA_SIZES}
-    speculative = MODELS[model.name].speculative
-    if speculative is not None:
-        kwargs["speculative_config"] = dict(speculative)
+    served = MODELS[model.name]
+    if served.speculative is not None:
+        kwargs["speculative_config"] = dict(served.speculative)
+    if served.tensor_parallel > 1:
+        kwargs["tensor_parallel_size"] = served.tensor_parallel
     return kwargs
 
 
@@ -159,7 +170,9 @@ def run(model: Path, mode: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     steps = serve(llm.llm_engine, model.name, tokens)
     seconds = time.perf_counter() - t0
-    counts = engine_counts.read(counts_dir)  # the engine process's (the only one that updates)
+    # each model process's: the engine's, or each rank's worker under tensor parallelism
+    ranks = engine_counts.read(counts_dir, MODELS[model.name].tensor_parallel)
+    counts = ranks[0] if ranks else {}
     return {
         "mode": mode,
         "model": model.name,
@@ -174,6 +187,8 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         "npugraph_steps": counts.get("npugraph_steps", 0),
         "graph_steps": counts.get("graph_steps", 0),
         "npugraph_capture_report": counts.get("npugraph_capture_report", []),
+        # per model process (rank): its graph steps, and the steps npugraph updated there
+        "ranks": [{k: r.get(k, 0) for k in ("graph_steps", "npugraph_steps")} for r in ranks],
     }
 
 

@@ -1,6 +1,7 @@
 """A real generation on vllm-ascend 0.23.0.post1, on the simulator, as users start it (vLLM's
-default engine, vllm-ascend's default configuration), on a Llama, a Qwen3 and a Llama with
-n-gram speculative decoding (two draft tokens, in graph mode): npugraph's
+default engine, vllm-ascend's default configuration), on a Llama, a Qwen3, a Llama with
+n-gram speculative decoding (two draft tokens, in graph mode) and the Llama at tensor
+parallel 2 (a worker process per rank, hccl between them): npugraph's
 plugin gives vllm-ascend's own ACL graph mode's greedy tokens, eager gives the same (up to
 near-ties where vllm-ascend fuses kernels in graph mode only), and Hugging Face's float32
 forward of the same checkpoints confirms each mode's (release/run.sh runs this in the
@@ -91,9 +92,10 @@ def test_the_tokens_are_hugging_faces_greedy_choices(out_dir: Path, model: str, 
 # FIA at 4 and 8); with two draft tokens, uniform batches of 3-token queries at 3, 6, 9, 18
 # and 24 tokens, all FIA
 CAPTURED = {"llama": "4 graphs captured", "qwen3": "4 graphs captured", "ngram": "5 graphs captured"}
+CAPTURED["tp2"] = CAPTURED["llama"]  # on each rank
 # At least this share (1/n) of a run's steps ran as a graph: with n-gram speculative
 # decoding a step is a graph only when every request has both drafts (about half of them)
-GRAPH_STEP_SHARE = {"llama": 2, "qwen3": 2, "ngram": 4}
+GRAPH_STEP_SHARE = {"llama": 2, "qwen3": 2, "ngram": 4, "tp2": 2}
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -104,6 +106,7 @@ def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_
     vllm-ascend in its own mode and by npugraph alone under the plugin.  (The runs need not
     have the same number of graph steps: the engine is its own process, and which client
     step a request arrives at can move by one between runs.)"""
+    ranks = MODELS[model].tensor_parallel  # model processes: each rank's worker counts its own
     eager = _run(out_dir, model, "eager")
     assert not eager["vllm_ascend_update_seconds"] and not eager["npugraph_steps"], "eager replays no graph"
     assert not eager["graph_steps"]
@@ -112,11 +115,15 @@ def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_
         acl = json.loads(path.read_text())
         assert len(acl["vllm_ascend_update_seconds"]) == acl["graph_steps"] and not acl["npugraph_steps"], path.name
         assert acl["graph_steps"] >= least, path.name
+        assert len(acl["ranks"]) == ranks and all(r["graph_steps"] == acl["graph_steps"] for r in acl["ranks"])
     for path in results(out_dir, model, "npugraph"):
         npg = json.loads(path.read_text())
         assert not npg["vllm_ascend_update_seconds"], f"{path.name}: vllm-ascend's own update ran"
         assert npg["npugraph_steps"] == len(npg["npugraph_update_seconds"]) == npg["graph_steps"], path.name
         assert npg["graph_steps"] >= least, path.name
+        # every rank ran the same graph steps, and npugraph updated each of them there
+        assert len(npg["ranks"]) == ranks, npg["ranks"]
+        assert all(r["npugraph_steps"] == r["graph_steps"] == npg["graph_steps"] for r in npg["ranks"]), npg["ranks"]
         per_step = {k: v / npg["npugraph_steps"] for k, v in npg["npugraph_update_device_calls"].items()}
         assert per_step["update_begin"] == per_step["event_record"] == 2.0, "one update and one event per layer"
         (report,) = npg["npugraph_capture_report"]  # one runtime, in the engine process

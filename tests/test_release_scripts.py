@@ -151,7 +151,7 @@ def test_a_generation_plans_eager_once_and_the_repeated_models_graph_modes_in_tu
         runs.order(("llama",), ("aclgraph",), 0, "llama")
 
 
-def test_engine_counts_are_written_by_the_process_that_counts_and_read_back_from_one(tmp_path):
+def test_engine_counts_are_written_by_the_process_that_counts_and_read_back_one_per_rank(tmp_path):
     import json
     import os
 
@@ -167,7 +167,8 @@ def test_engine_counts_are_written_by_the_process_that_counts_and_read_back_from
     path = tmp_path / f"counts-{os.getpid()}.json"
     written = json.loads(path.read_text())  # after each call: an engine process is killed at shutdown
     assert len(written["probe_seconds"]) == 2 and written["npugraph_steps"] == 0
-    assert engine_counts.read(tmp_path) == written
-    (tmp_path / "counts-1.json").write_text("{}")  # a second engine process: not one engine
-    with pytest.raises(RuntimeError, match="more than one engine process counted"):
+    assert engine_counts.read(tmp_path) == [written]
+    (tmp_path / "counts-1.json").write_text("{}")  # a second model process: not one engine
+    with pytest.raises(RuntimeError, match="2 model processes counted in .*, not 1"):
         engine_counts.read(tmp_path)
+    assert engine_counts.read(tmp_path, 2) == [{}, written]  # two ranks' workers (by name)

@@ -103,7 +103,7 @@ def run(model: Path, mode: str) -> dict[str, Any]:
     finally:
         seconds = time.perf_counter() - t0
         engine.shutdown()
-    counts = engine_counts.read(counts_dir)  # the scheduler's (the only process that updates)
+    (counts,) = engine_counts.read(counts_dir) or [{}]  # the scheduler's (the only process that updates)
     return {
         "mode": mode,
         "model": model.name,
