@@ -6,9 +6,9 @@
 #      simulator is torch_npu), and prints collected / passed / failed per file;
 #   3. runs npugraph's plugin test against the release (every name it replaces is found);
 #   4. a real generation (release/generate.py) as users start one (vLLM's default engine,
-#      vllm-ascend's default configuration), on a Llama, a Qwen3 and a Llama with n-gram
-#      speculative decoding: eager, vllm-ascend's ACL graph mode and npugraph's plugin, each
-#      in its own process;
+#      vllm-ascend's default configuration), on a Llama, a Qwen3, a Llama with n-gram
+#      speculative decoding and the Llama at tensor parallel 2: eager, vllm-ascend's ACL
+#      graph mode and npugraph's plugin, each in its own process;
 #      release/test_generate.py checks that every run's tokens are identical and Hugging
 #      Face's, and that npugraph did every update; release/update_cost.py prints the
 #      per-step update cost of the two graph modes, per run, and what the runs support;
