@@ -77,37 +77,50 @@ struct MemoryStats {
   int64_t allocations[64] = {};
   int64_t frees[64] = {};
   int64_t capacity = 0;  // bytes of each card (0: no limit), set from Python at install
-  // the large allocations, each a private anonymous mapping of its own (map_large), by start
-  std::map<const void*, size_t> mapped;
 };
+
+// Allocations of this size or more ask the host whether it can back them (check_room) and
+// are private anonymous mappings of their own (map_large).
+constexpr int64_t kLargeFrom = 64ll << 20;
+
+bool is_large(size_t nbytes) {
+  return nbytes >= static_cast<size_t>(kLargeFrom);
+}
 
 MemoryStats& stats() {
   static MemoryStats* s = new MemoryStats();  // never destroyed: frees may come at exit
   return *s;
 }
 
+// The allocation whose bytes hold `p`, or `s.sizes.end()`; the caller holds `s.lock`.
+std::map<const void*, std::pair<c10::DeviceIndex, size_t>>::iterator allocation_holding(MemoryStats& s,
+                                                                                        const char* p) {
+  auto it = s.sizes.upper_bound(p);
+  if (it == s.sizes.begin()) {
+    return s.sizes.end();
+  }
+  --it;
+  return p < static_cast<const char*>(it->first) + it->second.second ? it : s.sizes.end();
+}
+
 void npu_free(void* p) {
   if (p == nullptr) {
     return;
   }
-  size_t mapping = 0;
+  size_t nbytes = 0;
   {
     MemoryStats& s = stats();
     std::lock_guard<std::mutex> g(s.lock);
     auto it = s.sizes.find(p);
     if (it != s.sizes.end()) {
-      s.allocated[it->second.first] -= static_cast<int64_t>(it->second.second);
+      nbytes = it->second.second;
+      s.allocated[it->second.first] -= static_cast<int64_t>(nbytes);
       s.frees[it->second.first] += 1;
       s.sizes.erase(it);
     }
-    auto m = s.mapped.find(p);
-    if (m != s.mapped.end()) {
-      mapping = m->second;
-      s.mapped.erase(m);
-    }
   }
-  if (mapping != 0) {
-    munmap(p, mapping);
+  if (is_large(nbytes)) {
+    munmap(p, nbytes);
   } else {
     c10::free_cpu(p);
   }
@@ -122,9 +135,6 @@ void* map_large(size_t nbytes) {
   void* p = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED, "NPU out of memory: the host refused a mapping of ",
                    nbytes, " bytes for npugraph's simulated card");
-  MemoryStats& s = stats();
-  std::lock_guard<std::mutex> g(s.lock);
-  s.mapped[p] = nbytes;
   return p;
 }
 
@@ -139,13 +149,9 @@ bool zero_large(char* p, size_t nbytes) {
   {
     MemoryStats& s = stats();
     std::lock_guard<std::mutex> g(s.lock);
-    auto it = s.mapped.upper_bound(p);
-    if (it == s.mapped.begin()) {
-      return false;
-    }
-    --it;
-    const char* start = static_cast<const char*>(it->first);
-    if (p < start || p + nbytes > start + it->second) {
+    auto it = allocation_holding(s, p);
+    if (it == s.sizes.end() || !is_large(it->second.second) ||
+        p + nbytes > static_cast<const char*>(it->first) + it->second.second) {
       return false;
     }
   }
@@ -186,7 +192,6 @@ std::string gib(int64_t bytes) {
 // An allocation past the card's size is the device's out-of-memory error, as on a card.  One
 // the host cannot back is refused too: the host overcommits, so it would succeed here and
 // the kernel would kill the process when its pages are touched, with no message.
-constexpr int64_t kAskHostFrom = 64ll << 20;  // large allocations ask the host
 constexpr int64_t kHostReserve = 512ll << 20;  // left to the process's own work
 
 void check_room(c10::DeviceIndex dev, int64_t nbytes, bool ask_host = true) {
@@ -203,7 +208,7 @@ void check_room(c10::DeviceIndex dev, int64_t nbytes, bool ask_host = true) {
                    ", which has ", gib(capacity), " in total and ", gib(used),
                    " allocated. npugraph's simulated card is host memory; its size is NPUGRAPH_SIM_MEMORY_GB "
                    "(default: half the memory the host had available when the process started).");
-  if (!ask_host || nbytes < kAskHostFrom) {
+  if (!ask_host || !is_large(static_cast<size_t>(nbytes))) {
     return;
   }
   const int64_t available = host_available();
@@ -219,9 +224,7 @@ struct NpuAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DeviceIndex dev = current_index;
     check_room(dev, static_cast<int64_t>(nbytes));
-    void* p = nbytes >= static_cast<size_t>(kAskHostFrom) ? map_large(nbytes)
-              : nbytes                                   ? c10::alloc_cpu(nbytes)
-                                                         : nullptr;
+    void* p = is_large(nbytes) ? map_large(nbytes) : nbytes ? c10::alloc_cpu(nbytes) : nullptr;
     if (p != nullptr) {
       MemoryStats& s = stats();
       std::lock_guard<std::mutex> g(s.lock);
@@ -328,12 +331,7 @@ bool is_npu_memory(const c10::Storage& src) {
   }
   MemoryStats& s = stats();
   std::lock_guard<std::mutex> g(s.lock);
-  auto it = s.sizes.upper_bound(p);
-  if (it == s.sizes.begin()) {
-    return false;
-  }
-  --it;
-  return p < static_cast<const char*>(it->first) + it->second.second;
+  return allocation_holding(s, p) != s.sizes.end();
 }
 
 c10::Storage storage_over(const c10::Storage& src, c10::Device device, c10::Allocator* allocator) {
