@@ -8,10 +8,10 @@
 ``vllm.LLM`` as vllm-ascend's docs start it, with vLLM's default engine (the model in its
 own EngineCore process) and vllm-ascend 0.23.0.post1's default configuration (its fusion
 passes and its ``npugraph_ex`` backend on), nothing set in the environment but the
-simulator as torch_npu.  Two tiny checkpoints written by Hugging Face transformers, seeded,
-bfloat16, with a word-level tokenizer (release/tiny_model.py): a Llama (head 64) and a
+simulator as torch_npu.  Tiny checkpoints written by Hugging Face transformers, seeded,
+bfloat16, with a word-level tokenizer (release/tiny_model.py): a Llama (head 64), a
 Qwen3 (q/k norms, head 128: vllm-ascend fuses its q/k norm and rope into one Triton kernel,
-``split_qkv_rmsnorm_rope``).  Prompts as token ids, greedy, requests arriving while others
+``split_qkv_rmsnorm_rope``) and a DeepSeek-V2 (below).  Prompts as token ids, greedy, requests arriving while others
 decode and finishing at different steps: decode batches of 1 to 8 requests, which
 vllm-ascend pads to its captured sizes 1, 2, 4 and 8, with PA at sizes 1 and 2
 (``pa_shape_list``, vllm-ascend's documented choice) and FIA at 4 and 8.
@@ -25,6 +25,13 @@ words, where it does: about half its steps are speculative graph steps.
 ``tp2`` is the Llama at ``tensor_parallel_size=2``: vLLM's engine process and a worker
 process per rank, ``hccl`` (the simulator's, over gloo) between them, a collective inside
 every captured graph; each rank's worker counts its own updates.
+
+``mla`` is a DeepSeek-V2 (Hugging Face's ``DeepseekV2ForCausalLM``) with multi-head latent
+attention at DeepSeek's own sizes (a latent KV of 512, a rope part of 64), every layer dense:
+vllm-ascend serves it with its MLA backend (``mla_v1``: the latent cache written by
+``npu_kv_rmsnorm_rope_cache``, decode by FIA v2 with rope arguments, captured and updated by
+vllm-ascend, or by npugraph's plugin as its ``mla`` declaration).  No PA sizes are set for it:
+an MLA layer has no PA.
 
 * ``eager``: ``enforce_eager=True``;
 * ``aclgraph``: vllm-ascend's own ACL graph mode (``FULL_DECODE_ONLY``: its
@@ -68,6 +75,9 @@ class Model:
     vocab: int = 1024
     speculative: dict[str, Any] | None = None  # vLLM's speculative_config
     tensor_parallel: int = 1  # vLLM's tensor_parallel_size: one worker process per rank
+    # PA at the smallest captured sizes (vllm-ascend's pa_shape_list); an MLA model has no
+    # PA (its decode is FIA with rope arguments), and its user sets no PA sizes
+    paged_attention: bool = True
 
 
 MODELS = {
@@ -80,6 +90,7 @@ MODELS = {
         speculative={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
     ),
     "tp2": Model(arch="llama", head_dim=64, tensor_parallel=2),
+    "mla": Model(arch="deepseek_v2", head_dim=64, paged_attention=False),
 }
 PA_SIZES = [1, 2]
 # per model, (arrives at engine step, prompt length, new tokens): arrivals while others
@@ -95,6 +106,8 @@ REQUESTS = {
     # the Llama's weights over two ranks (2 of its 4 query heads and 1 of its 2 KV heads
     # each), fewer tokens: batches of 1 to 6, padded to 1, 2, 4 and 8 as the Llama's
     "tp2": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
+    # DeepSeek-V2's MLA: batches of 1 to 6, padded to 1, 2, 4 and 8, all MLA graphs
+    "mla": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
 }
 
 
@@ -130,8 +143,9 @@ def engine_args(model: Path, mode: str) -> dict[str, Any]:
         kwargs["enforce_eager"] = True
     else:
         kwargs["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
-        kwargs["additional_config"] = {"pa_shape_list": PA_SIZES}
     served = MODELS[model.name]
+    if mode != "eager" and served.paged_attention:
+        kwargs["additional_config"] = {"pa_shape_list": PA_SIZES}
     if served.speculative is not None:
         kwargs["speculative_config"] = dict(served.speculative)
     if served.tensor_parallel > 1:

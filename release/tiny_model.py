@@ -1,5 +1,6 @@
 """The tiny checkpoints the real generations serve (release/generate.py, release/sglang/generate.py):
-2 layers, GQA 4:2, head 64 unless asked, seeded weights, written by Hugging Face transformers."""
+2 layers, GQA 4:2, head 64 unless asked (DeepSeek-V2: 4 heads of multi-head latent attention),
+seeded weights, written by Hugging Face transformers."""
 
 from __future__ import annotations
 
@@ -10,22 +11,43 @@ __all__ = ["checkpoint", "write", "write_tokenizer"]
 
 
 def checkpoint(path: Path, arch: str, vocab: int, head_dim: int = 64) -> None:
-    """A tiny ``arch`` (``llama`` or ``qwen3``: q/k norms) in bfloat16 with its tokenizer at ``path``."""
+    """A tiny ``arch`` (``llama``, ``qwen3``: q/k norms, or ``deepseek_v2``: MLA) in bfloat16 with
+    its tokenizer at ``path``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
-    write(path, *classes, torch.bfloat16, vocab, head_dim)
+    if arch == "deepseek_v2":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        write(path, DeepseekV2Config, DeepseekV2ForCausalLM, torch.bfloat16, vocab, head_dim, **MLA)
+    else:
+        classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+        write(path, *classes, torch.bfloat16, vocab, head_dim)
     write_tokenizer(path, vocab)
 
 
-def write(path: Path, config_cls: Any, model_cls: Any, dtype: Any, vocab: int, head_dim: int = 64) -> None:
+# DeepSeek-V2's multi-head latent attention at its own sizes (a latent KV of 512, a rope
+# part of 64: the sizes vllm-ascend's MLA kernels take), in layers of the tiny width, every
+# one dense (DeepSeek-V2-Lite's: no query compression; no mixture of experts, whose kernels
+# are not simulated)
+MLA: dict[str, Any] = {
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "first_k_dense_replace": 2,
+    "num_key_value_heads": 4,
+}
+
+
+def write(path: Path, config_cls: Any, model_cls: Any, dtype: Any, vocab: int, head_dim: int = 64, **more: Any) -> None:
     """``model_cls(config_cls(...))`` with seed 0 in ``dtype``, as safetensors at ``path`` (kept if there)."""
     if (path / "config.json").exists():
         return
     import torch
 
-    config = config_cls(
+    fields: dict[str, Any] = dict(
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=2,
@@ -41,6 +63,7 @@ def write(path: Path, config_cls: Any, model_cls: Any, dtype: Any, vocab: int, h
         bos_token_id=1,
         eos_token_id=2,
     )
+    config = config_cls(**{**fields, **more})
     torch.manual_seed(0)
     model_cls(config).to(dtype).save_pretrained(path, safe_serialization=True)
 

@@ -317,6 +317,46 @@ def test_fia_with_rope_is_absorbed_mla(layout, dtype, heads, dr, qper, data):
         assert (out[rows].cpu().double() - ref).abs().max() <= TOL[dtype]
 
 
+@settings(max_examples=20, deadline=None)
+@given(layout=st.sampled_from(["BNSD_NBSD", "BSND_NBSD", "TND_NTD"]), heads=st.sampled_from([1, 4]), data=st.data())
+def test_fia_v2_writes_mla_output_in_the_layout_after_the_underscore(layout, heads, data):
+    """vllm-ascend's MLA decode: FIA v2 with rope arguments, the query in one layout and the
+    output in another (``BNSD_NBSD``: the output [N, B, S, Dv]), by ``.out`` and by the default
+    overload; each head's rows are the float64 oracle's."""
+    b, d, dr, bs, cols, nb = 3, 32, 16, 4, 4, 16
+    dtype = torch.bfloat16
+    kvl = [data.draw(st.integers(1, cols * bs)) for _ in range(b)]
+    bt = torch.stack([torch.randperm(nb, device=DEVICE)[:cols] for _ in range(b)]).to(torch.int32)
+    latent = torch.randn(nb, bs, 1, d, dtype=dtype, device=DEVICE)
+    rope = torch.randn(nb, bs, 1, dr, dtype=dtype, device=DEVICE)
+    qn, qr = torch.randn(b, heads, d, dtype=dtype, device=DEVICE), torch.randn(b, heads, dr, dtype=dtype, device=DEVICE)
+    kw = dict(num_query_heads=heads, num_key_value_heads=1, softmax_scale=0.2, block_table=bt, block_size=bs)
+    if layout == "BNSD_NBSD":  # the caches viewed [NB, KVN, BS, D], as vllm-ascend views them
+        args = (qn.view(b, heads, 1, d), latent.view(nb, 1, bs, d), latent.view(nb, 1, bs, d))
+        kw.update(query_rope=qr.view(b, heads, 1, dr), key_rope=rope.view(nb, 1, bs, dr))
+    elif layout == "BSND_NBSD":
+        args = (qn.view(b, 1, heads, d), latent.view(nb, bs, d), latent.view(nb, bs, d))
+        kw.update(query_rope=qr.view(b, 1, heads, dr), key_rope=rope.view(nb, bs, dr))
+    else:
+        args = (qn, latent.view(nb, bs, d), latent.view(nb, bs, d))
+        kw.update(query_rope=qr, key_rope=rope.view(nb, bs, dr), actual_seq_qlen=list(range(1, b + 1)))
+    kw.update(input_layout=layout, actual_seq_kvlen=kvl)
+    out, _ = torch_npu.npu_fused_infer_attention_score_v2(*args, **kw)
+    into = torch.full_like(out, float("nan"))
+    torch_npu.npu_fused_infer_attention_score_v2.out(
+        *args, **kw, out=[into, torch.empty(b, dtype=dtype, device=DEVICE)]
+    )
+    npu.synchronize()
+    assert list(out.shape) == ([heads, b, 1, d] if layout.endswith("NBSD") else [heads, b, d])
+    for got in (out, into):
+        rows = got.view(heads, b, d).cpu().double()
+        for i in range(b):
+            k = torch.cat([_gather(latent, bt[i], kvl[i], bs), _gather(rope, bt[i], kvl[i], bs)], -1)
+            q = torch.cat([qn[i], qr[i]], -1).unsqueeze(1)  # [N, 1, D + Dr]
+            ref = _oracle(q, k, _gather(latent, bt[i], kvl[i], bs), 0.2)[:, 0]
+            assert (rows[:, i] - ref).abs().max() <= TOL[dtype]
+
+
 @settings(max_examples=25, deadline=None)
 @given(window=st.integers(1, 12), qper=st.sampled_from([1, 3]), data=st.data())
 def test_fia_band_mode_is_a_sliding_window(window, qper, data):

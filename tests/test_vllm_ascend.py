@@ -374,6 +374,9 @@ def test_real_vllm_ascend_sources_have_every_name_npugraph_replaces(monkeypatch)
         impl = "vllm_ascend.attention.attention_v1.AscendAttentionBackendImpl"
         wanted = {f"{impl}.{n}" for n in ("forward", "full_graph_pa", "full_graph_fia", "update_graph_params")}
         wanted.add("vllm_ascend.compilation.acl_graph.update_full_graph_params")
+        # the MLA backend's decode (DeepSeek's layers) and the forward that names its layer
+        mla = "vllm_ascend.attention.mla_v1.AscendMLAImpl"
+        wanted |= {f"{mla}.forward", f"{mla}._forward_decode"}
         if result.generation == "aug-2026":
             assert wanted <= set(result.replaced), f"not replaced: {sorted(wanted - set(result.replaced))}"
     finally:

@@ -50,6 +50,8 @@ _ATTENTION = "vllm_ascend.attention.attention_v1"
 _ACL_GRAPH = "vllm_ascend.compilation.acl_graph"
 _UPDATABLE = ("vllm_ascend.compilation.updatable_graph", "vllm_ascend.worker.v2.updatable_graph")
 _IMPL = "AscendAttentionBackendImpl"
+_MLA = "vllm_ascend.attention.mla_v1"
+_MLA_IMPL = "AscendMLAImpl"
 _RECORDERS = ("full_graph_pa", "full_graph_fia", "full_graph_fia_v2")
 _MARK = "_npugraph_original_"
 
@@ -125,6 +127,18 @@ def install() -> Replaced | None:
             _replace_attr(impl, name, _recorder(name), f"{_ATTENTION}.{_IMPL}.{name}", replaced, missing)
         label = f"{_ATTENTION}.{_IMPL}.update_graph_params"
         _replace_attr(impl, "update_graph_params", staticmethod(_noop), label, replaced, missing)
+    mla = getattr(_module(_MLA), _MLA_IMPL, None)
+    if mla is not None and "_forward_decode" in vars(mla):
+        where = f"{_MLA}.{_MLA_IMPL}"
+        _replace_attr(mla, "forward", _named_forward(mla), f"{where}.forward", replaced, missing)
+        _replace_attr(
+            mla,
+            "_forward_decode",
+            _mla_decode(vars(mla)["_forward_decode"]),
+            f"{where}._forward_decode",
+            replaced,
+            missing,
+        )
     if generation == "aug-2026":
         _replace_everywhere("update_full_graph_params", _noop, _ACL_GRAPH, replaced, missing)
     else:
@@ -229,12 +243,15 @@ def _no_tasks(self: Any, *args: Any, **kwargs: Any) -> tuple[()]:
 
 
 def _named_forward(impl: type) -> Callable[..., Any]:
-    """``forward(self, layer, ...)`` that makes the layer's name known to the recorders."""
+    """``forward(self, layer, ...)`` that makes the layer's name known to the recorders
+    (``layer`` is the attention layer, or its name: MLA's ``forward(layer_name, ...)``)."""
     original = vars(impl)["forward"]
 
     @functools.wraps(original)
     def forward(self: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
-        name = getattr(self, "kv_sharing_target_layer_name", None) or getattr(layer, "layer_name", None)
+        name: str | None = layer if isinstance(layer, str) else None
+        if name is None:
+            name = getattr(self, "kv_sharing_target_layer_name", None) or getattr(layer, "layer_name", None)
         token = _LAYER.set(name)
         try:
             return original(self, layer, *args, **kwargs)
@@ -350,6 +367,71 @@ def _recorder(name: str) -> Callable[..., Any]:
 
     full_graph_fia.__name__ = name
     return full_graph_fia
+
+
+def _mla_refusal(impl: Any, dequant_scale: Any) -> str | None:
+    """Why npugraph cannot record this MLA layer's decode (vllm-ascend's variants it has no
+    declaration for), or None."""
+    if getattr(impl, "fa_quant_layer", False) or dequant_scale is not None:
+        return "its attention is quantised (fa_quant)"
+    if getattr(impl, "enable_kv_nz", False):
+        return "its KV cache is in the NZ format (enable_kv_nz)"
+    if getattr(impl, "head_padding", 0):
+        return f"its {impl.num_heads} heads are padded to a power of two"
+    if getattr(impl, "speculative_config", None) is not None:
+        return "speculative decoding with MLA is not recorded by npugraph yet"
+    return None
+
+
+def _mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``AscendMLAImpl._forward_decode`` as a thin client of npugraph inside its capture.
+
+    vllm-ascend's decode of an MLA layer runs FIA v2 with rope arguments on the latent
+    cache; captured, it records the kernel with the step's lengths and its own event into
+    its ``GraphParams``.  Inside npugraph's capture the same attention is npugraph's MLA
+    task (the ``mla`` declaration: FIA with rope arguments, one latent KV head), with the
+    layer's decode metadata (``decode.seq_lens_list``, ``decode.block_table``); its output
+    is the latent attention per token and head, which the layer's own up projection turns
+    into values, as vllm-ascend's.  Outside npugraph's capture, vllm-ascend's own code runs.
+    """
+
+    @functools.wraps(original)
+    def _forward_decode(
+        self: Any,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        k_nope: torch.Tensor,
+        k_pe: torch.Tensor,
+        block_size: int,
+        attn_metadata: Any,
+        dequant_scale_q_nope: Any = None,
+    ) -> Any:
+        cap = _CAPTURING.get()
+        if cap is None:
+            return original(self, q_nope, q_pe, k_nope, k_pe, block_size, attn_metadata, dequant_scale_q_nope)
+        layer = _layer(self)
+        why = _mla_refusal(self, dequant_scale_q_nope)
+        if why is not None:
+            raise CaptureFailed(f"MLA layer {layer!r}: {why}; capture this model with vllm-ascend's own graph mode")
+        meta = metadata_from_ascend(attn_metadata.decode)
+        tokens, latent = int(q_nope.shape[0]), int(self.kv_lora_rank)
+        out = torch.empty(tokens, self.num_heads, latent, dtype=q_pe.dtype, device=q_pe.device)
+        call = AttentionCall(
+            query=q_nope.contiguous(),  # [T, N, latent]: the up-projected query, transposed (vllm-ascend's copy too)
+            key_cache=k_nope.view(-1, block_size, 1, latent),
+            value_cache=k_nope.view(-1, block_size, 1, latent),
+            block_table=meta.block_table,
+            out=out,
+            num_heads=int(self.num_heads),
+            num_kv_heads=1,
+            scale=float(self.scale),
+            query_rope=q_pe,
+            key_rope_cache=k_pe.view(-1, block_size, 1, int(self.qk_rope_head_dim)),
+        )
+        cap.runtime.attention(layer, call, meta, namespace=cap.namespace)
+        return self._v_up_proj(out.transpose(0, 1))  # [N, T, latent], as FIA's NBSD output
+
+    return _forward_decode
 
 
 # --- the Sept 2026 generation: register_task / get_capture_resource ----------------------

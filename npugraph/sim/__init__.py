@@ -59,6 +59,7 @@ from npugraph.sim.kernels.fia_v2 import (
     npu_fused_infer_attention_score_v2,
 )
 from npugraph.sim.kernels.fused import _npu_fused_infer_attention_score_out_graph
+from npugraph.sim.kernels.mla import npu_interleave_rope, npu_kv_rmsnorm_rope_cache, npu_transpose_batchmatmul
 from npugraph.sim.kernels.pa import _npu_paged_attention, _npu_paged_attention_get_workspace
 from npugraph.sim.kernels.prefill import _npu_flash_attention_qlens, npu_fusion_attention
 from npugraph.sim.runtime.capture import weak_ref_tensor as _weak_ref_tensor
@@ -97,6 +98,9 @@ __all__ = [
     "npu_format_cast",
     "npu_rotary_mul",
     "npu_mrope",
+    "npu_interleave_rope",
+    "npu_kv_rmsnorm_rope_cache",
+    "npu_transpose_batchmatmul",
     "_npu_flash_attention_qlens",
     "npu_swiglu",
     "PAD_SLOT_ID",

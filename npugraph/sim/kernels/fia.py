@@ -25,6 +25,18 @@ INT_MAX = 2147483647
 
 
 _LAYOUTS = ("BSH", "BSND", "BNSD", "TND")
+# "IN_OUT": the query in one layout, the output written in another (CANN's FIA: MLA's
+# decode writes NBSD, so that the up projection reads each head's rows with no transpose)
+_OUT_LAYOUTS = {"BSH_NBSD": "NBSD", "BSND_NBSD": "NBSD", "BNSD_NBSD": "NBSD", "TND_NTD": "NTD", "BNSD_BSND": "BSND"}
+
+
+def split_layout(p: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """``p`` with ``input_layout`` the query's layout, and the output's layout."""
+    layout = p["input_layout"]
+    out = _OUT_LAYOUTS.get(layout)
+    if out is None:
+        return p, layout
+    return {**p, "input_layout": layout.split("_")[0]}, out
 
 
 _UNSUPPORTED_FIA = (
@@ -50,11 +62,11 @@ _UNSUPPORTED_FIA = (
 
 
 def _with_rope(p: dict[str, Any], *, shapes_only: bool = False) -> dict[str, Any]:
-    """Absorbed MLA: fold ``query_rope``/``key_rope`` into query and key along the head dim.
+    """MLA: fold ``query_rope``/``key_rope`` into query and key along the head dim.
 
     score = scale * (q_nope . k_nope + q_rope . k_rope) is the dot product of the
-    concatenations; the values stay ``value`` (the latent cache).  One KV head (MLA's),
-    layouts TND, BNSD, BSND.
+    concatenations; the values stay ``value`` (the latent cache when paged: one KV head;
+    the decompressed values in a prefill).  Layouts TND, BNSD, BSND.
     """
     qr, kr = p.get("query_rope"), p.get("key_rope")
     if qr is None and kr is None:
@@ -63,8 +75,12 @@ def _with_rope(p: dict[str, Any], *, shapes_only: bool = False) -> dict[str, Any
     if qr is None or kr is None:
         raise fail(op, "query_rope" if qr is None else "key_rope", "must be given with the other rope argument")
     kvn = int(p["num_key_value_heads"]) or int(p["num_heads"])
-    if kvn != 1:
-        raise fail(op, "num_key_value_heads", f"is {kvn}; query_rope/key_rope (MLA) need one KV head")
+    # paged, the cache is MLA's latent one (one KV head); unpaged, vllm-ascend's MLA prefill
+    # passes each head's decompressed key and its rope part (as many KV heads as heads)
+    if kvn != 1 and p.get("block_table") is not None:
+        raise fail(
+            op, "num_key_value_heads", f"is {kvn}; query_rope/key_rope with a paged cache (MLA) need one KV head"
+        )
     if p["input_layout"] not in ("TND", "BNSD", "BSND"):
         raise fail(op, "input_layout", f"{p['input_layout']!r} with query_rope: use TND, BNSD or BSND")
     q, k = p["query"], p["key"]
@@ -76,6 +92,11 @@ def _with_rope(p: dict[str, Any], *, shapes_only: bool = False) -> dict[str, Any
     if shapes_only:  # checks read shapes, not data: nothing is computed (or recorded in a capture)
         out["query"] = torch.empty((*q.shape[:-1], q.shape[-1] + qr.shape[-1]), dtype=q.dtype, device="meta")
         out["key"] = torch.empty((*k.shape[:-1], k.shape[-1] + kr.shape[-1]), dtype=k.dtype, device="meta")
+    elif p.get("block_table") is not None:
+        # a paged key is a whole cache: its rope part is gathered beside it (fia_compute),
+        # not concatenated here, which would copy (and touch) every block of both caches
+        out["query"] = torch.cat([q, qr], dim=-1)
+        return out
     else:
         out["query"] = torch.cat([q, qr], dim=-1)
         out["key"] = torch.cat([k, kr], dim=-1)
@@ -91,13 +112,14 @@ def _host_lengths(v: Any) -> Any:
 def fia_check(p: dict[str, Any]) -> dict[str, Any]:
     """Normalise an FIA call: layouts to [B, N, S, D], lengths per batch."""
     op = "npu_fused_infer_attention_score"
+    if p["input_layout"] not in _LAYOUTS and p["input_layout"] not in _OUT_LAYOUTS:
+        raise fail(op, "input_layout", f"must be one of {_LAYOUTS + tuple(_OUT_LAYOUTS)}, got {p['input_layout']!r}")
+    p, out_layout = split_layout(p)
     p = _with_rope(p, shapes_only=True)
     for name in _UNSUPPORTED_FIA:
         if p.get(name) is not None:
             raise NotImplementedError(f"{op}: the simulator does not model {name!r}")
     layout = p["input_layout"]
-    if layout not in _LAYOUTS:
-        raise fail(op, "input_layout", f"must be one of {_LAYOUTS}, got {layout!r}")
     q, k, v = p["query"], p["key"], p["value"]
     n = int(p["num_heads"])
     kvn = int(p["num_key_value_heads"]) or n
@@ -235,6 +257,7 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
         raise fail(op, "learnable_sink", f"must be a float tensor [num_heads={n}], got {shape}")
     return {
         "layout": layout,
+        "out_layout": out_layout,
         "batch": batch,
         "heads": n,
         "kv_heads": kvn,
@@ -253,7 +276,17 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
 def _fia_out_shapes(p: dict[str, Any], info: dict[str, Any]) -> tuple[list[int], list[int]]:
     q = p["query"]
     layout, n, dv = info["layout"], info["heads"], info["dv"]
-    if layout == "TND":
+    out_layout = info.get("out_layout", layout)
+    if out_layout == "NTD":
+        out = [n, q.shape[0], dv]
+        lse = [q.shape[0], n, 1]
+    elif out_layout == "NBSD":
+        out = [n, info["batch"], info["sq"], dv]
+        lse = [info["batch"], n, info["sq"], 1]
+    elif out_layout == "BSND" and layout == "BNSD":
+        out = [info["batch"], info["sq"], n, dv]
+        lse = [info["batch"], n, info["sq"], 1]
+    elif layout == "TND":
         out = [q.shape[0], n, dv]
         lse = [q.shape[0], n, 1]
     elif layout == "BSH":
@@ -299,6 +332,7 @@ def check_compressed_mask(
 
 
 def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
+    p, out_layout = split_layout(p)
     p = _with_rope(p)
     q, k, v = p["query"], p["key"], p["value"]
     out, lse_out = p["out"]
@@ -323,13 +357,18 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     bt = p.get("block_table")
     if bt is not None:
         where = "npu_fused_infer_attention_score: block_table"
-        if k.dim() == 4 and layout == "BNSD":  # [NB, KVN, BS, D] → [NB, BS, KVN, D]
-            kc, vc = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
-        else:
-            kc = k.reshape(k.shape[0], k.shape[1], kvn, d)
-            vc = v.reshape(v.shape[0], v.shape[1], kvn, dv)
-        kb = K.gather_paged(kc, bt, kv_per, lkv, int(p["block_size"]), where).permute(0, 2, 1, 3)
-        vb = K.gather_paged(vc, bt, kv_per, lkv, int(p["block_size"]), where).permute(0, 2, 1, 3)
+
+        def blocks(cache: torch.Tensor) -> torch.Tensor:  # → [NB, BS, KVN, D]
+            if cache.dim() == 4 and layout == "BNSD":  # [NB, KVN, BS, D]
+                return cache.permute(0, 2, 1, 3)
+            return cache.reshape(cache.shape[0], cache.shape[1], kvn, -1)
+
+        def gathered(cache: torch.Tensor) -> torch.Tensor:  # → [B, KVN, Lkv, D]
+            return K.gather_paged(blocks(cache), bt, kv_per, lkv, int(p["block_size"]), where).permute(0, 2, 1, 3)
+
+        kb, vb = gathered(k), gathered(v)
+        if p.get("key_rope") is not None:  # MLA: each key's rope part, from its own cache
+            kb = torch.cat([kb, gathered(p["key_rope"])], dim=-1)
     elif layout == "TND":
         kstarts = torch.cumsum(kv_per, 0) - kv_per
         kidx = kstarts.unsqueeze(1) + torch.arange(lkv, device=dev).unsqueeze(0)
@@ -372,12 +411,16 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
         tok = torch.arange(t, device=dev)
         bidx = torch.searchsorted(torch.tensor([*info["starts"][1:], t + 1], device=dev), tok, right=True)
         sidx = tok - torch.tensor(info["starts"], device=dev)[bidx]
-        out.copy_(o[bidx, :, sidx])
+        rows = o[bidx, :, sidx]  # [T, N, Dv]
+        out.copy_(rows.transpose(0, 1) if out_layout == "NTD" else rows)
         lse_rows = lse[bidx, :, sidx].unsqueeze(-1)
+    elif out_layout == "NBSD":
+        out.copy_(o.permute(1, 0, 2, 3))
+        lse_rows = lse.unsqueeze(-1)
     elif layout == "BSH":
         out.copy_(o.permute(0, 2, 1, 3).reshape(out.shape))
         lse_rows = lse.unsqueeze(-1)
-    elif layout == "BSND":
+    elif layout == "BSND" or out_layout == "BSND":
         out.copy_(o.permute(0, 2, 1, 3))
         lse_rows = lse.unsqueeze(-1)
     else:
@@ -541,10 +584,12 @@ def _npu_fused_infer_attention_score_infer_output(
     if quant_scale2 is not None:
         raise NotImplementedError("_npu_fused_infer_attention_score_infer_output: quant_scale2 is not simulated")
     q = query
-    if input_layout not in ("BSH", "BSND", "BNSD", "TND"):
+    if input_layout not in _LAYOUTS and input_layout not in _OUT_LAYOUTS:
         raise ValueError(
             f"_npu_fused_infer_attention_score_infer_output: input_layout {input_layout!r} is not simulated"
         )
+    out_layout = _OUT_LAYOUTS.get(input_layout, input_layout)
+    input_layout = input_layout.split("_")[0]
     kv_heads = num_key_value_heads or num_heads
     # a 3-dim value is [batch or blocks, tokens, kv_heads * dv] (BSH, and every paged cache)
     dv = (
@@ -553,7 +598,7 @@ def _npu_fused_infer_attention_score_infer_output(
         else value.shape[-1]
     )
     batch, sq = (q.shape[0], q.shape[2]) if input_layout == "BNSD" else (q.shape[0], q.shape[1] if q.dim() > 2 else 1)
-    info = {"layout": input_layout, "heads": num_heads, "dv": dv, "batch": batch, "sq": sq}
+    info = {"layout": input_layout, "out_layout": out_layout, "heads": num_heads, "dv": dv, "batch": batch, "sq": sq}
     out_shape, lse_shape = _fia_out_shapes({"query": q, "softmax_lse_flag": softmax_lse_flag}, info)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
