@@ -31,7 +31,9 @@ attention at DeepSeek's own sizes (a latent KV of 512, a rope part of 64), every
 vllm-ascend serves it with its MLA backend (``mla_v1``: the latent cache written by
 ``npu_kv_rmsnorm_rope_cache``, decode by FIA v2 with rope arguments, captured and updated by
 vllm-ascend, or by npugraph's plugin as its ``mla`` declaration).  No PA sizes are set for it:
-an MLA layer has no PA.
+an MLA layer has no PA.  ``mla-ngram`` is that architecture with the n-gram model's
+speculative decoding (its 32-word vocabulary and requests): MLA's speculative decode
+(FIA v2 ``TND_NTD``, causal within each request's three query tokens).
 
 * ``eager``: ``enforce_eager=True``;
 * ``aclgraph``: vllm-ascend's own ACL graph mode (``FULL_DECODE_ONLY``: its
@@ -91,6 +93,13 @@ MODELS = {
     ),
     "tp2": Model(arch="llama", head_dim=64, tensor_parallel=2),
     "mla": Model(arch="deepseek_v2", head_dim=64, paged_attention=False),
+    "mla-ngram": Model(
+        arch="deepseek_v2",
+        head_dim=64,
+        vocab=32,
+        speculative={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+        paged_attention=False,
+    ),
 }
 PA_SIZES = [1, 2]
 # per model, (arrives at engine step, prompt length, new tokens): arrivals while others
@@ -108,6 +117,8 @@ REQUESTS = {
     "tp2": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
     # DeepSeek-V2's MLA: batches of 1 to 6, padded to 1, 2, 4 and 8, all MLA graphs
     "mla": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
+    # MLA with the n-gram model's speculative decoding and requests (its vocabulary of 32)
+    "mla-ngram": [(0, 20, 30), (0, 23, 30), (1, 21, 30), (2, 26, 30)],
 }
 
 

@@ -264,6 +264,27 @@ def test_fia_bad_layout_and_heads():
         torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=3, input_layout="TND", actual_seq_lengths=[2])
 
 
+def test_fia_takes_a_4_dim_paged_cache_only_as_cann_documents_it():
+    """(blocknum, KV_N, blocksize, D) with a BNSD or TND query; a BSND or BSH query takes only
+    (blocknum, blocksize, H) (CANN's FIA v2 document, page attention)."""
+    nb, bs, kvn, d = 4, 16, 2, 32
+    cache = torch.randn(nb, kvn, bs, d, device=DEVICE)
+    bt = torch.arange(2, dtype=torch.int32, device=DEVICE).view(2, 1)
+    kw = dict(num_heads=4, num_key_value_heads=kvn, block_table=bt, block_size=bs, actual_seq_lengths_kv=[5, 16])
+    q = torch.randn(2, 4, d, device=DEVICE)
+    tnd, _ = torch_npu.npu_fused_infer_attention_score(
+        q, cache, cache, input_layout="TND", actual_seq_lengths=[1, 2], **kw
+    )
+    three = cache.permute(0, 2, 1, 3).reshape(nb, bs, kvn * d)  # the same cache as (blocknum, blocksize, H)
+    flat, _ = torch_npu.npu_fused_infer_attention_score(
+        q, three, three, input_layout="TND", actual_seq_lengths=[1, 2], **kw
+    )
+    npu.synchronize()
+    assert torch.equal(tnd.cpu(), flat.cpu())
+    with pytest.raises(ValueError, match="with input_layout BSND CANN takes only"):
+        torch_npu.npu_fused_infer_attention_score(q.view(2, 1, 4, d), cache, cache, input_layout="BSND", **kw)
+
+
 def _band_visible(sq, sk, pre, nxt):
     i = torch.arange(sq, device="cpu").unsqueeze(1)  # the oracle's: on the host
     j = torch.arange(sk, device="cpu").unsqueeze(0)
@@ -337,9 +358,9 @@ def test_fia_v2_writes_mla_output_in_the_layout_after_the_underscore(layout, hea
     elif layout == "BSND_NBSD":
         args = (qn.view(b, 1, heads, d), latent.view(nb, bs, d), latent.view(nb, bs, d))
         kw.update(query_rope=qr.view(b, 1, heads, dr), key_rope=rope.view(nb, bs, dr))
-    else:
-        args = (qn, latent.view(nb, bs, d), latent.view(nb, bs, d))
-        kw.update(query_rope=qr, key_rope=rope.view(nb, bs, dr), actual_seq_qlen=list(range(1, b + 1)))
+    else:  # TND with the caches 4-dim, (blocknum, KV_N, blocksize, D), as vllm-ascend's speculative decode passes them
+        args = (qn, latent.view(nb, 1, bs, d), latent.view(nb, 1, bs, d))
+        kw.update(query_rope=qr, key_rope=rope.view(nb, 1, bs, dr), actual_seq_qlen=list(range(1, b + 1)))
     kw.update(input_layout=layout, actual_seq_kvlen=kvl)
     out, _ = torch_npu.npu_fused_infer_attention_score_v2(*args, **kw)
     into = torch.full_like(out, float("nan"))

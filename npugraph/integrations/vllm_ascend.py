@@ -378,8 +378,6 @@ def _mla_refusal(impl: Any, dequant_scale: Any) -> str | None:
         return "its KV cache is in the NZ format (enable_kv_nz)"
     if getattr(impl, "head_padding", 0):
         return f"its {impl.num_heads} heads are padded to a power of two"
-    if getattr(impl, "speculative_config", None) is not None:
-        return "speculative decoding with MLA is not recorded by npugraph yet"
     return None
 
 

@@ -109,6 +109,18 @@ def _host_lengths(v: Any) -> Any:
     return v.tolist() if isinstance(v, torch.Tensor) else v
 
 
+def per_batch(op: str, name: str, lens: Any, batch: int) -> list[int]:
+    """A per-batch length list as CANN reads it: one entry is every batch's; with at least
+    ``batch`` entries the first ``batch`` are read (vllm-ascend's MLA update passes its key
+    lengths padded to the token count); fewer is refused."""
+    lens = list(lens)
+    if len(lens) == 1:
+        return lens * batch
+    if len(lens) < batch:
+        raise fail(op, name, f"has {len(lens)} entries for batch {batch} (one, or at least one per batch)")
+    return lens[:batch]
+
+
 def fia_check(p: dict[str, Any]) -> dict[str, Any]:
     """Normalise an FIA call: layouts to [B, N, S, D], lengths per batch."""
     op = "npu_fused_infer_attention_score"
@@ -170,9 +182,7 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
         if qlens is None or sq == 1:  # ignored when the query length is 1
             q_per = [sq] * batch
         else:
-            if len(qlens) != batch:
-                raise fail(op, "actual_seq_lengths", f"has {len(qlens)} entries for batch {batch}")
-            q_per = list(qlens)
+            q_per = per_batch(op, "actual_seq_lengths", qlens, batch)
             if any(x < 0 or x > sq for x in q_per):
                 raise fail(op, "actual_seq_lengths", f"entries must lie in [0, {sq}]")
         starts = ends = []
@@ -191,23 +201,27 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
                 raise fail(op, "key", f"cache hidden size {kvh} is not a multiple of {kvn} kv heads")
             dk = kvh // kvn
         elif k.dim() == 4:
-            if layout == "BNSD":
-                _, kh, _, dk = k.shape
-            else:
-                _, _, kh, dk = k.shape
+            # CANN: a 4-dim paged cache is (blocknum, KV_N, blocksize, D), with a BNSD or TND
+            # query only; a BSH or BSND query takes only (blocknum, blocksize, H)
+            if layout not in ("BNSD", "TND"):
+                raise fail(
+                    op,
+                    "key",
+                    f"is a 4-dim paged cache {list(k.shape)}; with input_layout {layout} CANN takes only "
+                    "(blocknum, blocksize, H)",
+                )
+            _, kh, _, dk = k.shape
             if kh != kvn:
                 raise fail(op, "key", f"has {kh} kv heads, num_key_value_heads is {kvn}")
         else:
             raise fail(op, "key", f"paged cache must have 3 or 4 dims, got {list(k.shape)}")
-        cache_bs = k.shape[2] if (k.dim() == 4 and layout == "BNSD") else k.shape[1]
+        cache_bs = k.shape[2] if k.dim() == 4 else k.shape[1]
         if block_size != cache_bs:
             raise fail(op, "block_size", f"is {block_size} but the cache blocks hold {cache_bs}")
         max_kv = bt.shape[1] * block_size
         if kvlens is None:
             raise fail(op, "actual_seq_lengths_kv", "is required with a block_table")
-        kv_per = list(kvlens)
-        if len(kv_per) != batch:
-            raise fail(op, "actual_seq_lengths_kv", f"has {len(kv_per)} entries for batch {batch}")
+        kv_per = per_batch(op, "actual_seq_lengths_kv", kvlens, batch)
         dv = v.shape[-1] if v.dim() == 4 else v.shape[2] // kvn
     else:
         if layout == "TND":
@@ -239,9 +253,7 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
             max_kv = skv
             if k.shape[0] != batch:
                 raise fail(op, "key", f"batch {k.shape[0]} differs from the query's {batch}")
-            kv_per = list(kvlens) if kvlens is not None else [skv] * batch
-            if len(kv_per) != batch:
-                raise fail(op, "actual_seq_lengths_kv", f"has {len(kv_per)} entries for batch {batch}")
+            kv_per = per_batch(op, "actual_seq_lengths_kv", kvlens, batch) if kvlens is not None else [skv] * batch
         if kh != kvn:
             raise fail(op, "num_key_value_heads", f"is {kvn} but key has {kh} kv heads")
     if dk != d:
@@ -359,7 +371,7 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
         where = "npu_fused_infer_attention_score: block_table"
 
         def blocks(cache: torch.Tensor) -> torch.Tensor:  # → [NB, BS, KVN, D]
-            if cache.dim() == 4 and layout == "BNSD":  # [NB, KVN, BS, D]
+            if cache.dim() == 4:  # [NB, KVN, BS, D]
                 return cache.permute(0, 2, 1, 3)
             return cache.reshape(cache.shape[0], cache.shape[1], kvn, -1)
 
