@@ -257,6 +257,140 @@ def test_install_warns_by_name_about_what_it_did_not_find(generation):
     assert "vllm_ascend.worker.model_runner_v1.update_full_graph_params" in result.replaced
 
 
+# --- MLA (vllm-ascend's mla_v1): its decode as npugraph's mla task ------------------------------
+
+MLA_HEADS, LATENT, ROPE, V_HEAD = 4, 512, 64, 128  # DeepSeek's latent and rope sizes
+
+
+class MlaModel(torch.nn.Module):
+    """Layers whose attention is vllm-ascend's MLA impl, called as its MLA layer does
+    (``forward(layer_name, ...)``), over paged latent and rope caches."""
+
+    def __init__(self, enable_kv_nz=False, seed=0):
+        super().__init__()
+        from vllm_ascend.attention.mla_v1 import AscendMLAImpl
+
+        gen = torch.Generator().manual_seed(seed)
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        self.caches = [
+            (
+                torch.randn(BLOCKS, BLOCK, 1, LATENT, generator=gen).bfloat16().to(NPU),
+                torch.randn(BLOCKS, BLOCK, 1, ROPE, generator=gen).bfloat16().to(NPU),
+            )
+            for _ in range(LAYERS)
+        ]
+        self.impls = [
+            AscendMLAImpl(
+                MLA_HEADS,
+                (LATENT + ROPE) ** -0.5,
+                LATENT,
+                ROPE,
+                (torch.randn(MLA_HEADS, LATENT, V_HEAD, generator=gen) * 0.05).bfloat16().to(NPU),
+                layer_name=name,
+                enable_kv_nz=enable_kv_nz,
+            )
+            for name in self.names
+        ]
+
+    def forward(self, query):
+        md = get_forward_context().attn_metadata
+        outs = []
+        for name, impl, cache in zip(self.names, self.impls, self.caches):
+            out = torch.empty(query.shape[0], MLA_HEADS * V_HEAD, dtype=query.dtype, device=query.device)
+            outs.append(impl.forward(name, query, cache, md[name], output=out))
+        return torch.stack(outs)
+
+
+def _mla_metadata(lens, tables, size, buffer):
+    """vllm-ascend's MLA metadata of a FULL decode step padded to ``size`` requests: its
+    decode part holds the host lengths (padding: 0) and the block table."""
+    from vllm_ascend.attention.mla_v1 import AscendMLADecodeMetadata, AscendMLAMetadata
+
+    table = buffer[:size]
+    table.zero_()
+    table[: len(lens)] = tables
+    decode = AscendMLADecodeMetadata(block_table=table, seq_lens_list=list(lens) + [0] * (size - len(lens)))
+    return AscendMLAMetadata(num_decodes=size, num_decode_tokens=size, num_actual_tokens=size, decode=decode)
+
+
+def _mla_reference(q, latent, rope, table, length, scale, w_uv):
+    """One request's absorbed MLA in float64 on the host: scores over the latent and rope
+    parts of its keys, the latent values, each head's up projection."""
+    pos = range(length)
+    k_lat = torch.stack([latent.cpu()[int(table[p // BLOCK]), p % BLOCK, 0] for p in pos]).double()
+    k_rope = torch.stack([rope.cpu()[int(table[p // BLOCK]), p % BLOCK, 0] for p in pos]).double()
+    q = q.cpu().double()  # [N, latent + rope]
+    scores = (q[:, :LATENT] @ k_lat.T + q[:, LATENT:] @ k_rope.T) * scale
+    o = torch.softmax(scores, -1) @ k_lat  # [N, latent]
+    return torch.einsum("nl,nlv->nv", o, w_uv.cpu().double())
+
+
+def _mla_runner(enable_kv_nz=False):
+    from vllm_ascend.compilation import acl_graph
+
+    vc = VllmConfig()
+    vc.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    rt = integ.attach_runtime(vc, Runtime("sim", max_model_len=MAX_LEN))
+    acl_graph.set_graph_params(SIZES)
+    model = MlaModel(enable_kv_nz=enable_kv_nz)
+    wrapper = acl_graph.ACLGraphWrapper(model, vc, CUDAGraphMode.FULL)
+    query = torch.zeros(max(SIZES), MLA_HEADS, LATENT + ROPE, dtype=torch.bfloat16, device=NPU)
+    buffer = torch.zeros(max(SIZES), COLS, dtype=torch.int32, device=NPU)
+
+    def forward(size, meta, mode=CUDAGraphMode.FULL):
+        md = dict.fromkeys(model.names, meta)
+        with set_forward_context(
+            md, vc, num_tokens=size, cudagraph_runtime_mode=mode, batch_descriptor=BatchDescriptor(num_tokens=size)
+        ):
+            return wrapper(query[:size])
+
+    return rt, model, query, buffer, forward
+
+
+def test_mla_decode_replays_as_npugraphs_mla_task(generation):
+    """vllm-ascend's MLA layers captured under the plugin: one npugraph ``mla`` task per layer
+    at every size (PA cannot run MLA), one event record per layer per step (vllm-ascend's own
+    recording would leave its events unrecorded: a deadlock), replays equal to the layer's
+    own eager path and within tolerance of the float64 reference."""
+    rt, model, query, buffer, forward = _mla_runner()
+    for size in SIZES:
+        forward(size, _mla_metadata([1] * size, torch.zeros(size, COLS, dtype=torch.int32), size, buffer))
+    for e in rt.entries():
+        assert [t.layer for t in e.tasks] == model.names and e.choice.kernel == "mla"
+    counters = sim.counters()
+    rng = random.Random(2)
+    for step in range(9):
+        size = SIZES[step % len(SIZES)]
+        r = rng.randint(1, size)
+        lens = [rng.randint(1, MAX_LEN) for _ in range(r)]
+        tables = torch.zeros(r, COLS, dtype=torch.int32)
+        for i, n in enumerate(lens):
+            tables[i, : -(-n // BLOCK)] = torch.tensor(rng.sample(range(BLOCKS), -(-n // BLOCK)), dtype=torch.int32)
+        q = torch.randn(size, MLA_HEADS, LATENT + ROPE, generator=torch.Generator().manual_seed(step)).bfloat16()
+        query[:size].copy_(q)
+        records = counters["event_record"]
+        out = forward(size, _mla_metadata(lens, tables, size, buffer))
+        rt.synchronize()
+        assert counters["event_record"] - records == LAYERS, "exactly one update per layer: none twice, none lost"
+        got = out[:, :r].clone()
+        eager = forward(size, _mla_metadata(lens, tables, size, buffer), mode=CUDAGraphMode.NONE)
+        assert torch.equal(got, eager[:, :r]), f"step {step}: replay differs from vllm-ascend's eager MLA"
+        for li, (impl, (latent, rope)) in enumerate(zip(model.impls, model.caches)):
+            for i in range(r):
+                ref = _mla_reference(q[i], latent, rope, tables[i], lens[i], impl.scale, impl.W_UV)
+                err = (got[li, i].view(MLA_HEADS, V_HEAD).cpu().double() - ref).abs().max().item()
+                assert err <= 0.03 * max(1.0, ref.abs().max().item()), f"step {step} layer {li} request {i}: {err}"
+
+
+def test_an_mla_variant_without_a_declaration_stops_the_capture_naming_the_layer(generation):
+    from npugraph.errors import CaptureFailed
+
+    _, _, _, buffer, forward = _mla_runner(enable_kv_nz=True)
+    meta = _mla_metadata([1, 1], torch.zeros(2, COLS, dtype=torch.int32), 2, buffer)
+    with pytest.raises(CaptureFailed, match=r"MLA layer 'model.layers.0.self_attn.attn': its KV cache is in the NZ"):
+        forward(2, meta)
+
+
 # --- Sept 2026: UpdatableGraph, register_task -------------------------------------------------
 
 
