@@ -33,7 +33,8 @@ vllm-ascend serves it with its MLA backend (``mla_v1``: the latent cache written
 vllm-ascend, or by npugraph's plugin as its ``mla`` declaration).  No PA sizes are set for it:
 an MLA layer has no PA.  ``mla-ngram`` is that architecture with the n-gram model's
 speculative decoding (its 32-word vocabulary and requests): MLA's speculative decode
-(FIA v2 ``TND_NTD``, causal within each request's three query tokens).
+(FIA v2 ``TND_NTD``, causal within each request's three query tokens).  ``mla-tp2`` is it
+at tensor parallel 2 (each rank 2 of the 4 heads and the whole latent cache).
 
 * ``eager``: ``enforce_eager=True``;
 * ``aclgraph``: vllm-ascend's own ACL graph mode (``FULL_DECODE_ONLY``: its
@@ -93,6 +94,7 @@ MODELS = {
     ),
     "tp2": Model(arch="llama", head_dim=64, tensor_parallel=2),
     "mla": Model(arch="deepseek_v2", head_dim=64, paged_attention=False),
+    "mla-tp2": Model(arch="deepseek_v2", head_dim=64, paged_attention=False, tensor_parallel=2),
     "mla-ngram": Model(
         arch="deepseek_v2",
         head_dim=64,
@@ -117,6 +119,8 @@ REQUESTS = {
     "tp2": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
     # DeepSeek-V2's MLA: batches of 1 to 6, padded to 1, 2, 4 and 8, all MLA graphs
     "mla": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
+    # MLA at tensor parallel 2: 2 of the 4 heads on each rank, the latent cache whole on both
+    "mla-tp2": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
     # MLA with the n-gram model's speculative decoding and requests (its vocabulary of 32)
     "mla-ngram": [(0, 20, 30), (0, 23, 30), (1, 21, 30), (2, 26, 30)],
 }

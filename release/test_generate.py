@@ -2,8 +2,8 @@
 default engine, vllm-ascend's default configuration), on a Llama, a Qwen3, a Llama with
 n-gram speculative decoding (two draft tokens, in graph mode), the Llama at tensor
 parallel 2 (a worker process per rank, hccl between them) and a DeepSeek-V2 with
-multi-head latent attention (vllm-ascend's MLA backend), alone and with the n-gram
-speculative decoding: npugraph's
+multi-head latent attention (vllm-ascend's MLA backend), alone, with the n-gram
+speculative decoding and at tensor parallel 2: npugraph's
 plugin gives vllm-ascend's own ACL graph mode's greedy tokens, eager gives the same (up to
 near-ties where vllm-ascend fuses kernels in graph mode only), and Hugging Face's float32
 forward of the same checkpoints confirms each mode's (release/run.sh runs this in the
@@ -97,9 +97,10 @@ CAPTURED = {"llama": "4 graphs captured", "qwen3": "4 graphs captured", "ngram":
 CAPTURED["tp2"] = CAPTURED["llama"]  # on each rank
 CAPTURED["mla"] = CAPTURED["llama"]  # the same sizes, all of them npugraph's MLA declaration (FIA with rope)
 CAPTURED["mla-ngram"] = CAPTURED["ngram"]
+CAPTURED["mla-tp2"] = CAPTURED["mla"]  # on each rank
 # At least this share (1/n) of a run's steps ran as a graph: with n-gram speculative
 # decoding a step is a graph only when every request has both drafts (about half of them)
-GRAPH_STEP_SHARE = {"llama": 2, "qwen3": 2, "ngram": 4, "tp2": 2, "mla": 2, "mla-ngram": 4}
+GRAPH_STEP_SHARE = {"llama": 2, "qwen3": 2, "ngram": 4, "tp2": 2, "mla": 2, "mla-ngram": 4, "mla-tp2": 2}
 
 
 @pytest.mark.parametrize("model", MODELS)
