@@ -16,7 +16,7 @@ Ascend host settles by being one, and, for release/generate.py only, its counts.
 * With ``NPUGRAPH_VLLM_COUNTS=DIR`` (release/generate.py), the process that runs the model
   (vLLM's EngineCore) times each per-step graph update, vllm-ascend's
   ``update_full_graph_params`` and npugraph's ``ReplayUpdater._write``, counts the steps
-  vllm-ascend runs as a full graph and npugraph's steps, and keeps npugraph's capture
+  vllm-ascend runs as a full graph (the target's, and an MTP draft's apart) and npugraph's steps, and keeps npugraph's capture
   report, into ``DIR/counts-<pid>.json`` (release/engine_counts.py).
 * With ``NPUGRAPH_VLLM_FAULT=host-copy`` (release/test_faults.py), each Llama MLP calls a
   custom op that reads a value to the host while a graph is being captured: a model whose
@@ -69,8 +69,29 @@ def _count(folder: str) -> None:
 
         cls._update_full_graph_params_if_needed = counted
 
+    def proposer(module: Any) -> None:
+        # the draft model's (MTP) own decision that its step replays a full graph: a second
+        # graph per speculative step, updated by vllm-ascend or by npugraph as the target's
+        from vllm.compilation import monitor
+
+        cls = module.AscendSpecDecodeBaseProposer
+        decide = cls._update_full_graph_params_if_needed
+        counts.values["draft_graph_steps"] = 0
+
+        def counted(self: Any, forward_context: Any, *args: Any, **kwargs: Any) -> Any:
+            serving = not monitor.cudagraph_capturing_enabled and not forward_context.capturing
+            if serving and forward_context.cudagraph_runtime_mode.name == "FULL":
+                counts.values["draft_graph_steps"] += 1
+            try:
+                return decide(self, forward_context, *args, **kwargs)
+            finally:
+                counts.write()  # (the draft's replay, before this, wrote without it)
+
+        cls._update_full_graph_params_if_needed = counted
+
     after_import("vllm_ascend.compilation.acl_graph", acl_graph)
     after_import("vllm_ascend.worker.model_runner_v1", model_runner)
+    after_import("vllm_ascend.spec_decode.llm_base_proposer", proposer)
     counts.npugraph(after_import, write_each_step=True)
 
 

@@ -102,6 +102,15 @@ MODELS = {
         speculative={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
         paged_attention=False,
     ),
+    # DeepSeek-V3's MLA with its multi-token-prediction layer as the draft: vLLM's MTP
+    # speculative decoding, one draft token a step (the one MTP layer)
+    "mla-mtp": Model(
+        arch="deepseek_v3_mtp",
+        head_dim=64,
+        vocab=32,  # a random draft's guess is then right often enough that some drafts are accepted
+        speculative={"method": "mtp", "num_speculative_tokens": 1},
+        paged_attention=False,
+    ),
 }
 PA_SIZES = [1, 2]
 # per model, (arrives at engine step, prompt length, new tokens): arrivals while others
@@ -123,6 +132,8 @@ REQUESTS = {
     "mla-tp2": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
     # MLA with the n-gram model's speculative decoding and requests (its vocabulary of 32)
     "mla-ngram": [(0, 20, 30), (0, 23, 30), (1, 21, 30), (2, 26, 30)],
+    # MLA with MTP: the draft model's graph after the target's at every decode step
+    "mla-mtp": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
 }
 
 
@@ -215,9 +226,11 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         "npugraph_update_device_calls": counts.get("npugraph_update_device_calls", {}),
         "npugraph_steps": counts.get("npugraph_steps", 0),
         "graph_steps": counts.get("graph_steps", 0),
+        # a draft model's (MTP) graph steps: its own graph, after the target's
+        "draft_graph_steps": counts.get("draft_graph_steps", 0),
         "npugraph_capture_report": counts.get("npugraph_capture_report", []),
         # per model process (rank): its graph steps, and the steps npugraph updated there
-        "ranks": [{k: r.get(k, 0) for k in ("graph_steps", "npugraph_steps")} for r in ranks],
+        "ranks": [{k: r.get(k, 0) for k in ("graph_steps", "draft_graph_steps", "npugraph_steps")} for r in ranks],
     }
 
 

@@ -98,9 +98,14 @@ CAPTURED["tp2"] = CAPTURED["llama"]  # on each rank
 CAPTURED["mla"] = CAPTURED["llama"]  # the same sizes, all of them npugraph's MLA declaration (FIA with rope)
 CAPTURED["mla-ngram"] = CAPTURED["ngram"]
 CAPTURED["mla-tp2"] = CAPTURED["mla"]  # on each rank
+# MTP: the target's 2-token queries of 1 to 8 requests padded to 2, 4, 8 and 16 tokens, and
+# the draft's graph at the same batch descriptors (namespace "draft")
+CAPTURED["mla-mtp"] = "8 graphs captured in all namespaces"
 # At least this share (1/n) of a run's steps ran as a graph: with n-gram speculative
 # decoding a step is a graph only when every request has both drafts (about half of them)
-GRAPH_STEP_SHARE = {"llama": 2, "qwen3": 2, "ngram": 4, "tp2": 2, "mla": 2, "mla-ngram": 4, "mla-tp2": 2}
+GRAPH_STEP_SHARE = {"llama": 2, "qwen3": 2, "ngram": 4, "tp2": 2, "mla": 2, "mla-ngram": 4, "mla-tp2": 2, "mla-mtp": 2}
+# attention layers each graph step updates: the target's 2; an MTP draft's graph has its 1
+DRAFT_LAYERS = 1
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -116,21 +121,29 @@ def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_
     assert not eager["vllm_ascend_update_seconds"] and not eager["npugraph_steps"], "eager replays no graph"
     assert not eager["graph_steps"]
     least = eager["engine_steps"] // GRAPH_STEP_SHARE[model]
+    drafting = MODELS[model].speculative is not None and MODELS[model].speculative["method"] == "mtp"
     for path in results(out_dir, model, "aclgraph"):
         acl = json.loads(path.read_text())
-        assert len(acl["vllm_ascend_update_seconds"]) == acl["graph_steps"] and not acl["npugraph_steps"], path.name
+        graphs = acl["graph_steps"] + acl["draft_graph_steps"]  # the target's, and the draft's apart
+        assert len(acl["vllm_ascend_update_seconds"]) == graphs and not acl["npugraph_steps"], path.name
         assert acl["graph_steps"] >= least, path.name
+        assert bool(acl["draft_graph_steps"]) == drafting, path.name
         assert len(acl["ranks"]) == ranks and all(r["graph_steps"] == acl["graph_steps"] for r in acl["ranks"])
     for path in results(out_dir, model, "npugraph"):
         npg = json.loads(path.read_text())
         assert not npg["vllm_ascend_update_seconds"], f"{path.name}: vllm-ascend's own update ran"
-        assert npg["npugraph_steps"] == len(npg["npugraph_update_seconds"]) == npg["graph_steps"], path.name
+        graphs = npg["graph_steps"] + npg["draft_graph_steps"]
+        assert npg["npugraph_steps"] == len(npg["npugraph_update_seconds"]) == graphs, path.name
         assert npg["graph_steps"] >= least, path.name
+        assert bool(npg["draft_graph_steps"]) == drafting, path.name
         # every rank ran the same graph steps, and npugraph updated each of them there
         assert len(npg["ranks"]) == ranks, npg["ranks"]
-        assert all(r["npugraph_steps"] == r["graph_steps"] == npg["graph_steps"] for r in npg["ranks"]), npg["ranks"]
-        per_step = {k: v / npg["npugraph_steps"] for k, v in npg["npugraph_update_device_calls"].items()}
-        assert per_step["update_begin"] == per_step["event_record"] == 2.0, "one update and one event per layer"
+        assert all(r["npugraph_steps"] == graphs for r in npg["ranks"]), npg["ranks"]
+        assert all(r["graph_steps"] == npg["graph_steps"] for r in npg["ranks"]), npg["ranks"]
+        # one update and one event per layer of each graph that ran
+        layers = 2 * npg["graph_steps"] + DRAFT_LAYERS * npg["draft_graph_steps"]
+        calls = npg["npugraph_update_device_calls"]
+        assert calls["update_begin"] == calls["event_record"] == layers, (calls, layers)
         (report,) = npg["npugraph_capture_report"]  # one runtime, in the engine process
         assert report.startswith(CAPTURED[model]), report
 

@@ -11,8 +11,8 @@ __all__ = ["checkpoint", "write", "write_tokenizer"]
 
 
 def checkpoint(path: Path, arch: str, vocab: int, head_dim: int = 64) -> None:
-    """A tiny ``arch`` (``llama``, ``qwen3``: q/k norms, or ``deepseek_v2``: MLA) in bfloat16 with
-    its tokenizer at ``path``."""
+    """A tiny ``arch`` (``llama``, ``qwen3``: q/k norms, ``deepseek_v2``: MLA, or
+    ``deepseek_v3_mtp``: MLA and an MTP layer) in bfloat16 with its tokenizer at ``path``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -20,6 +20,11 @@ def checkpoint(path: Path, arch: str, vocab: int, head_dim: int = 64) -> None:
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
         write(path, DeepseekV2Config, DeepseekV2ForCausalLM, torch.bfloat16, vocab, head_dim, **MLA)
+    elif arch == "deepseek_v3_mtp":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        write(path, DeepseekV3Config, DeepseekV3ForCausalLM, torch.bfloat16, vocab, head_dim, **MTP)
+        write_mtp_layer(path)
     else:
         classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
         write(path, *classes, torch.bfloat16, vocab, head_dim)
@@ -39,6 +44,12 @@ MLA: dict[str, Any] = {
     "first_k_dense_replace": 2,
     "num_key_value_heads": 4,
 }
+
+# DeepSeek-V3's shape (the MLA above) with one multi-token-prediction layer, which vLLM serves
+# as the MTP draft (its speculative config maps deepseek_v3 to deepseek_mtp).  vLLM makes a
+# layer a mixture of experts from index first_k_dense_replace on, the MTP layer included (its
+# index is num_hidden_layers, 2): 3 keeps all three dense.
+MTP: dict[str, Any] = {**MLA, "first_k_dense_replace": 3, "num_nextn_predict_layers": 1}
 
 
 def write(path: Path, config_cls: Any, model_cls: Any, dtype: Any, vocab: int, head_dim: int = 64, **more: Any) -> None:
@@ -66,6 +77,39 @@ def write(path: Path, config_cls: Any, model_cls: Any, dtype: Any, vocab: int, h
     config = config_cls(**{**fields, **more})
     torch.manual_seed(0)
     model_cls(config).to(dtype).save_pretrained(path, safe_serialization=True)
+
+
+def write_mtp_layer(path: Path) -> None:
+    """The MTP layer of the DeepSeek-V3 at ``path``, as ``mtp.safetensors`` beside Hugging Face's
+    file (which has none: transformers runs no MTP layer and writes none).
+
+    Its weights are the names vLLM's ``DeepSeekMultiTokenPredictorLayer`` loads as layer
+    ``num_hidden_layers``: a decoder layer of the model's own kind (Hugging Face's, seeded),
+    the input and hidden-state norms, the projection of their concatenation (seeded), and a
+    shared head whose LM head equals the model's, so vLLM shares it.  Hugging Face's own
+    forward loads ``model.safetensors`` only: its reference is the model without the draft.
+    """
+    target = path / "mtp.safetensors"
+    if target.exists():
+        return
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    config = DeepseekV3Config.from_pretrained(path)
+    n, hidden = config.num_hidden_layers, config.hidden_size
+    torch.manual_seed(1)
+    layer = DeepseekV3DecoderLayer(config, layer_idx=n).to(torch.bfloat16)
+    prefix = f"model.layers.{n}."
+    tensors = {prefix + k: v.contiguous() for k, v in layer.state_dict().items()}
+    ones = torch.ones(hidden, dtype=torch.bfloat16)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{prefix}{norm}.weight"] = ones.clone()
+    eh_proj = torch.empty(hidden, 2 * hidden, dtype=torch.float32).normal_(0.0, config.initializer_range)
+    tensors[prefix + "eh_proj.weight"] = eh_proj.to(torch.bfloat16)
+    tensors[prefix + "shared_head.head.weight"] = load_file(path / "model.safetensors")["lm_head.weight"].clone()
+    save_file(tensors, target, metadata={"format": "pt"})
 
 
 def write_tokenizer(path: Path, vocab: int) -> None:

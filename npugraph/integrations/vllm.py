@@ -59,6 +59,7 @@ from npugraph.replay import AttentionMetadata, StepMetadata
 from npugraph.runtime import Runtime
 
 __all__ = [
+    "DraftNpuGraphWrapper",
     "NpuGraphWrapper",
     "attach_runtime",
     "install",
@@ -363,6 +364,31 @@ class NpuGraphWrapper:
                 )
 
 
+class DraftNpuGraphWrapper(NpuGraphWrapper):
+    """:class:`NpuGraphWrapper` for a speculative draft model's FULL graph (vllm-ascend's
+    MTP/EAGLE proposer wraps its merged draft in ``ACLGraphWrapper``).
+
+    The draft is captured and replayed under the target's batch descriptors, so its graphs
+    live in their own namespace, ``"draft"``; each step's update reads the draft's forward
+    context (``attn_metadata``: its first draft step's metadata).  One draft token only:
+    with more, the merged draft calls each attention layer once per draft token inside one
+    graph, each with its own metadata (``draft_attn_metadatas``), which npugraph's capture
+    does not record; that is refused here, at model load, rather than at capture.
+    """
+
+    def __init__(self, runnable: Callable[..., Any], vllm_config: Any, runtime_mode: Any, *args: Any, **kwargs: Any):
+        spec = getattr(vllm_config, "speculative_config", None)
+        tokens = int(getattr(spec, "num_speculative_tokens", 1) or 1)
+        if tokens > 1:
+            raise ConfigError(
+                f"npugraph's plugin captures a draft model's graph for one draft token; this engine drafts {tokens} "
+                f"({getattr(spec, 'method', '?')}, num_speculative_tokens={tokens}). Serve it with "
+                "num_speculative_tokens=1, or without npugraph (NPUGRAPH_ENABLE=0: vllm-ascend's own graph mode)."
+            )
+        kwargs.setdefault("namespace", "draft")
+        super().__init__(runnable, vllm_config, runtime_mode, *args, **kwargs)
+
+
 # --- installation ---------------------------------------------------------------------
 
 
@@ -408,6 +434,8 @@ def install(platform: Any = None) -> None:
         _patch(module_name, names, NpuGraphWrapper)
     _patch_capture_model()
     vllm_ascend.install()
+    for module_name, names in _PATCHED_DRAFT:  # after vllm-ascend's own import order (vllm_ascend.install)
+        _patch(module_name, names, DraftNpuGraphWrapper)
     _log_once(f"npugraph: installed as the graph wrapper of {cls.__name__} (pid {os.getpid()})")
 
 
@@ -416,6 +444,10 @@ _PATCHED = (
     ("vllm_ascend.compilation.acl_graph", ("ACLGraphWrapper",)),
     ("vllm_ascend.worker.model_runner_v1", ("ACLGraphWrapper",)),
 )
+
+
+# vllm-ascend's speculative proposer (MTP, EAGLE): its draft model's graph wrapper
+_PATCHED_DRAFT = (("vllm_ascend.spec_decode.llm_base_proposer", ("ACLGraphWrapper",)),)
 
 
 # vLLM's model runner, whose capture_model() captures every size (vllm-ascend's calls it too)
@@ -465,8 +497,21 @@ def _patch(module_name: str, names: tuple[str, ...], value: Any) -> None:
         return
     for name in names:
         if hasattr(module, name) and not hasattr(module, f"_npugraph_original_{name}"):
-            setattr(module, f"_npugraph_original_{name}", getattr(module, name))
+            current = getattr(module, name)
+            if isinstance(current, type) and issubclass(current, NpuGraphWrapper):
+                # imported from a module patched before it: vllm-ascend's own class is
+                # the one that module keeps (what uninstall() puts back here too)
+                current = _original_wrapper(name, current)
+            setattr(module, f"_npugraph_original_{name}", current)
             setattr(module, name, value)
+
+
+def _original_wrapper(name: str, default: Any) -> Any:
+    for module_name, names in _PATCHED:
+        module = sys.modules.get(module_name)
+        if name in names and module is not None and hasattr(module, f"_npugraph_original_{name}"):
+            return getattr(module, f"_npugraph_original_{name}")
+    return default
 
 
 def _unpatch(module_name: str, names: tuple[str, ...]) -> None:
@@ -491,7 +536,7 @@ def uninstall(platform: Any = None) -> None:
         if original is not None:
             cls.get_static_graph_wrapper_cls = original
         del cls._npugraph_original_wrapper_cls
-    for module_name, names in _PATCHED:
+    for module_name, names in _PATCHED + _PATCHED_DRAFT:
         _unpatch(module_name, names)
     _unpatch_capture_model()
     vllm_ascend.uninstall()
