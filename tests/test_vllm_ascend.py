@@ -239,6 +239,70 @@ def test_ascend_backends_replay_through_npugraph_with_both_padding_conventions(g
             assert err < 4e-3, f"step {step} layer {li}: {err} from the float64 reference"
 
 
+def test_a_draft_models_graphs_live_beside_the_targets_under_the_same_batch_descriptors(generation):
+    """vllm-ascend's MTP proposer wraps its draft in ``ACLGraphWrapper`` and captures it under
+    the target's batch descriptors: under the plugin it gets npugraph's draft wrapper (its
+    own namespace), and each step updates and replays both graphs from their own metadata."""
+    from vllm_ascend.spec_decode import llm_base_proposer
+
+    assert llm_base_proposer.ACLGraphWrapper is integ.DraftNpuGraphWrapper
+    runner = AscendRunner()
+    draft_model = AscendModel(runner.vc, seed=1)  # its own layers and KV caches
+    proposer = llm_base_proposer.AscendSpecDecodeBaseProposer(draft_model, runner.vc)
+    draft_table = torch.zeros_like(runner.table)  # the draft's own block-table buffer
+
+    def draft_forward(size, meta):
+        md = {layer.layer_name: meta for layer in draft_model.layers}
+        with set_forward_context(
+            md,
+            runner.vc,
+            num_tokens=size,
+            cudagraph_runtime_mode=CUDAGraphMode.FULL,
+            batch_descriptor=BatchDescriptor(num_tokens=size),
+        ):
+            return proposer._runnable(runner.query[:size])
+
+    runner.capture()
+    for size in SIZES:  # the same descriptors: before the draft wrapper, "already captured"
+        draft_forward(
+            size,
+            ascend_metadata([1] * size, torch.zeros(size, COLS, dtype=torch.int32), size, "vllm-ascend", draft_table),
+        )
+    spaces = sorted((e.namespace, e.key.num_tokens) for e in runner.rt.entries())
+    assert spaces == sorted([("main", s) for s in SIZES] + [("draft", s) for s in SIZES])
+    for step in range(6):
+        size = SIZES[step % len(SIZES)]
+        q = torch.randn(size, HEADS, HEAD, generator=torch.Generator().manual_seed(step)).half()
+        runner.query[:size].copy_(q)
+        lens, tables = runner.batch(size)
+        draft_lens = [n + 1 for n in lens]  # the draft attends to one token more: its own lengths
+        r = len(lens)
+        out = runner.forward(size, runner.metadata(lens, tables, size, "vllm-ascend")).clone()
+        draft_out = draft_forward(size, ascend_metadata(draft_lens, tables, size, "vllm-ascend", draft_table))
+        runner.rt.synchronize()
+        for model, got, n in ((runner.model, out, lens), (draft_model, draft_out, draft_lens)):
+            for li, (k, v) in enumerate(model.caches):
+                ref = paged_attention_reference(q[:r], k, v, tables, n, HEAD**-0.5)
+                err = (got[li, :r].view(r, HEADS, HEAD).cpu().double() - ref).abs().max().item()
+                assert err < 4e-3, f"step {step} layer {li}: {err} from the float64 reference"
+
+
+def test_uninstall_gives_the_proposer_vllm_ascends_own_wrapper_back(generation):
+    from vllm_ascend.compilation import acl_graph
+    from vllm_ascend.spec_decode import llm_base_proposer
+
+    own = acl_graph._npugraph_original_ACLGraphWrapper
+    assert llm_base_proposer._npugraph_original_ACLGraphWrapper is own, "not the NpuGraphWrapper it imported"
+    integ.uninstall()
+    assert llm_base_proposer.ACLGraphWrapper is own and acl_graph.ACLGraphWrapper is own
+
+
+def test_a_draft_of_more_than_one_token_is_refused_at_model_load_naming_the_setting():
+    config = types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=2, method="mtp"))
+    with pytest.raises(integ.ConfigError, match="num_speculative_tokens=2"):
+        integ.DraftNpuGraphWrapper(lambda: None, config, CUDAGraphMode.FULL)
+
+
 def test_install_warns_by_name_about_what_it_did_not_find(generation):
     from vllm_ascend.attention import attention_v1
 
@@ -513,6 +577,10 @@ def test_real_vllm_ascend_sources_have_every_name_npugraph_replaces(monkeypatch)
         wanted |= {f"{mla}.forward", f"{mla}._forward_decode"}
         if result.generation == "aug-2026":
             assert wanted <= set(result.replaced), f"not replaced: {sorted(wanted - set(result.replaced))}"
+        # the speculative proposer's draft wrapper (MTP), which npugraph's vLLM plugin replaces
+        for module_name, names in integ._PATCHED_DRAFT:
+            module = importlib.import_module(module_name)
+            assert all(hasattr(module, n) for n in names), f"{module_name} has no {names}"
     finally:
         ascend.uninstall()
         _purge()
