@@ -36,6 +36,13 @@ speculative decoding (its 32-word vocabulary and requests): MLA's speculative de
 (FIA v2 ``TND_NTD``, causal within each request's three query tokens).  ``mla-tp2`` is it
 at tensor parallel 2 (each rank 2 of the 4 heads and the whole latent cache).
 
+``mla-mtp`` is a DeepSeek-V3 of that shape with one multi-token-prediction layer (written
+beside Hugging Face's file: release/tiny_model.py), served with vLLM's MTP speculative
+decoding, one draft token: each decode step replays the target's graph (2-token queries)
+and then the draft model's own graph (vllm-ascend's proposer), both updated by vllm-ascend
+or both by npugraph (the draft's in its ``draft`` namespace).  A vocabulary of 32 words, so
+that the random draft is right often enough for some drafts to be accepted.
+
 * ``eager``: ``enforce_eager=True``;
 * ``aclgraph``: vllm-ascend's own ACL graph mode (``FULL_DECODE_ONLY``: its
   ``ACLGraphWrapper`` captures, its ``update_full_graph_params`` updates every step);

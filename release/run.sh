@@ -7,8 +7,9 @@
 #   3. runs npugraph's plugin test against the release (every name it replaces is found);
 #   4. a real generation (release/generate.py) as users start one (vLLM's default engine,
 #      vllm-ascend's default configuration), on a Llama, a Qwen3, a Llama with n-gram
-#      speculative decoding and the Llama at tensor parallel 2: eager, vllm-ascend's ACL
-#      graph mode and npugraph's plugin, each in its own process;
+#      speculative decoding, the Llama at tensor parallel 2, and DeepSeek's MLA (alone, with
+#      n-gram speculative decoding, at tensor parallel 2, and a DeepSeek-V3 with MTP): eager,
+#      vllm-ascend's ACL graph mode and npugraph's plugin, each in its own process;
 #      release/test_generate.py checks that every run's tokens are identical and Hugging
 #      Face's, and that npugraph did every update; release/update_cost.py prints the
 #      per-step update cost of the two graph modes, per run, and what the runs support;
