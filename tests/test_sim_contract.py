@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import npugraph.sim as torch_npu
+from npugraph.reference import paged_attention_reference
 from npugraph.sim import npu
 
 from .helpers import equal_on_host
@@ -295,11 +296,12 @@ def test_op_inside_update_is_not_executed_and_must_match():
     _update_pa(us, h, ev, q, kc, vc, bt, torch.tensor([1, 1], dtype=torch.int32), out, None)
     npu.synchronize()
     assert (out == 7).all(), "the op inside an update is not executed"
-    wide = torch.zeros(bt.shape[0], bt.shape[1] * 2, dtype=torch.int32, device=DEVICE)
+    # a call the op accepts, in another dtype: another kernel than the captured task's
+    bf16 = [t.to(torch.bfloat16) for t in (q, kc, vc, out)]
     with npu.stream(us):
         npu.graph_task_update_begin(us, h)
-        with pytest.raises(torch_npu.UpdateMismatchError, match="'block_table' was Tensor.*of the captured shape"):
-            _pa(q, kc, vc, wide, lens, out)
+        with pytest.raises(torch_npu.UpdateMismatchError, match="'query' was Tensor.*captured dtype"):
+            _pa(*bf16[:3], bt, lens, bf16[3])
         npu.graph_task_update_end(us)
     with npu.stream(us):
         npu.graph_task_update_begin(us, h)
@@ -708,3 +710,71 @@ def test_a_weak_reference_of_host_memory_is_host_memory():
     # memory a kernel uses is the device's, weak reference or not
     weak_out = torch_npu._C._weak_ref_tensor(out)
     assert torch_npu.is_device_memory(weak_out)
+
+
+def test_an_update_may_retile_a_task_to_other_sizes_as_vllm_ascends_mtp_draft_does():
+    """vllm-ascend's MTP draft captures each later draft step's FIA as 3 requests of 3 query
+    tokens and updates it, every step, to 9 requests of one token each (a block table of 9
+    rows, one per token, each with its own key length); its nightly serves that on Ascend
+    (DeepSeek-R1, 3 draft tokens, FULL_DECODE_ONLY).  Hardware takes an update's arguments
+    whole, sizes included; the replay then computes the updated task, here checked against
+    a float64 reference of 9 one-token requests."""
+    n, kvn, d, bs, nb = 4, 1, 64, 16, 12
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(9, n, d, generator=gen).half().to(DEVICE)
+    kc = torch.randn(nb, bs, kvn * d, generator=gen).half().to(DEVICE)
+    vc = torch.randn(nb, bs, kvn * d, generator=gen).half().to(DEVICE)
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1).to(DEVICE)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], dtype=torch.int32)
+    kv = [20, 35, 9]  # each request's key length, its three query tokens the last three
+
+    def fia(bt, qends, kvlens, **more):
+        kwargs = dict(
+            atten_mask=mask,
+            actual_seq_lengths=qends,
+            actual_seq_lengths_kv=kvlens,
+            block_table=bt,
+            num_heads=n,
+            scale=SCALE,
+            input_layout="TND",
+            num_key_value_heads=kvn,
+            sparse_mode=3,
+            block_size=bs,
+        )
+        if not more:
+            return torch_npu._npu_fused_infer_attention_score_get_max_workspace(q, kc, vc, **kwargs)
+        return torch_npu.npu_fused_infer_attention_score.out(q, kc, vc, **kwargs, **more)
+
+    out = torch.empty(9, n, d, dtype=torch.float16, device=DEVICE)
+    lse = torch.empty(9, n, 1, dtype=torch.float32, device=DEVICE)
+    captured_bt = tables.to(DEVICE)
+    ws = fia(captured_bt, [3, 6, 9], kv)
+    g, s = npu.NPUGraph(), npu.Stream()
+    with npu.graph(g, stream=s):
+        ev = npu.ExternalEvent()
+        ev.wait(s)
+        npu.graph_task_group_begin(s)
+        fia(captured_bt, [3, 6, 9], kv, workspace=ws, out=[out, lse])
+        h = npu.graph_task_group_end(s)
+    us = npu.Stream()
+    # each token one request: its request's block rows, its own key length
+    rows = tables.repeat_interleave(3, dim=0)
+    one_each = [k - 2 + i for k in kv for i in range(3)]
+    updated_bt = rows.to(DEVICE)
+    with npu.stream(us):
+        npu.graph_task_update_begin(us, h)
+        fia(updated_bt, list(range(1, 10)), one_each, workspace=ws, out=[out, lse])
+        npu.graph_task_update_end(us)
+        ev.record(us)
+    g.replay()
+    npu.synchronize()
+    ref = paged_attention_reference(
+        q.cpu(), kc.cpu().view(nb, bs, kvn, d), vc.cpu().view(nb, bs, kvn, d), rows, one_each, SCALE
+    )
+    err = (out.cpu().double() - ref).abs().max().item()
+    assert err < 4e-3, err
+    # the same attention as the captured 3 requests of 3 causal tokens: the reference agrees
+    causal = paged_attention_reference(
+        q.cpu(), kc.cpu().view(nb, bs, kvn, d), vc.cpu().view(nb, bs, kvn, d), tables, kv, SCALE, query_lens=[3, 3, 3]
+    )
+    assert (causal - ref).abs().max().item() < 1e-9

@@ -263,14 +263,18 @@ def _check_same(where: str, name: str, captured: Any, given: Any) -> None:
             raise UpdateMismatchError(
                 f"{where}: argument {name!r} was {_brief(captured)} at capture, got {_brief(given)}"
             )
-        # Hardware rewrites device addresses too (vllm-ascend passes a fresh PA
-        # workspace every update); shape and dtype must stay as captured.
-        if captured.shape != given.shape or captured.dtype != given.dtype:
-            if name == "workspace" and captured.dtype == given.dtype and captured.dim() == given.dim() == 1:
-                return  # sized for these lengths: checked against what the kernel needs
+        # Hardware rewrites every argument, device addresses and sizes included: vllm-ascend
+        # passes a fresh PA workspace every update, and its MTP draft's later steps update
+        # an FIA task captured with 3 requests of 3 tokens to 9 requests of one (a block
+        # table of 9 rows for 3), which its nightly serves on Ascend (DeepSeek-R1, 3 draft
+        # tokens, FULL_DECODE_ONLY).  The new arguments are checked as a launch's are (the
+        # op's argument check, done before, and its workspace, after).  The dtype and rank
+        # pick the kernel and its layout, which the captured task keeps.
+        if captured.dtype != given.dtype or captured.dim() != given.dim():
             raise UpdateMismatchError(
                 f"{where}: tensor argument {name!r} was {_brief(captured)} at capture, got "
-                f"{_brief(given)}; an update may pass another tensor, but of the captured shape and dtype"
+                f"{_brief(given)}; an update may pass another tensor, of other sizes, but of the "
+                "captured dtype and number of dimensions (they choose the captured kernel)"
             )
         return
     if isinstance(captured, (list, tuple)) and isinstance(given, (list, tuple)):
