@@ -119,6 +119,12 @@ MODELS = {
         paged_attention=False,
     ),
 }
+# Served only by release/test_drafts.py: MTP with two draft tokens, which vllm-ascend's own
+# graph mode serves and npugraph's plugin refuses at start-up (one draft token only)
+MORE_DRAFT_TOKENS = {
+    "mla-mtp2": attrs.evolve(MODELS["mla-mtp"], speculative={"method": "mtp", "num_speculative_tokens": 2}),
+}
+SERVED = {**MODELS, **MORE_DRAFT_TOKENS}
 PA_SIZES = [1, 2]
 # per model, (arrives at engine step, prompt length, new tokens): arrivals while others
 # decode, and different lengths, so requests finish at different steps and the batch grows
@@ -142,16 +148,17 @@ REQUESTS = {
     # MLA with MTP: the draft model's graph after the target's at every decode step
     "mla-mtp": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
 }
+REQUESTS["mla-mtp2"] = REQUESTS["mla-mtp"]
 
 
 def write_model(path: Path) -> None:
     """The tiny checkpoint named by ``path``'s folder name (release/tiny_model.py)."""
-    model = MODELS[path.name]
+    model = SERVED[path.name]
     tiny_model.checkpoint(path, model.arch, model.vocab, head_dim=model.head_dim)
 
 
 def prompts(model: str) -> list[list[int]]:
-    vocab = MODELS[model].vocab
+    vocab = SERVED[model].vocab
     return [
         [(7 * i + 13 * j + 3) % (vocab - 3) + 3 for j in range(length)]
         for i, (_, length, _) in enumerate(REQUESTS[model])
@@ -176,7 +183,7 @@ def engine_args(model: Path, mode: str) -> dict[str, Any]:
         kwargs["enforce_eager"] = True
     else:
         kwargs["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
-    served = MODELS[model.name]
+    served = SERVED[model.name]
     if mode != "eager" and served.paged_attention:
         kwargs["additional_config"] = {"pa_shape_list": PA_SIZES}
     if served.speculative is not None:
@@ -218,7 +225,7 @@ def run(model: Path, mode: str) -> dict[str, Any]:
     steps = serve(llm.llm_engine, model.name, tokens)
     seconds = time.perf_counter() - t0
     # each model process's: the engine's, or each rank's worker under tensor parallelism
-    ranks = engine_counts.read(counts_dir, MODELS[model.name].tensor_parallel)
+    ranks = engine_counts.read(counts_dir, SERVED[model.name].tensor_parallel)
     counts = ranks[0] if ranks else {}
     return {
         "mode": mode,
@@ -251,24 +258,28 @@ def generate(out_dir: Path, runs: int = 1) -> None:
         write_model(out_dir / arch)
     for arch, mode, run in plan:
         out = result_path(out_dir, arch, mode, run)
-        counts = counts_folder(out)
-        env = {
-            **os.environ,
-            "NPUGRAPH_SIM_TORCH_NPU": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_CACHE_ROOT": str(out_dir / "vllm-cache"),
-            "NPUGRAPH_VLLM_COUNTS": str(counts),
-        }
         args = [sys.executable, __file__, str(out_dir / arch), mode, str(out)]
-        run_logged(args, out, env, f"{arch} {mode} (run {run})")
+        run_logged(args, out, process_env(out_dir, out), f"{arch} {mode} (run {run})")
+
+
+def process_env(out_dir: Path, out: Path) -> dict[str, str]:
+    """The environment of one run's process (``generate.py MODEL_DIR MODE OUT``): the
+    simulator as torch_npu, offline, and where its engine process writes its counts."""
+    return {
+        **os.environ,
+        "NPUGRAPH_SIM_TORCH_NPU": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(out_dir / "vllm-cache"),
+        "NPUGRAPH_VLLM_COUNTS": str(counts_folder(out)),
+    }
 
 
 def main(argv: list[str]) -> int:
     if len(argv) == 2 or (len(argv) == 3 and argv[2].isdigit() and int(argv[2]) >= 1):
         generate(Path(argv[1]), int(argv[2]) if len(argv) == 3 else 1)
         return 0
-    if len(argv) != 4 or argv[2] not in MODES or Path(argv[1]).name not in MODELS:
+    if len(argv) != 4 or argv[2] not in MODES or Path(argv[1]).name not in SERVED:
         print("usage:\n" + "\n".join(__doc__.splitlines()[2:6]), file=sys.stderr)
         return 2
     model = Path(argv[1])
