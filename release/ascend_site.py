@@ -47,21 +47,21 @@ def _count(folder: str) -> None:
         # name by value (``from ...acl_graph import update_full_graph_params``) gets this one
         module.update_full_graph_params = counts.time(module, "update_full_graph_params", "vllm_ascend_update")
 
-    def model_runner(module: Any) -> None:
+    def graph_steps(cls: type, key: str) -> None:
         # vllm-ascend's own decision that a step replays a full graph (in both graph modes:
         # under npugraph's plugin the update it then calls is npugraph's no-op), once vLLM
         # has finished capturing (npugraph's wrapper marks the forward context as capturing
-        # only inside its own capture, vllm-ascend's for the whole capture run)
+        # only inside its own capture, vllm-ascend's for the whole capture run); the counts
+        # written after it (a draft's replay, before it, wrote without it)
         from vllm.compilation import monitor
 
-        cls = module.NPUModelRunner
         decide = cls._update_full_graph_params_if_needed
-        counts.values["graph_steps"] = 0
+        counts.values[key] = 0
 
         def counted(self: Any, forward_context: Any, *args: Any, **kwargs: Any) -> Any:
             serving = not monitor.cudagraph_capturing_enabled and not forward_context.capturing
             if serving and forward_context.cudagraph_runtime_mode.name == "FULL":
-                counts.values["graph_steps"] += 1
+                counts.values[key] += 1
             try:
                 return decide(self, forward_context, *args, **kwargs)
             finally:
@@ -69,25 +69,12 @@ def _count(folder: str) -> None:
 
         cls._update_full_graph_params_if_needed = counted
 
+    def model_runner(module: Any) -> None:
+        graph_steps(module.NPUModelRunner, "graph_steps")
+
     def proposer(module: Any) -> None:
-        # the draft model's (MTP) own decision that its step replays a full graph: a second
-        # graph per speculative step, updated by vllm-ascend or by npugraph as the target's
-        from vllm.compilation import monitor
-
-        cls = module.AscendSpecDecodeBaseProposer
-        decide = cls._update_full_graph_params_if_needed
-        counts.values["draft_graph_steps"] = 0
-
-        def counted(self: Any, forward_context: Any, *args: Any, **kwargs: Any) -> Any:
-            serving = not monitor.cudagraph_capturing_enabled and not forward_context.capturing
-            if serving and forward_context.cudagraph_runtime_mode.name == "FULL":
-                counts.values["draft_graph_steps"] += 1
-            try:
-                return decide(self, forward_context, *args, **kwargs)
-            finally:
-                counts.write()  # (the draft's replay, before this, wrote without it)
-
-        cls._update_full_graph_params_if_needed = counted
+        # the draft model's (MTP) own decision: a second graph per speculative step
+        graph_steps(module.AscendSpecDecodeBaseProposer, "draft_graph_steps")
 
     after_import("vllm_ascend.compilation.acl_graph", acl_graph)
     after_import("vllm_ascend.worker.model_runner_v1", model_runner)
