@@ -41,7 +41,10 @@ beside Hugging Face's file: release/tiny_model.py), served with vLLM's MTP specu
 decoding, one draft token: each decode step replays the target's graph (2-token queries)
 and then the draft model's own graph (vllm-ascend's proposer), both updated by vllm-ascend
 or both by npugraph (the draft's in its ``draft`` namespace).  A vocabulary of 32 words, so
-that the random draft is right often enough for some drafts to be accepted.
+that the random draft is right often enough for some drafts to be accepted.  ``mla-mtp2``
+drafts two tokens (the MTP layer twice, as vLLM does): the draft's graph runs the layer once
+per draft token, and vllm-ascend serves the second as one query token per row (3-token
+queries at capture), re-tiling its attention at every update.
 
 * ``eager``: ``enforce_eager=True``;
 * ``aclgraph``: vllm-ascend's own ACL graph mode (``FULL_DECODE_ONLY``: its
@@ -119,12 +122,10 @@ MODELS = {
         paged_attention=False,
     ),
 }
-# Served only by release/test_drafts.py: MTP with two draft tokens, which vllm-ascend's own
-# graph mode serves and npugraph's plugin refuses at start-up (one draft token only)
-MORE_DRAFT_TOKENS = {
-    "mla-mtp2": attrs.evolve(MODELS["mla-mtp"], speculative={"method": "mtp", "num_speculative_tokens": 2}),
-}
-SERVED = {**MODELS, **MORE_DRAFT_TOKENS}
+# MTP with two draft tokens (the one MTP layer run twice, as vLLM does): the draft's graph
+# runs its layer once per draft token, the later step re-tiled by vllm-ascend to one query
+# token per row at every update
+MODELS["mla-mtp2"] = attrs.evolve(MODELS["mla-mtp"], speculative={"method": "mtp", "num_speculative_tokens": 2})
 PA_SIZES = [1, 2]
 # per model, (arrives at engine step, prompt length, new tokens): arrivals while others
 # decode, and different lengths, so requests finish at different steps and the batch grows
@@ -153,12 +154,12 @@ REQUESTS["mla-mtp2"] = REQUESTS["mla-mtp"]
 
 def write_model(path: Path) -> None:
     """The tiny checkpoint named by ``path``'s folder name (release/tiny_model.py)."""
-    model = SERVED[path.name]
+    model = MODELS[path.name]
     tiny_model.checkpoint(path, model.arch, model.vocab, head_dim=model.head_dim)
 
 
 def prompts(model: str) -> list[list[int]]:
-    vocab = SERVED[model].vocab
+    vocab = MODELS[model].vocab
     return [
         [(7 * i + 13 * j + 3) % (vocab - 3) + 3 for j in range(length)]
         for i, (_, length, _) in enumerate(REQUESTS[model])
@@ -183,7 +184,7 @@ def engine_args(model: Path, mode: str) -> dict[str, Any]:
         kwargs["enforce_eager"] = True
     else:
         kwargs["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
-    served = SERVED[model.name]
+    served = MODELS[model.name]
     if mode != "eager" and served.paged_attention:
         kwargs["additional_config"] = {"pa_shape_list": PA_SIZES}
     if served.speculative is not None:
@@ -225,7 +226,7 @@ def run(model: Path, mode: str) -> dict[str, Any]:
     steps = serve(llm.llm_engine, model.name, tokens)
     seconds = time.perf_counter() - t0
     # each model process's: the engine's, or each rank's worker under tensor parallelism
-    ranks = engine_counts.read(counts_dir, SERVED[model.name].tensor_parallel)
+    ranks = engine_counts.read(counts_dir, MODELS[model.name].tensor_parallel)
     counts = ranks[0] if ranks else {}
     return {
         "mode": mode,
@@ -279,7 +280,7 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 or (len(argv) == 3 and argv[2].isdigit() and int(argv[2]) >= 1):
         generate(Path(argv[1]), int(argv[2]) if len(argv) == 3 else 1)
         return 0
-    if len(argv) != 4 or argv[2] not in MODES or Path(argv[1]).name not in SERVED:
+    if len(argv) != 4 or argv[2] not in MODES or Path(argv[1]).name not in MODELS:
         print("usage:\n" + "\n".join(__doc__.splitlines()[2:6]), file=sys.stderr)
         return 2
     model = Path(argv[1])

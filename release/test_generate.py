@@ -101,11 +101,14 @@ CAPTURED["mla-tp2"] = CAPTURED["mla"]  # on each rank
 # MTP: the target's 2-token queries of 1 to 8 requests padded to 2, 4, 8 and 16 tokens, and
 # the draft's graph at the same batch descriptors (namespace "draft")
 CAPTURED["mla-mtp"] = "8 graphs captured in all namespaces"
+# two draft tokens: the target's 3-token queries at 3, 6, 9, 18, 24 tokens, and the draft's
+CAPTURED["mla-mtp2"] = "10 graphs captured in all namespaces"
 # At least this share (1/n) of a run's steps ran as a graph: with n-gram speculative
 # decoding a step is a graph only when every request has both drafts (about half of them)
-GRAPH_STEP_SHARE = {"llama": 2, "qwen3": 2, "ngram": 4, "tp2": 2, "mla": 2, "mla-ngram": 4, "mla-tp2": 2, "mla-mtp": 2}
-# attention layers each graph step updates: the target's 2; an MTP draft's graph has its 1
-DRAFT_LAYERS = 1
+GRAPH_STEP_SHARE = {"llama": 2, "qwen3": 2, "ngram": 4, "tp2": 2, "mla": 2, "mla-ngram": 4, "mla-tp2": 2}
+GRAPH_STEP_SHARE |= {"mla-mtp": 2, "mla-mtp2": 2}
+# attention tasks each graph step updates: the target's 2 layers; an MTP draft's graph runs
+# its one layer once per draft token
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -141,7 +144,8 @@ def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_
         assert all(r["npugraph_steps"] == graphs for r in npg["ranks"]), npg["ranks"]
         assert all(r["graph_steps"] == npg["graph_steps"] for r in npg["ranks"]), npg["ranks"]
         # one update and one event per layer of each graph that ran
-        layers = 2 * npg["graph_steps"] + DRAFT_LAYERS * npg["draft_graph_steps"]
+        draft_tasks = MODELS[model].speculative["num_speculative_tokens"] if drafting else 0
+        layers = 2 * npg["graph_steps"] + draft_tasks * npg["draft_graph_steps"]
         calls = npg["npugraph_update_device_calls"]
         assert calls["update_begin"] == calls["event_record"] == layers, (calls, layers)
         (report,) = npg["npugraph_capture_report"]  # one runtime, in the engine process

@@ -297,10 +297,32 @@ def test_uninstall_gives_the_proposer_vllm_ascends_own_wrapper_back(generation):
     assert llm_base_proposer.ACLGraphWrapper is own and acl_graph.ACLGraphWrapper is own
 
 
-def test_a_draft_of_more_than_one_token_is_refused_at_model_load_naming_the_setting():
-    config = types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=2, method="mtp"))
-    with pytest.raises(integ.ConfigError, match="num_speculative_tokens=2"):
-        integ.DraftNpuGraphWrapper(lambda: None, config, CUDAGraphMode.FULL)
+def test_a_draft_of_several_tokens_other_than_mtp_on_mla_is_refused_at_model_load_naming_the_setting():
+    """Several draft tokens are recorded as vllm-ascend's MTP on MLA serves them (its later
+    steps one query token per row); any other draft of several tokens is refused."""
+    for method, mla in (("eagle", True), ("mtp", False)):
+        config = types.SimpleNamespace(
+            speculative_config=types.SimpleNamespace(num_speculative_tokens=2, method=method),
+            model_config=types.SimpleNamespace(is_deepseek_mla=mla),
+        )
+        with pytest.raises(integ.ConfigError, match="num_speculative_tokens=2"):
+            integ.DraftNpuGraphWrapper(lambda: None, config, CUDAGraphMode.FULL)
+
+
+def test_a_later_draft_step_is_captured_one_query_token_per_row_in_the_wrappers_buffer():
+    """vllm-ascend captures its MTP draft's later steps with the first step's metadata
+    (requests of 3 tokens) but serves them as one token per row: the task is captured so,
+    its block table a buffer the wrapper made before the capture."""
+    made = torch.zeros(9, 6, dtype=torch.int32, device=NPU)
+    table = torch.arange(6, dtype=torch.int32, device=NPU).view(3, 2)
+    meta = ascend.AttentionMetadata(
+        seq_lens=torch.tensor([4, 7, 9], dtype=torch.int32),
+        block_table=table,
+        query_start_loc=torch.tensor([0, 3, 6, 9], dtype=torch.int32),
+    )
+    rows = ascend._one_token_rows(meta, 9, [made])
+    assert rows.query_start_loc is None and rows.seq_lens.tolist() == [4, 4, 4, 7, 7, 7, 9, 9, 9]
+    assert rows.block_table.data_ptr() == made.data_ptr() and tuple(rows.block_table.shape) == (9, 2)
 
 
 def test_install_warns_by_name_about_what_it_did_not_find(generation):

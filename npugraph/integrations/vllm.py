@@ -256,6 +256,7 @@ class NpuGraphWrapper:
         self.check_addresses = check_addresses
         self._addresses: dict[Any, list[tuple[str, int]]] = {}
         self._strong: dict[Any, Any] = {}
+        self._kept: dict[Any, list[Any]] = {}  # per key: device memory a recorder made for its graph
         self._captured: set[Any] = set()
         self._eager_keys: set[Any] = set()  # keys that ran a batch eagerly (warned once each)
 
@@ -290,7 +291,7 @@ class NpuGraphWrapper:
         if self.check_addresses:
             self._check_addresses(key, args, kwargs)
         metadata = (
-            _step_metadata(ctx.attn_metadata)
+            _step_metadata(self._attn_metadata(ctx))
             if self._full and self.runtime.entry(key, namespace=self.namespace).tasks
             else {}
         )
@@ -308,6 +309,10 @@ class NpuGraphWrapper:
         # device starts the graph while the host updates layer by layer)
         return self.runtime.step(key, metadata, namespace=self.namespace)
 
+    def _attn_metadata(self, ctx: Any) -> Any:
+        """The attention metadata of this wrapper's step in vLLM's forward context ``ctx``."""
+        return ctx.attn_metadata
+
     def _capture(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from vllm.compilation.counter import compilation_counter
         from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
@@ -324,7 +329,7 @@ class NpuGraphWrapper:
         was_capturing = getattr(ctx, "capturing", False)
         with (
             _gc_disabled(opts.gc_disable, self.runtime.device.npu),
-            vllm_ascend.capturing(self.runtime, self.namespace),
+            vllm_ascend.capturing(self.runtime, self.namespace, self._kept.setdefault(key, [])),
         ):
             # vllm-ascend's backends take their graph path (now npugraph's recorders) while
             # the forward context says so, as its own ACLGraphWrapper sets it
@@ -369,24 +374,50 @@ class DraftNpuGraphWrapper(NpuGraphWrapper):
     MTP/EAGLE proposer wraps its merged draft in ``ACLGraphWrapper``).
 
     The draft is captured and replayed under the target's batch descriptors, so its graphs
-    live in their own namespace, ``"draft"``; each step's update reads the draft's forward
-    context (``attn_metadata``: its first draft step's metadata).  One draft token only:
-    with more, the merged draft calls each attention layer once per draft token inside one
-    graph, each with its own metadata (``draft_attn_metadatas``), which npugraph's capture
-    does not record; that is refused here, at model load, rather than at capture.
+    live in their own namespace, ``"draft"``.  With several draft tokens the merged draft
+    runs its layers once per token inside one graph, each draft step with its own metadata
+    (``forward_context.draft_attn_metadatas``): the recorders record step ``i``'s attention
+    as micro-batch ``i`` (:func:`npugraph.integrations.vllm_ascend.draft_step`), and each
+    step's update takes that list, one metadata per draft step.  vllm-ascend serves the
+    later steps of an MTP draft on MLA as one query token per row
+    (``_one_token_rows``); other drafts of several tokens are refused at model load.
     """
 
     def __init__(self, runnable: Callable[..., Any], vllm_config: Any, runtime_mode: Any, *args: Any, **kwargs: Any):
         spec = getattr(vllm_config, "speculative_config", None)
         tokens = int(getattr(spec, "num_speculative_tokens", 1) or 1)
-        if tokens > 1:
+        method = str(getattr(spec, "method", "?"))
+        mla = bool(getattr(getattr(vllm_config, "model_config", None), "is_deepseek_mla", False))
+        if tokens > 1 and not (method == "mtp" and mla):
             raise ConfigError(
-                f"npugraph's plugin captures a draft model's graph for one draft token; this engine drafts {tokens} "
-                f"({getattr(spec, 'method', '?')}, num_speculative_tokens={tokens}). Serve it with "
-                "num_speculative_tokens=1, or without npugraph (NPUGRAPH_ENABLE=0: vllm-ascend's own graph mode)."
+                f"npugraph's plugin captures a draft of several tokens for MTP on an MLA model; this engine "
+                f"drafts {tokens} with {method!r}{'' if mla else ' on a model without MLA'} "
+                f"(num_speculative_tokens={tokens}). Serve it with num_speculative_tokens=1, or without npugraph "
+                "(NPUGRAPH_ENABLE=0: vllm-ascend's own graph mode)."
             )
         kwargs.setdefault("namespace", "draft")
         super().__init__(runnable, vllm_config, runtime_mode, *args, **kwargs)
+
+    def _attn_metadata(self, ctx: Any) -> Any:
+        steps = getattr(ctx, "draft_attn_metadatas", None)
+        return steps if isinstance(steps, list) and steps else ctx.attn_metadata
+
+    def _capture(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        spec = getattr(self.vllm_config, "speculative_config", None)
+        if int(getattr(spec, "num_speculative_tokens", 1) or 1) > 1 and key not in self._kept:
+            # the later draft steps' block table, one row per token (vllm-ascend serves them
+            # so): made here, outside the capture and its pool, which each step's table is
+            # copied into (vllm_ascend._one_token_rows)
+            cache = self.vllm_config.cache_config
+            cols = -(-int(self.vllm_config.model_config.max_model_len) // int(cache.block_size))
+            tokens = int(key.num_tokens)
+            memory = self.runtime.device.memory
+            inputs = [
+                t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.device.type == memory.type
+            ]
+            device = inputs[0].device if inputs else memory
+            self._kept[key] = [torch.zeros(tokens, cols, dtype=torch.int32, device=device)]
+        return super()._capture(key, args, kwargs)
 
 
 # --- installation ---------------------------------------------------------------------

@@ -41,7 +41,7 @@ from npugraph.ops import AttentionCall
 from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
 
-__all__ = ["Replaced", "capturing", "detect", "install", "uninstall", "metadata_from_ascend"]
+__all__ = ["Replaced", "capturing", "detect", "draft_step", "install", "uninstall", "metadata_from_ascend"]
 
 logger = logging.getLogger("vllm.npugraph")
 
@@ -58,10 +58,12 @@ _MARK = "_npugraph_original_"
 
 @attrs.frozen(kw_only=True)
 class _Capture:
-    """The runtime a capture records into, and the graph's namespace."""
+    """The runtime a capture records into, the graph's namespace, and where device memory a
+    recorder made for the graph is kept alive as long as the graph (its caller's list)."""
 
     runtime: Runtime
     namespace: str
+    keep: list[Any]
 
 
 # The capture in progress (set by NpuGraphWrapper around a capture): a ContextVar, as
@@ -72,9 +74,11 @@ _LAYER: contextvars.ContextVar[str | None] = contextvars.ContextVar("npugraph_la
 
 
 @contextlib.contextmanager
-def capturing(runtime: Runtime, namespace: str) -> Iterator[None]:
-    """Route vllm-ascend's recorders to ``runtime`` for the capture this block runs."""
-    token = _CAPTURING.set(_Capture(runtime=runtime, namespace=namespace))
+def capturing(runtime: Runtime, namespace: str, keep: list[Any] | None = None) -> Iterator[None]:
+    """Route vllm-ascend's recorders to ``runtime`` for the capture this block runs; device
+    memory a recorder makes for the graph is appended to ``keep``, which the caller holds
+    as long as the graph lives."""
+    token = _CAPTURING.set(_Capture(runtime=runtime, namespace=namespace, keep=[] if keep is None else keep))
     try:
         yield
     finally:
@@ -261,6 +265,51 @@ def _named_forward(impl: type) -> Callable[..., Any]:
     return forward
 
 
+def draft_step() -> int:
+    """Which draft step of vllm-ascend's merged draft is running (0 outside a draft).
+
+    vllm-ascend's proposer runs the draft model's layers once per draft token inside one
+    graph, and points ``forward_context.attn_metadata`` at that step's entry of
+    ``forward_context.draft_attn_metadatas`` before each: the step is that entry's index.
+    npugraph records each step's attention as that micro-batch, updated from its own
+    step's metadata (:class:`npugraph.integrations.vllm.DraftNpuGraphWrapper`).
+    """
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return 0
+    ctx = get_forward_context()
+    steps = getattr(ctx, "draft_attn_metadatas", None)
+    if not isinstance(steps, list):
+        return 0
+    return next((i for i, meta in enumerate(steps) if meta is ctx.attn_metadata), 0)
+
+
+def _one_token_rows(meta: AttentionMetadata, tokens: int, keep: list[Any]) -> AttentionMetadata:
+    """The capture-time metadata of a later draft step as vllm-ascend serves it.
+
+    vllm-ascend's proposer captures every draft step with the first's metadata (requests
+    of ``1 + k`` query tokens) but serves its later steps, in a full graph, as ``tokens``
+    requests of one query token each (``attn_update_stack_num_spec_norm``: the block table
+    padded to one row per token, the query ends 1, 2, ...), and updates their attention
+    so.  The graph's task is therefore captured with one row per token: the block table a
+    buffer of that many rows, allocated in the graph's pool (no kernel: a fill would be a
+    node of the graph, run at every replay after the step's table was copied in), which
+    each step's table is copied into and ``keep`` holds as long as the graph; every row's
+    key length its request's.
+    """
+    table = meta.block_table
+    made = [t for t in keep if t.shape[0] >= tokens and t.shape[1] >= table.shape[1] and t.dtype == table.dtype]
+    if made:  # the wrapper's, made before the capture
+        rows = made[0][:tokens, : int(table.shape[1])]
+    else:
+        rows = torch.empty((tokens, int(table.shape[1])), dtype=table.dtype, device=table.device)
+        keep.append(rows)
+    per = tokens // max(1, meta.num_reqs)
+    seq = meta.seq_lens.repeat_interleave(per)[:tokens].contiguous()
+    return AttentionMetadata(seq_lens=seq, block_table=rows, query_start_loc=None)
+
+
 def _current() -> _Capture:
     cap = _CAPTURING.get()
     if cap is None:
@@ -333,7 +382,7 @@ def _attend(self: Any, query: torch.Tensor, meta: Any, out: torch.Tensor, layer:
         scale=float(self.scale),
         window=int(window) if window else None,
     )
-    cap.runtime.attention(_layer(self, layer), call, npu_meta, namespace=cap.namespace)
+    cap.runtime.attention(_layer(self, layer), call, npu_meta, namespace=cap.namespace, ubatch=draft_step())
 
 
 def _recorder(name: str) -> Callable[..., Any]:
@@ -413,6 +462,9 @@ def _mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
             raise CaptureFailed(f"MLA layer {layer!r}: {why}; capture this model with vllm-ascend's own graph mode")
         meta = metadata_from_ascend(attn_metadata.decode)
         tokens, latent = int(q_nope.shape[0]), int(self.kv_lora_rank)
+        step = draft_step()
+        if step > 0 and meta.query_start_loc is not None and meta.num_reqs < tokens:
+            meta = _one_token_rows(meta, tokens, cap.keep)
         out = torch.empty(tokens, self.num_heads, latent, dtype=q_pe.dtype, device=q_pe.device)
         call = AttentionCall(
             query=q_nope.contiguous(),  # [T, N, latent]: the up-projected query, transposed (vllm-ascend's copy too)
@@ -426,7 +478,7 @@ def _mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
             query_rope=q_pe,
             key_rope_cache=k_pe.view(-1, block_size, 1, int(self.qk_rope_head_dim)),
         )
-        cap.runtime.attention(layer, call, meta, namespace=cap.namespace)
+        cap.runtime.attention(layer, call, meta, namespace=cap.namespace, ubatch=step)
         return self._v_up_proj(out.transpose(0, 1))  # [N, T, latent], as FIA's NBSD output
 
     return _forward_decode
