@@ -323,6 +323,9 @@ def test_a_later_draft_step_is_captured_one_query_token_per_row_in_the_wrappers_
     rows = ascend._one_token_rows(meta, 9, [made])
     assert rows.query_start_loc is None and rows.seq_lens.tolist() == [4, 4, 4, 7, 7, 7, 9, 9, 9]
     assert rows.block_table.data_ptr() == made.data_ptr() and tuple(rows.block_table.shape) == (9, 2)
+    # none made before the capture: one made inside it would share the graph's pool
+    with pytest.raises(ascend.CaptureFailed, match="made before the capture"):
+        ascend._one_token_rows(meta, 9, [])
 
 
 def test_install_warns_by_name_about_what_it_did_not_find(generation):

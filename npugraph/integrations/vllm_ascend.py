@@ -292,22 +292,24 @@ def _one_token_rows(meta: AttentionMetadata, tokens: int, keep: list[Any]) -> At
     of ``1 + k`` query tokens) but serves its later steps, in a full graph, as ``tokens``
     requests of one query token each (``attn_update_stack_num_spec_norm``: the block table
     padded to one row per token, the query ends 1, 2, ...), and updates their attention
-    so.  The graph's task is therefore captured with one row per token: the block table a
-    buffer of that many rows, allocated in the graph's pool (no kernel: a fill would be a
-    node of the graph, run at every replay after the step's table was copied in), which
-    each step's table is copied into and ``keep`` holds as long as the graph; every row's
-    key length its request's.
+    so.  The graph's task is therefore captured with one row per token, every row's key
+    length its request's, and as its block table a buffer of that many rows which each
+    step's table is copied into: one the draft wrapper made before the capture (in
+    ``keep``).  Not one made here: inside the capture it would be a block of the graph's
+    pool, which an earlier node of the same graph (the first draft step's, freed by then)
+    may write at every replay after the step's table was copied in (a first try read
+    garbage block ids so).
     """
     table = meta.block_table
     made = [t for t in keep if t.shape[0] >= tokens and t.shape[1] >= table.shape[1] and t.dtype == table.dtype]
-    if made:  # the wrapper's, made before the capture
-        rows = made[0][:tokens, : int(table.shape[1])]
-    else:
-        rows = torch.empty((tokens, int(table.shape[1])), dtype=table.dtype, device=table.device)
-        keep.append(rows)
+    if not made:
+        raise CaptureFailed(
+            f"a later draft step of {tokens} tokens needs a block-table buffer of {tokens} rows made before the "
+            "capture; capture the draft through npugraph's DraftNpuGraphWrapper"
+        )
     per = tokens // max(1, meta.num_reqs)
     seq = meta.seq_lens.repeat_interleave(per)[:tokens].contiguous()
-    return AttentionMetadata(seq_lens=seq, block_table=rows, query_start_loc=None)
+    return AttentionMetadata(seq_lens=seq, block_table=made[0][:tokens, : int(table.shape[1])], query_start_loc=None)
 
 
 def _current() -> _Capture:
