@@ -471,6 +471,102 @@ def test_mla_decode_replays_as_npugraphs_mla_task(generation):
                 assert err <= 0.03 * max(1.0, ref.abs().max().item()), f"step {step} layer {li} request {i}: {err}"
 
 
+class MtpDraft(torch.nn.Module):
+    """vllm-ascend's merged MTP draft of two tokens: its MLA layers run once per draft step
+    inside one graph, the forward context pointed at each step's metadata in turn."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, query):
+        ctx = get_forward_context()
+        outs = []
+        for step in ctx.draft_attn_metadatas:
+            ctx.attn_metadata = step
+            outs.append(self.model(query))
+        return torch.stack(outs)
+
+
+def test_an_mtp_draft_of_two_tokens_replays_each_step_from_its_own_metadata(generation):
+    """Captured as vllm-ascend captures it (both steps with the first step's metadata: 2
+    requests of 3 tokens), served as it serves it (the second step one token per row, 6 rows,
+    a block table of 6 rows in a tensor of its own): each step's attention is right against
+    the float64 reference, the first causal over each request's 3 tokens."""
+    from vllm_ascend.attention.mla_v1 import AscendMLADecodeMetadata, AscendMLAMetadata
+
+    vc = VllmConfig()
+    vc.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    rt = integ.attach_runtime(vc, Runtime("sim", max_model_len=MAX_LEN))
+    model = MlaModel()
+    config = types.SimpleNamespace(
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=2, method="mtp"),
+        model_config=types.SimpleNamespace(is_deepseek_mla=True, max_model_len=MAX_LEN),
+        cache_config=types.SimpleNamespace(block_size=BLOCK),
+    )
+    draft = integ.DraftNpuGraphWrapper(MtpDraft(model), config, CUDAGraphMode.FULL, runtime=rt)
+    tokens, reqs = 6, 2
+    query = torch.zeros(tokens, MLA_HEADS, LATENT + ROPE, dtype=torch.bfloat16, device=NPU)
+    table = torch.zeros(reqs, COLS, dtype=torch.int32, device=NPU)  # the runner's (step 0)
+
+    def meta(decode):
+        return dict.fromkeys(
+            model.names,
+            AscendMLAMetadata(num_decodes=reqs, num_decode_tokens=tokens, num_actual_tokens=tokens, decode=decode),
+        )
+
+    def forward(steps):
+        with set_forward_context(
+            steps[0],
+            vc,
+            num_tokens=tokens,
+            cudagraph_runtime_mode=CUDAGraphMode.FULL,
+            batch_descriptor=BatchDescriptor(num_tokens=tokens),
+        ):
+            get_forward_context().draft_attn_metadatas = steps
+            return draft(query)
+
+    first = AscendMLADecodeMetadata(block_table=table, seq_lens_list=[3, 3], actual_seq_lengths_q=[3, 6])
+    forward([meta(first), meta(first)])  # the capture: every step with the first step's metadata
+    (entry,) = rt.entries()
+    assert entry.namespace == "draft" and sorted({t.ubatch for t in entry.tasks}) == [0, 1]
+    rng = random.Random(3)
+    for step in range(4):
+        lens = [rng.randint(4, MAX_LEN - 1) for _ in range(reqs)]
+        tables = torch.zeros(reqs, COLS, dtype=torch.int32)
+        for i, n in enumerate(lens):
+            used = -(-(n + 1) // BLOCK)
+            tables[i, :used] = torch.tensor(rng.sample(range(BLOCKS), used), dtype=torch.int32)
+        table.copy_(tables)
+        rows = torch.zeros(tokens, COLS, dtype=torch.int32, device=NPU)  # vllm-ascend pads it anew each step
+        rows[:reqs] = tables
+        later = [n + 1 for n in lens]  # the second step's key lengths: one token more
+        steps = [
+            meta(AscendMLADecodeMetadata(block_table=table, seq_lens_list=lens, actual_seq_lengths_q=[3, 6])),
+            meta(
+                AscendMLADecodeMetadata(
+                    block_table=rows,
+                    seq_lens_list=later + [0] * (tokens - reqs),
+                    actual_seq_lengths_q=list(range(1, 7)),
+                )
+            ),
+        ]
+        q = torch.randn(tokens, MLA_HEADS, LATENT + ROPE, generator=torch.Generator().manual_seed(step)).bfloat16()
+        query.copy_(q)
+        out = forward(steps)
+        rt.synchronize()
+        for li, (impl, (latent, rope)) in enumerate(zip(model.impls, model.caches)):
+            for i in range(reqs):
+                cases = [(0, 3 * i + j, lens[i] - 2 + j) for j in range(3)] + [(1, i, later[i])]
+                for s, row, n in cases:
+                    ref = _mla_reference(q[row], latent, rope, tables[i], n, impl.scale, impl.W_UV)
+                    got = out[s, li, row].view(MLA_HEADS, V_HEAD).cpu().double()
+                    err = (got - ref).abs().max().item()
+                    assert err <= 0.03 * max(1.0, ref.abs().max().item()), (
+                        f"step {step} draft step {s} row {row}: {err}"
+                    )
+
+
 def test_an_mla_variant_without_a_declaration_stops_the_capture_naming_the_layer(generation):
     from npugraph.errors import CaptureFailed
 
