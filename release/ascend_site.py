@@ -16,8 +16,9 @@ Ascend host settles by being one, and, for release/generate.py only, its counts.
 * With ``NPUGRAPH_VLLM_COUNTS=DIR`` (release/generate.py), the process that runs the model
   (vLLM's EngineCore) times each per-step graph update, vllm-ascend's
   ``update_full_graph_params`` and npugraph's ``ReplayUpdater._write``, counts the steps
-  vllm-ascend runs as a full graph (the target's, and an MTP draft's apart) and npugraph's steps, and keeps npugraph's capture
-  report, into ``DIR/counts-<pid>.json`` (release/engine_counts.py).
+  vllm-ascend runs as a full graph (the target's, and an MTP draft's apart) and npugraph's
+  steps, and keeps npugraph's capture report, into ``DIR/counts-<pid>.json``
+  (release/engine_counts.py).
 * With ``NPUGRAPH_VLLM_FAULT=host-copy`` (release/test_faults.py), each Llama MLP calls a
   custom op that reads a value to the host while a graph is being captured: a model whose
   layer copies to the host under capture (on a device, ``rtMemcpy`` fails with 107030).

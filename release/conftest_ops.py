@@ -5,14 +5,12 @@ worker does at start-up on a device: its ops imported in the order that closes t
 cycle (as npugraph's plugin imports them), and Triton's device properties read (the vector
 core count the kernels size their grids with)."""
 
+import numpy as np
+import pytest
 import vllm_ascend.ops  # noqa: F401
 from vllm_ascend.ops.triton.triton_utils import init_device_properties_triton
 
 init_device_properties_triton()
-
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

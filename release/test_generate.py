@@ -107,8 +107,6 @@ CAPTURED["mla-mtp2"] = "10 graphs captured in all namespaces"
 # decoding a step is a graph only when every request has both drafts (about half of them)
 GRAPH_STEP_SHARE = {"llama": 2, "qwen3": 2, "ngram": 4, "tp2": 2, "mla": 2, "mla-ngram": 4, "mla-tp2": 2}
 GRAPH_STEP_SHARE |= {"mla-mtp": 2, "mla-mtp2": 2}
-# attention tasks each graph step updates: the target's 2 layers; an MTP draft's graph runs
-# its one layer once per draft token
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -143,7 +141,8 @@ def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_
         assert len(npg["ranks"]) == ranks, npg["ranks"]
         assert all(r["npugraph_steps"] == graphs for r in npg["ranks"]), npg["ranks"]
         assert all(r["graph_steps"] == npg["graph_steps"] for r in npg["ranks"]), npg["ranks"]
-        # one update and one event per layer of each graph that ran
+        # one update and one event per layer of each graph that ran: the target's 2 layers;
+        # an MTP draft's graph runs its one layer once per draft token
         draft_tasks = MODELS[model].speculative["num_speculative_tokens"] if drafting else 0
         layers = 2 * npg["graph_steps"] + draft_tasks * npg["draft_graph_steps"]
         calls = npg["npugraph_update_device_calls"]

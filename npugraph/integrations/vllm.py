@@ -385,7 +385,7 @@ class DraftNpuGraphWrapper(NpuGraphWrapper):
 
     def __init__(self, runnable: Callable[..., Any], vllm_config: Any, runtime_mode: Any, *args: Any, **kwargs: Any):
         spec = getattr(vllm_config, "speculative_config", None)
-        tokens = int(getattr(spec, "num_speculative_tokens", 1) or 1)
+        self.draft_tokens = tokens = int(getattr(spec, "num_speculative_tokens", 1) or 1)
         method = str(getattr(spec, "method", "?"))
         mla = bool(getattr(getattr(vllm_config, "model_config", None), "is_deepseek_mla", False))
         if tokens > 1 and not (method == "mtp" and mla):
@@ -403,8 +403,7 @@ class DraftNpuGraphWrapper(NpuGraphWrapper):
         return steps if isinstance(steps, list) and steps else ctx.attn_metadata
 
     def _capture(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        spec = getattr(self.vllm_config, "speculative_config", None)
-        if int(getattr(spec, "num_speculative_tokens", 1) or 1) > 1 and key not in self._kept:
+        if self.draft_tokens > 1 and key not in self._kept:
             # the later draft steps' block table, one row per token (vllm-ascend serves them
             # so): made here, outside the capture and its pool, which each step's table is
             # copied into (vllm_ascend._one_token_rows)
