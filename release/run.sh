@@ -15,7 +15,11 @@
 #      Face's, and that npugraph did every update; release/update_cost.py prints the
 #      per-step update cost of the two graph modes, per run, and what the runs support;
 #   5. three faults in a real engine (release/test_faults.py): a host copy inside a layer
-#      under capture, a kernel fault at replay, an event record the device loses.
+#      under capture, a kernel fault at replay, an event record the device loses;
+#   6. graph memory and the KV-cache budget, side by side (release/test_graph_memory.py): on
+#      MLA with DeepSeek-V3's heads and context, vllm-ascend's own graph mode runs out of
+#      device memory at capture, and so does npugraph's with that KV cache; npugraph's plugin
+#      as a user starts it counts its graphs in the budget and serves.
 # Fails if any of them fails.
 set -euo pipefail
 
@@ -74,4 +78,8 @@ mkdir -p "$GENERATED"
 echo "== faults in a real engine (npugraph's plugin): each ends the engine cleanly and says where"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider release/test_faults.py) \
     || status=1
+
+echo "== graph memory and the KV-cache budget: vllm-ascend's own graph mode, npugraph's, side by side"
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
+    release/test_graph_memory.py) || status=1
 exit $status

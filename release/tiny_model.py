@@ -11,8 +11,9 @@ __all__ = ["checkpoint", "write", "write_tokenizer"]
 
 
 def checkpoint(path: Path, arch: str, vocab: int, head_dim: int = 64) -> None:
-    """A tiny ``arch`` (``llama``, ``qwen3``: q/k norms, ``deepseek_v2``: MLA, or
-    ``deepseek_v3_mtp``: MLA and an MTP layer) in bfloat16 with its tokenizer at ``path``."""
+    """A tiny ``arch`` (``llama``, ``qwen3``: q/k norms, ``deepseek_v2``: MLA,
+    ``deepseek_v2_wide``: MLA with DeepSeek-V3's heads and context, or ``deepseek_v3_mtp``:
+    MLA and an MTP layer) in bfloat16 with its tokenizer at ``path``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -20,6 +21,10 @@ def checkpoint(path: Path, arch: str, vocab: int, head_dim: int = 64) -> None:
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
         write(path, DeepseekV2Config, DeepseekV2ForCausalLM, torch.bfloat16, vocab, head_dim, **MLA)
+    elif arch == "deepseek_v2_wide":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        write(path, DeepseekV2Config, DeepseekV2ForCausalLM, torch.bfloat16, vocab, head_dim, **WIDE_MLA)
     elif arch == "deepseek_v3_mtp":
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -43,6 +48,17 @@ MLA: dict[str, Any] = {
     "v_head_dim": 128,
     "first_k_dense_replace": 2,
     "num_key_value_heads": 4,
+}
+
+# MLA with DeepSeek-V3's attention width and context: 128 heads over the 512-wide latent
+# cache, 32K tokens (vLLM's default max_model_len is the checkpoint's).  Its decode kernel's
+# workspace (flash-decoding partial results: rows x heads x splits x (latent + 2) floats) is
+# about 4 MiB per request at that context: the graph memory release/test_graph_memory.py needs
+WIDE_MLA: dict[str, Any] = {
+    **MLA,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "max_position_embeddings": 32768,
 }
 
 # DeepSeek-V3's shape (the MLA above) with one multi-token-prediction layer, which vLLM serves

@@ -184,6 +184,36 @@ def test_continuous_batching_through_the_wrapper_equals_eager():
     assert sum(runner.rt.updater.state(e).replays for e in runner.rt.manager.entries()) == 60
 
 
+def test_graphs_freed_by_a_runtime_reset_are_captured_again_by_the_wrapper():
+    # the KV-cache budget's profiling capture (integ.estimate_graph_memory) frees its graphs
+    # with Runtime.reset; vLLM's real capture then goes through the same wrappers
+    runner = Runner()
+    with mock.patch.object(runner.rt.manager, "capture", wraps=runner.rt.manager.capture) as spy:
+        runner.capture()
+        runner.rt.reset()
+        assert not runner.rt.manager.entries()
+        runner.capture()
+        assert spy.call_count == 2 * len(SIZES)
+    for i, batch in enumerate(_batches(runner, 12, seed=3)):
+        mode, bd, out = runner.step(batch, _AscendLikeMetadata)
+        assert mode == CUDAGraphMode.FULL
+        assert torch.equal(out, runner.eager(batch, bd.num_tokens)), f"step {i} differs"
+
+
+def test_graph_memory_estimate_is_vllms_formula_on_npugraphs_measure():
+    mib = 1 << 20
+    # one mode, 4 sizes: the largest's capture plus, per further size, the second's (>= 1 MiB)
+    est = integ.GraphMemoryEstimate.of([[8, 4, 2, 1]], {8: 50 * mib, 4: 3 * mib, 2: 0, 1: 0}, vllm=99)
+    assert (est.bytes, est.first, est.per_graph, est.sizes, est.vllm) == (59 * mib, 50 * mib, 3 * mib, 4, 99)
+    # a second size that reused the pool: the floor per graph
+    est = integ.GraphMemoryEstimate.of([[8, 4]], {8: 50 * mib}, vllm=0)
+    assert est.bytes == 51 * mib
+    # two modes share one pool: the larger first capture, every size counted
+    est = integ.GraphMemoryEstimate.of([[8, 4], [16], []], {8: 5 * mib, 16: 7 * mib}, vllm=0)
+    assert (est.first, est.sizes, est.bytes) == (7 * mib, 3, 9 * mib)
+    assert "9.00 MiB for 3 sizes" in est.say()
+
+
 def test_event_grouping_through_the_wrapper_equals_eager_and_records_fewer_events(monkeypatch):
     # FIA updated per layer, 3 layers: events after layers 1 and 2 (the last alone)
     runner = Runner(event_group=2, device_lengths=False)

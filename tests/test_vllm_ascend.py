@@ -702,6 +702,10 @@ def test_real_vllm_ascend_sources_have_every_name_npugraph_replaces(monkeypatch)
         for module_name, names in integ._PATCHED_DRAFT:
             module = importlib.import_module(module_name)
             assert all(hasattr(module, n) for n in names), f"{module_name} has no {names}"
+        # what the KV-cache budget's profiling capture runs on (the worker, the runner's helpers)
+        for module_name, _ in integ._KV_BUDGET_NAMES:
+            importlib.import_module(module_name)
+        assert integ.kv_budget_missing() == []
     finally:
         ascend.uninstall()
         _purge()
