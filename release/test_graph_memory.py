@@ -10,6 +10,8 @@ The same model and settings (release/graph_memory.py: MLA with DeepSeek-V3's 128
   the same graph: npugraph's graphs need the memory as well;
 * npugraph's plugin as a user starts it leaves the graph memory its profiling capture
   measured out of the budget: it serves, with eager's tokens.
+
+All four run on one card: the simulator's default size, taken once here.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ pytest.importorskip("vllm_ascend", reason="needs the release environment (releas
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_memory import RUNS
 
+from npugraph.sim.device.backend import card_size
+
 LIMIT_S = 900
 GIB = 1 << 30
 MIB = 1 << 20
@@ -40,9 +44,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, 
     given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")
     out = Path(given) / "graph-memory" if given else tmp_path_factory.mktemp("graph-memory")
     out.mkdir(parents=True, exist_ok=True)
+    # one card for the four runs: the simulator's default is half of what the host has
+    # available as each process starts, which drifts between processes by tens of MiB
+    card = os.environ.get("NPUGRAPH_SIM_MEMORY_GB") or f"{card_size()[0] / GIB:.2f}"
     done: dict[str, tuple[dict[str, Any], str]] = {}
     for name in RUNS:
-        extra = {}
+        extra = {"NPUGRAPH_SIM_MEMORY_GB": card}
         if name == "npugraph-uncounted":
             extra["NPUGRAPH_RELEASE_KV_BYTES"] = str(_kv_budget(done["aclgraph"][1]))
         done[name] = _run(out, name, extra)
