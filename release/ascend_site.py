@@ -13,6 +13,13 @@ Ascend host settles by being one, and, for release/generate.py only, its counts.
   ``maybe_pad_and_reduce`` at TP 1) from a warning into an error.  A user's host (or a CI
   of theirs that is not torch's) gets the warning: so does this environment, whatever
   ``CI`` says, unless ``TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING`` is set by hand.
+* vllm-ascend pins torch 2.10; this environment has the torch the simulator is built for
+  (2.14), whose AOT-autograd cache, bundled by vLLM around its compiles, asserts that every
+  compiled graph is inductor's code ("expected OutputCode").  vllm-ascend's fusion-pass
+  compile (``fusion_pass_compile``: vLLM's default ``FULL_AND_PIECEWISE`` mode, with or
+  without npugraph) returns a plain graph, so an engine started with no compilation
+  config stopped at start-up (Ascend hosts on torch 2.11 and later report the same).  Its
+  compiles run without the bundled cache here, as the simulator's npugraph_ex runs its own.
 * With ``NPUGRAPH_VLLM_COUNTS=DIR`` (release/generate.py), the process that runs the model
   (vLLM's EngineCore) times each per-step graph update, vllm-ascend's
   ``update_full_graph_params`` and npugraph's ``ReplayUpdater._write``, counts the steps
@@ -26,6 +33,7 @@ Ascend host settles by being one, and, for release/generate.py only, its counts.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -35,6 +43,22 @@ from npugraph_hook import after_import
 
 os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "0")
 after_import("vllm_ascend.utils", lambda utils: utils.enable_custom_op())
+
+
+def _unbundled_fusion_pass_compile(module: Any) -> None:
+    compile_fn = module.fusion_pass_compile
+
+    @functools.wraps(compile_fn)
+    def fusion_pass_compile(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        with torch._functorch.config.patch(bundled_autograd_cache=False, force_autograd_cache=False):
+            return compile_fn(*args, **kwargs)
+
+    module.fusion_pass_compile = fusion_pass_compile
+
+
+after_import("vllm_ascend.compilation.compiler_interface", _unbundled_fusion_pass_compile)
 
 
 def _count(folder: str) -> None:

@@ -1,6 +1,7 @@
 """A real generation on vllm-ascend's platform, on npugraph's simulator (release/run.sh).
 
-    generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | aclgraph | npugraph
+    generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | aclgraph | npugraph | vllm-default |
+                                               vllm-default-npugraph
     generate.py OUT_DIR [RUNS]                 each model and mode in its own process, into
                                                OUT_DIR; the Llama's graph modes RUNS times
                                                (default 1), in turn
@@ -77,6 +78,9 @@ import tiny_model  # this folder's
 from runs import clear_results, counts_folder, order, result_path, run_logged  # this folder's
 
 MODES = ("eager", "aclgraph", "npugraph")
+# vLLM's default compilation config (no compilation_config: FULL_AND_PIECEWISE), without and
+# with npugraph's plugin: what a user who types nothing more gets (release/test_default_mode.py)
+DEFAULT_MODES = ("vllm-default", "vllm-default-npugraph")
 
 
 @attrs.frozen(kw_only=True)
@@ -182,10 +186,10 @@ def engine_args(model: Path, mode: str) -> dict[str, Any]:
     }
     if mode == "eager":
         kwargs["enforce_eager"] = True
-    else:
+    elif mode not in DEFAULT_MODES:
         kwargs["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
     served = MODELS[model.name]
-    if mode != "eager" and served.paged_attention:
+    if mode in MODES[1:] and served.paged_attention:
         kwargs["additional_config"] = {"pa_shape_list": PA_SIZES}
     if served.speculative is not None:
         kwargs["speculative_config"] = dict(served.speculative)
@@ -214,7 +218,7 @@ def serve(engine: Any, model: str, tokens: dict[str, list[int]]) -> int:
 
 
 def run(model: Path, mode: str) -> dict[str, Any]:
-    if mode == "npugraph":
+    if mode.endswith("npugraph"):
         os.environ["NPUGRAPH_ENABLE"] = "1"
     from vllm import LLM
 
@@ -280,8 +284,8 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 or (len(argv) == 3 and argv[2].isdigit() and int(argv[2]) >= 1):
         generate(Path(argv[1]), int(argv[2]) if len(argv) == 3 else 1)
         return 0
-    if len(argv) != 4 or argv[2] not in MODES or Path(argv[1]).name not in MODELS:
-        print("usage:\n" + "\n".join(__doc__.splitlines()[2:6]), file=sys.stderr)
+    if len(argv) != 4 or argv[2] not in MODES + DEFAULT_MODES or Path(argv[1]).name not in MODELS:
+        print("usage:\n" + "\n".join(__doc__.splitlines()[2:7]), file=sys.stderr)
         return 2
     model = Path(argv[1])
     write_model(model)

@@ -19,7 +19,9 @@
 #   6. graph memory and the KV-cache budget, side by side (release/test_graph_memory.py): on
 #      MLA with DeepSeek-V3's heads and context, vllm-ascend's own graph mode runs out of
 #      device memory at capture, and so does npugraph's with that KV cache; npugraph's plugin
-#      as a user starts it counts its graphs in the budget and serves.
+#      as a user starts it counts its graphs in the budget and serves;
+#   7. vLLM's default compilation config (no compilation_config: FULL_AND_PIECEWISE) on the
+#      Llama, with and without npugraph's plugin (release/test_default_mode.py).
 # Fails if any of them fails.
 set -euo pipefail
 
@@ -82,4 +84,8 @@ echo "== faults in a real engine (npugraph's plugin): each ends the engine clean
 echo "== graph memory and the KV-cache budget: vllm-ascend's own graph mode, npugraph's, side by side"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
     release/test_graph_memory.py) || status=1
+
+echo "== vLLM's default compilation config (FULL_AND_PIECEWISE), without and with npugraph's plugin"
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
+    release/test_default_mode.py) || status=1
 exit $status

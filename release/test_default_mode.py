@@ -1,0 +1,64 @@
+"""vLLM's default compilation config, as a user who types nothing more starts it, with and
+without npugraph's plugin (release/run.sh runs this in the release environment; elsewhere it
+skips).
+
+``vllm.LLM(model, dtype="bfloat16", ...)`` with no ``compilation_config``: vLLM's
+``FULL_AND_PIECEWISE`` mode (full graphs for uniform decode, piecewise graphs around
+attention for the rest), on the release check's Llama and requests.  Both runs give eager's
+tokens; under the plugin npugraph updated every full-graph step and vllm-ascend none, and
+neither run printed a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm_ascend", reason="needs the release environment (release/env.sh)")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import generate
+from runs import result_path, run_logged
+
+MODEL = "llama"
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/run.sh generated the eager run already
+    out = Path(given) if given else tmp_path_factory.mktemp("default-mode")
+    generate.write_model(out / MODEL)
+    for mode in ("eager", *generate.DEFAULT_MODES):
+        path = result_path(out, MODEL, mode)
+        if mode == "eager" and path.is_file():
+            continue
+        args = [sys.executable, generate.__file__, str(out / MODEL), mode, str(path)]
+        run_logged(args, path, generate.process_env(out, path), f"{MODEL} {mode}")
+    return out
+
+
+def _result(out_dir: Path, mode: str) -> dict:
+    return json.loads(result_path(out_dir, MODEL, mode).read_text())
+
+
+@pytest.mark.parametrize("mode", generate.DEFAULT_MODES)
+def test_vllms_default_mode_gives_eagers_tokens(out_dir: Path, mode: str) -> None:
+    assert _result(out_dir, mode)["tokens"] == _result(out_dir, "eager")["tokens"]
+    log = result_path(out_dir, MODEL, mode).with_suffix(".log").read_text()
+    assert "Traceback" not in log and "FULL_AND_PIECEWISE" in log
+
+
+def test_npugraph_does_every_full_graph_update_in_vllms_default_mode(out_dir: Path) -> None:
+    acl, npg = _result(out_dir, "vllm-default"), _result(out_dir, "vllm-default-npugraph")
+    assert acl["graph_steps"] > 0 and len(acl["vllm_ascend_update_seconds"]) == acl["graph_steps"]
+    assert not npg["vllm_ascend_update_seconds"], "vllm-ascend's own update ran under the plugin"
+    assert npg["graph_steps"] > 0 and npg["npugraph_steps"] == npg["graph_steps"]
+    calls = npg["npugraph_update_device_calls"]
+    assert calls["update_begin"] == calls["event_record"] == 2 * npg["graph_steps"]  # one per layer
+    (report,) = npg["npugraph_capture_report"]
+    # each size's full graph, and its piecewise pieces (one namespace per piecewise wrapper)
+    assert " graphs captured in all namespaces" in report
