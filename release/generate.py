@@ -75,7 +75,7 @@ from typing import Any
 import attrs
 import engine_counts  # this folder's
 import tiny_model  # this folder's
-from runs import clear_results, counts_folder, order, result_path, run_logged  # this folder's
+from runs import clear_results, counts_folder, engine_env, order, result_path, run_logged  # this folder's
 
 MODES = ("eager", "aclgraph", "npugraph")
 # vLLM's default compilation config (no compilation_config: FULL_AND_PIECEWISE), without and
@@ -270,14 +270,7 @@ def generate(out_dir: Path, runs: int = 1) -> None:
 def process_env(out_dir: Path, out: Path) -> dict[str, str]:
     """The environment of one run's process (``generate.py MODEL_DIR MODE OUT``): the
     simulator as torch_npu, offline, and where its engine process writes its counts."""
-    return {
-        **os.environ,
-        "NPUGRAPH_SIM_TORCH_NPU": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(out_dir / "vllm-cache"),
-        "NPUGRAPH_VLLM_COUNTS": str(counts_folder(out)),
-    }
+    return engine_env(out_dir / "vllm-cache", str(counts_folder(out)))
 
 
 def main(argv: list[str]) -> int:

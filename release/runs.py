@@ -3,10 +3,22 @@ each in a process of its own, its output kept beside its result."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
-__all__ = ["clear_results", "counts_folder", "order", "result_path", "results", "run_logged"]
+__all__ = [
+    "clear_results",
+    "counts_folder",
+    "engine_env",
+    "order",
+    "result_path",
+    "results",
+    "run_logged",
+    "run_to_the_end",
+]
 
 
 def clear_results(out_dir: Path) -> None:
@@ -62,3 +74,35 @@ def counts_folder(out: Path) -> Path:
     for stale in folder.glob("counts-*.json"):
         stale.unlink()
     return folder
+
+
+def engine_env(cache: Path, counts: str = "", **extra: str) -> dict[str, str]:
+    """The environment of one engine's process: the simulator as torch_npu, offline, vLLM's
+    compile cache in ``cache``, its counts (release/ascend_site.py) into ``counts`` if given."""
+    return {
+        **os.environ,
+        "NPUGRAPH_SIM_TORCH_NPU": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(cache),
+        "NPUGRAPH_VLLM_COUNTS": counts,
+        **extra,
+    }
+
+
+def run_to_the_end(
+    args: list[str], out: Path, env: dict[str, str], what: str, limit_s: int
+) -> tuple[dict[str, Any], str]:
+    """Run a script that writes what its engine did to ``out`` (JSON) and exits 0 whatever the
+    engine did (release/faults.py, release/graph_memory.py); return that and its output, kept
+    beside ``out``.  A hang (no end within ``limit_s``) or another exit raises ``RuntimeError``
+    naming ``what``."""
+    try:
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=limit_s, cwd=out.parent)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"{what}: the engine hung: no end within {limit_s} s\n{str(exc.stderr)[-4000:]}") from None
+    log = done.stdout + done.stderr
+    out.with_suffix(".log").write_text(log)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what}: {Path(args[1]).name} exited {done.returncode}\n{log[-6000:]}")
+    return json.loads(out.read_text()), log

@@ -56,9 +56,12 @@ def test_npugraph_does_every_full_graph_update_in_vllms_default_mode(out_dir: Pa
     acl, npg = _result(out_dir, "vllm-default"), _result(out_dir, "vllm-default-npugraph")
     assert acl["graph_steps"] > 0 and len(acl["vllm_ascend_update_seconds"]) == acl["graph_steps"]
     assert not npg["vllm_ascend_update_seconds"], "vllm-ascend's own update ran under the plugin"
-    assert npg["graph_steps"] > 0 and npg["npugraph_steps"] == npg["graph_steps"]
+    # npugraph's steps include the piecewise pieces' replays (no attention: nothing to
+    # update) of steps that are not uniform decode: at least one per full-graph step
+    assert npg["graph_steps"] > 0 and npg["npugraph_steps"] >= npg["graph_steps"]
     calls = npg["npugraph_update_device_calls"]
-    assert calls["update_begin"] == calls["event_record"] == 2 * npg["graph_steps"]  # one per layer
+    # every full-graph step updated once per layer (2), by npugraph
+    assert calls["update_begin"] == calls["event_record"] == 2 * npg["graph_steps"], calls
     (report,) = npg["npugraph_capture_report"]
     # each size's full graph, and its piecewise pieces (one namespace per piecewise wrapper)
     assert " graphs captured in all namespaces" in report

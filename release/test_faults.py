@@ -28,6 +28,7 @@ pytest.importorskip("vllm_ascend", reason="needs the release environment (releas
 sys.path.insert(0, str(Path(__file__).parent))
 import generate
 from faults import CASES
+from runs import engine_env, run_to_the_end
 
 # a healthy run starts in about 90 s and serves in about 15 (docs/vllm-ascend-release.md)
 LIMIT_S = 600
@@ -68,37 +69,17 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def eager_tokens(out_dir: Path) -> list[list[int]]:
     path = out_dir / "llama.eager.json"
     if not path.is_file():
-        env = _env(out_dir / "vllm-cache")
+        env = engine_env(out_dir / "vllm-cache")
         args = [sys.executable, generate.__file__, str(out_dir / "llama"), "eager", str(path)]
         subprocess.run(args, env=env, check=True, capture_output=True, timeout=LIMIT_S)
     return json.loads(path.read_text())["tokens"]
 
 
-def _env(cache: Path, **extra: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "NPUGRAPH_SIM_TORCH_NPU": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(cache),
-        "NPUGRAPH_VLLM_COUNTS": "",
-        **extra,
-    }
-
-
 def _run(out_dir: Path, case: str) -> tuple[dict[str, Any], str]:
     out = out_dir / f"fault.{case}.json"
-    # a cache of its own: a compiled model with the fault's code must not serve other runs
-    env = _env(out_dir / f"vllm-cache.{case}", **CASES[case])
     args = [sys.executable, str(Path(__file__).parent / "faults.py"), str(out_dir / "llama"), case, str(out)]
-    try:
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=LIMIT_S, cwd=out_dir)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{case}: the engine hung: no end within {LIMIT_S} s\n{str(exc.stderr)[-4000:]}")
-    log = done.stdout + done.stderr
-    out.with_suffix(".log").write_text(log)
-    assert done.returncode == 0, f"{case}: faults.py exited {done.returncode}\n{log[-6000:]}"
-    return json.loads(out.read_text()), log
+    # a cache of its own: a compiled model with the fault's code must not serve other runs
+    return run_to_the_end(args, out, engine_env(out_dir / f"vllm-cache.{case}", **CASES[case]), case, LIMIT_S)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ pytest.importorskip("vllm_ascend", reason="needs the release environment (releas
 
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_memory import RUNS
+from runs import engine_env, run_to_the_end
 
 from npugraph.sim.device.backend import card_size
 
@@ -58,24 +58,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, 
 
 def _run(out: Path, name: str, extra: dict[str, str]) -> tuple[dict[str, Any], str]:
     path = out / f"{name}.json"
-    env = {
-        **os.environ,
-        "NPUGRAPH_SIM_TORCH_NPU": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(out / "vllm-cache"),
-        "NPUGRAPH_VLLM_COUNTS": "",
-        **extra,
-    }
     args = [sys.executable, str(Path(__file__).parent / "graph_memory.py"), str(out / "mla-wide"), name, str(path)]
-    try:
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=LIMIT_S, cwd=out)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{name}: the engine hung: no end within {LIMIT_S} s\n{str(exc.stderr)[-4000:]}")
-    log = done.stdout + done.stderr
-    path.with_suffix(".log").write_text(log)
-    assert done.returncode == 0, f"{name}: graph_memory.py exited {done.returncode}\n{log[-6000:]}"
-    return json.loads(path.read_text()), log
+    return run_to_the_end(args, path, engine_env(out / "vllm-cache", **extra), name, LIMIT_S)
 
 
 def _kv_budget(log: str) -> int:
