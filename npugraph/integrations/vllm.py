@@ -639,8 +639,10 @@ def estimate_graph_memory(runner: Any) -> GraphMemoryEstimate:
 # what estimate_graph_memory() uses of vllm-ascend and vLLM, by module: checked before patching
 _KV_BUDGET_NAMES = (
     (_WORKER[0], (_WORKER[1],)),
-    (_ASCEND_RUNNER, ("_torch_cuda_wrapper", "_replace_gpu_model_runner_function_wrapper")),
-    (_ASCEND_RUNNER, ("_get_gpu_model_runner_module_name",)),
+    (
+        _ASCEND_RUNNER,
+        ("_torch_cuda_wrapper", "_replace_gpu_model_runner_function_wrapper", "_get_gpu_model_runner_module_name"),
+    ),
     (_ACL_GRAPH, ("_graph_params",)),
     (_RUNNER[0], (_RUNNER[1],)),
 )
@@ -708,20 +710,21 @@ def _patch_kv_budget() -> None:
     cls.determine_available_memory = determine_available_memory
 
 
+def _restore(obj: Any, name: str) -> None:
+    """Put back ``obj.<name>`` as it was before npugraph replaced it (kept beside it as
+    ``_npugraph_original_<name>``); nothing if ``obj`` is None or was not patched."""
+    marker = f"_npugraph_original_{name}"
+    if obj is not None and hasattr(obj, marker):
+        setattr(obj, name, getattr(obj, marker))
+        delattr(obj, marker)
+
+
 def _unpatch_kv_budget() -> None:
-    module = sys.modules.get(_WORKER[0])
-    cls = getattr(module, _WORKER[1], None) if module is not None else None
-    if cls is not None and hasattr(cls, "_npugraph_original_determine_available_memory"):
-        cls.determine_available_memory = cls._npugraph_original_determine_available_memory
-        del cls._npugraph_original_determine_available_memory
+    _restore(getattr(sys.modules.get(_WORKER[0]), _WORKER[1], None), "determine_available_memory")
 
 
 def _unpatch_capture_model() -> None:
-    module = sys.modules.get(_RUNNER[0])
-    cls = getattr(module, _RUNNER[1], None) if module is not None else None
-    if cls is not None and hasattr(cls, "_npugraph_original_capture_model"):
-        cls.capture_model = cls._npugraph_original_capture_model
-        del cls._npugraph_original_capture_model
+    _restore(getattr(sys.modules.get(_RUNNER[0]), _RUNNER[1], None), "capture_model")
 
 
 def _patch(module_name: str, names: tuple[str, ...], value: Any) -> None:
@@ -749,14 +752,8 @@ def _original_wrapper(name: str, default: Any) -> Any:
 
 
 def _unpatch(module_name: str, names: tuple[str, ...]) -> None:
-    module = sys.modules.get(module_name)
-    if module is None:
-        return
     for name in names:
-        marker = f"_npugraph_original_{name}"
-        if hasattr(module, marker):
-            setattr(module, name, getattr(module, marker))
-            delattr(module, marker)
+        _restore(sys.modules.get(module_name), name)
 
 
 def uninstall(platform: Any = None) -> None:
