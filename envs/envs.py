@@ -31,9 +31,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -256,10 +255,9 @@ def accepted(s: dict, line: str) -> bool:
     return package in {normalized(r) for r in s.get(kind, [])}
 
 
-def check(name: str, venv: Path) -> None:
-    """uv's consistency check (each conflict accepted in the spec, with its reason, or a stop),
-    then an import of each module the checks use: the first failure is one line."""
-    s = spec(name)
+def check_consistency(name: str, venv: Path, s: dict) -> int:
+    """uv's consistency check: each conflict accepted by the spec `s` (with its reason), or a stop;
+    returns how many were accepted."""
     python = str(venv / "bin" / "python")
     done = subprocess.run([uv(), "pip", "check", "--python", python], capture_output=True, text=True)
     found = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("The package")]
@@ -273,8 +271,15 @@ def check(name: str, venv: Path) -> None:
             f"{name} env: {who.group(1) if who else 'a package'} is inconsistent: {new[0]}{more}; "
             f"fix its pin in envs/{name}.toml and run `make lock`, or accept it there under [conflicts] with the reason"
         )
-    env = {**os.environ, **s.get("check_env", {})}
+    return len(found)
+
+
+def check_imports(name: str, venv: Path, s: dict) -> int:
+    """An import of each module the spec `s` lists, in the environment's interpreter with its
+    check_env: the first failure is a stop naming the distribution whose code raised."""
     imports = s.get("imports", [])
+    env = {**os.environ, **s.get("check_env", {})}
+    python = str(venv / "bin" / "python")
     done = subprocess.run([python, "-c", IMPORT_PROBE, *imports], capture_output=True, text=True, env=env)
     try:
         failed = json.loads(done.stdout.strip().splitlines()[-1])
@@ -286,7 +291,15 @@ def check(name: str, venv: Path) -> None:
             f"{name} env: `import {f['import']}` fails in {f['dist']} {f['version']} ({f['error'][:200]}); "
             f"pin or exclude {f['dist']} in envs/{name}.toml and run `make lock`"
         )
-    print(f"{name} env: checked ({len(found)} accepted conflicts, {len(imports)} imports)")
+    return len(imports)
+
+
+def check(name: str, venv: Path) -> None:
+    """Both checks of environment `name` in `venv`, before any test runs: the first failure is one line."""
+    s = spec(name)
+    conflicts = check_consistency(name, venv, s)
+    imports = check_imports(name, venv, s)
+    print(f"{name} env: checked ({conflicts} accepted conflicts, {imports} imports)")
 
 
 def pins(lock: Path) -> dict[str, str]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # vLLM-on-Ascend as users install it, on npugraph's simulator (make release-check):
-#   1. builds (or reuses) the environment of release/env.sh;
+#   1. builds (or reuses and checks) the environment of release/env.sh, from envs/release.lock, and
+#      shows that its self-check stops a broken one in one line (release/test_env_check.py);
 #   2. runs vllm-ascend 0.23.0.post1's own NPU tests from its sdist, with only its
 #      tests/ut/conftest.py replaced by release/conftest_ut.py (no torch_npu mock: the
 #      simulator is torch_npu), and prints collected / passed / failed per file;
@@ -37,13 +38,16 @@ RESULTS="$ENV_DIR/results"
 rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 export NPUGRAPH_SIM_TORCH_NPU=1 HF_HUB_OFFLINE=1 HF_HUB_CACHE="$ENV_DIR/hub" TRANSFORMERS_OFFLINE=1
 
+status=0
+echo "== the environment's self-check stops a broken environment in one line (the kernels case)"
+(cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider release/test_env_check.py) || status=1
+
 cp "$HERE/conftest_ut.py" "$SRC/tests/ut/conftest.py"
 FILES=(
     tests/ut/attention/a2/test_attention_v1_precision.py
     tests/ut/attention/a2/test_attention_v1.py
     tests/ut/compilation/a2/test_acl_graph.py
 )
-status=0
 for f in "${FILES[@]}"; do
     name="$(basename "$f" .py)"
     echo "== vllm-ascend $f"
