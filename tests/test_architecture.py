@@ -268,3 +268,59 @@ def test_capture_records_are_frozen():
         inst = object.__new__(cls)
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             inst.index = 1  # type: ignore[attr-defined]
+
+
+# The core: capture, update, kernel declarations, the kernel choice and the facade.  What the
+# simulator adds over torch_npu (names in reports, its task groups, its pool sizes, its slower
+# fused update) reaches them only through the device adapter (npugraph/device).
+SIM_FREE = ("npugraph.capture", "npugraph.replay", "npugraph.ops", "npugraph.policy", "npugraph.runtime")
+# an attribute or getattr/hasattr name that only the simulator's objects have, or that says "simulator"
+SIM_NAMES = {"is_sim", "_group", "label"}
+
+
+def _simulator_names(path: pathlib.Path) -> list[str]:
+    """Each place in ``path`` that imports the simulator or reads or writes a name of the
+    simulator's objects (as an attribute or a getattr/hasattr/setattr string)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            if any(n == "sim" or "npugraph.sim" in n or n == "npusim" or n.startswith("npusim.") for n in names):
+                found.append(f"{path.name}:{node.lineno} imports the simulator")
+        elif isinstance(node, ast.Attribute) and node.attr in SIM_NAMES:
+            found.append(f"{path.name}:{node.lineno} .{node.attr}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in SIM_NAMES
+        ):
+            found.append(f"{path.name}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
+    return found
+
+
+def test_the_core_knows_no_simulator():
+    bad = [f"{m}: {hit}" for m, p in MODULES.items() if m.startswith(SIM_FREE) for hit in _simulator_names(p)]
+    assert bad == [], bad
+
+
+def test_the_simulator_check_sees_what_the_core_used_to_do(tmp_path):
+    """The four ways the core once knew the simulator, each caught."""
+    src = tmp_path / "manager.py"
+    src.write_text(
+        "from npugraph import sim\n"
+        "if hasattr(event, 'label'):\n    event.label = 'x'\n"
+        "g = getattr(t.handle, '_group', None)\n"
+        "fused = not self.device.is_sim\n"
+    )
+    hits = _simulator_names(src)
+    assert sorted(hits) == [
+        "manager.py:1 imports the simulator",
+        "manager.py:2 hasattr(..., 'label')",
+        "manager.py:3 .label",
+        "manager.py:4 getattr(..., '_group')",
+        "manager.py:5 .is_sim",
+    ], hits

@@ -233,15 +233,13 @@ class CaptureManager:
         if waits:
             event = ctx.group_event = npu.ExternalEvent()
             event.wait(stream)  # no reset(): a no-op on every CANN with task groups, which npugraph needs
-            if hasattr(event, "label"):  # the simulator names it in hang reports
-                event.label = f"{ctx.namespace}/{ctx.key!r}/{layer}"
+            self.device.name_in_reports(event, f"{ctx.namespace}/{ctx.key!r}/{layer}")
         else:
             event = ctx.group_event
         npu.graph_task_group_begin(stream)
         spec.launch(self.device, kwargs)
         handle = npu.graph_task_group_end(stream)
-        if hasattr(handle, "label"):  # the simulator names it in fault reports
-            handle.label = f"layer {layer!r}"
+        self.device.name_in_reports(handle, f"layer {layer!r}")
         ctx.tasks.append(
             TaskRecord(
                 index=len(ctx.tasks),
@@ -284,8 +282,7 @@ class CaptureManager:
         if first:
             ctx.lens_event = npu.ExternalEvent()
             ctx.lens_event.wait(npu.current_stream())
-            if hasattr(ctx.lens_event, "label"):  # the simulator names it in hang reports
-                ctx.lens_event.label = f"{ctx.namespace}/{ctx.key!r}/device lengths"
+            self.device.name_in_reports(ctx.lens_event, f"{ctx.namespace}/{ctx.key!r}/device lengths")
         kwargs = spec.arguments(call, lens, None, buffers=buffers)
         spec.launch(self.device, kwargs)
         ctx.tasks.append(
@@ -472,8 +469,7 @@ class CaptureManager:
             groups, rows = lens_room or (self._lens_groups.get(namespace, 1), tokens)
             ctx.lens_arena = LensArena.make(self.device.memory, groups, max(rows, tokens))
         graph = npu.NPUGraph()
-        if hasattr(graph, "label"):  # the simulator names it in fault and hang reports
-            graph.label = f"{namespace}/{key!r}"
+        self.device.name_in_reports(graph, f"{namespace}/{key!r}")
 
         def again(
             sched: EventSchedule | None, *, refusal: str = sink_refusal, room: tuple[int, int] | None = lens_room
@@ -648,7 +644,7 @@ class CaptureManager:
         for e in entries:
             kernels[e.choice.kernel] = kernels.get(e.choice.kernel, 0) + 1
         took = seconds if seconds is not None else sum(e.capture_seconds for e in entries)
-        pool = self.device.ops.pool_bytes(self._pool) if self.device.is_sim and self._pool is not None else None
+        pool = self.device.pool_bytes(self._pool)
         where = f"namespace {namespace!r}" if namespace is not None else "all namespaces"
         return (
             f"{len(entries)} graphs captured in {where} ({sum(len(e.tasks) for e in entries)} attention tasks; "
@@ -732,10 +728,10 @@ class CaptureManager:
         return self._by_event.get(id(event))
 
     def task_for_group(self, group: Any) -> tuple[CapturedGraph, TaskRecord] | None:
-        """Map a device task group (a handle's ``_group``) back to its graph and task."""
+        """Map a device task group (as a device error carries it) back to its graph and task."""
         for entry in self._entries.values():
             for t in entry.tasks:
-                if getattr(t.handle, "_group", None) is group:
+                if self.device.task_group(t.handle) is group:
                     return entry, t
         return None
 

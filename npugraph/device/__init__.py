@@ -78,6 +78,33 @@ class Device:
             return t if self.ops.is_pinned(t) else self.ops.pin_memory(t)
         return t if t.is_pinned() else t.pin_memory()  # kept by the caching host allocator until the copy ran
 
+    @property
+    def fused_update_pays(self) -> bool:
+        """Whether the 4-in-1 FIA update is worth taking by default: where it is C++ without the
+        GIL (hardware); the simulator's is the same Python calls, taken there only on request."""
+        return not self.is_sim
+
+    def pool_bytes(self, pool: Any) -> int | None:
+        """The bytes a graph memory pool holds, where the device can tell (the simulator), else None."""
+        return int(self.ops.pool_bytes(pool)) if self.is_sim and pool is not None else None
+
+    def task_group(self, handle: Any) -> Any:
+        """The device task group behind a captured task's handle, as the device's errors carry it
+        (the simulator's ``task_group``), or None where errors carry none (hardware)."""
+        return getattr(handle, "_group", None) if self.is_sim else None
+
+    def name_in_reports(self, obj: Any, name: str) -> None:
+        """Name a graph, event or task group in the device's own reports: the simulator's hang,
+        race and fault messages say it.  Hardware's objects carry no name: nothing to do."""
+        if self.is_sim:
+            obj.label = name
+
+    def names_task(self, message: str, handle: Any) -> bool:
+        """Whether a device error's text names the task group behind ``handle``: the simulator's
+        kernel and memory errors say ``task group #N)``; hardware's name none."""
+        group = self.task_group(handle)
+        return group is not None and f"task group #{group.group_id})" in message
+
     def weak_ref_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """A non-owning alias of ``t`` (same data pointer, shape, stride, dtype).
 

@@ -24,8 +24,8 @@ def named_tasks(
     """The captured tasks a device error names, most specific first.
 
     By the event, else the task group, of each stream it blocked (a hang) or of the
-    error itself (a race); else by the first ``task group #N)`` in its text (the
-    simulator's kernel and memory errors), searched in ``entries``.
+    error itself (a race); else by the task group its text names (the device adapter reads
+    it: the simulator's kernel and memory errors), searched in ``entries``.
     """
     sources = getattr(exc, "blocked", None) or [
         {"event": getattr(exc, "event", None), "task_group": getattr(exc, "task_group", None)}
@@ -42,8 +42,7 @@ def named_tasks(
     text = str(exc)
     for e in entries:
         for t in e.tasks:
-            g = getattr(t.handle, "_group", None)  # the simulator's handles know their group
-            if g is not None and f"task group #{g.group_id})" in text:
+            if manager.device.names_task(text, t.handle):
                 return [(e, t)]
     return []
 

@@ -125,9 +125,7 @@ class ReplayUpdater:
         self._block_checks = DeferredBlockChecks()
         self.skip_unchanged = skip_unchanged
         if fused_update is None:
-            # The 4-in-1 pays off where it is C++ without the GIL (hardware); the
-            # simulator's is the same Python calls, so it is used there only on request.
-            fused_update = not self.device.is_sim
+            fused_update = self.device.fused_update_pays
         self._fused = self.device.fused_fia_update if fused_update else None
         self._stream: Any = None  # made on first use
         # The done event of the latest replay that waits for no update: every update is
