@@ -105,7 +105,7 @@ def _setup(
     return rt, stack, table, q
 
 
-def _legacy_loop(device: Any, entry: Any, us: Any) -> Callable[[Any], None]:
+def _legacy_loop(device: Any, entry: Any, update_stream: Any) -> Callable[[Any], None]:
     """vllm-ascend's per-layer update before September 2026, for the graph ``entry`` on ``device``.
 
     The step's metadata (``{layer: metadata}``) is walked in capture order with a positional
@@ -124,7 +124,7 @@ def _legacy_loop(device: Any, entry: Any, us: Any) -> Callable[[Any], None]:
 
     def update(metadata: Any) -> None:
         workspace = None
-        with npu.stream(us):
+        with npu.stream(update_stream):
             for (_name, meta), params, handle, event in zip(metadata.items(), attn_params, handles, events):
                 kw = dict(zip(names, params))
                 seq = meta.seq_lens.tolist()
@@ -138,10 +138,10 @@ def _legacy_loop(device: Any, entry: Any, us: Any) -> Callable[[Any], None]:
                 else:
                     kw["actual_seq_lengths"] = list(range(1, len(seq) + 1))
                     kw["actual_seq_lengths_kv"] = seq
-                npu.graph_task_update_begin(us, handle)
+                npu.graph_task_update_begin(update_stream, handle)
                 kernel(**kw)
-                npu.graph_task_update_end(us)
-                event.record(us)
+                npu.graph_task_update_end(update_stream)
+                event.record(update_stream)
 
     return update
 
@@ -160,7 +160,7 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, _Method]:
     entry = rt.entry(size)
     dev = rt.device
     npu = dev.npu
-    us = rt.updater.stream
+    update_stream = rt.updater.stream
     layers = list(entry.layers)
     spec = entry.tasks[0].spec
     handles = [t.handle for t in entry.tasks]
@@ -182,7 +182,7 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, _Method]:
         finally:
             updater.validate = True
 
-    legacy = _legacy_loop(dev, entry, us)
+    legacy = _legacy_loop(dev, entry, update_stream)
 
     def per_layer(lens: torch.Tensor) -> dict[str, AttentionMetadata]:
         return {name: AttentionMetadata(seq_lens=lens, block_table=table) for name in layers}
@@ -202,12 +202,12 @@ def _methods(rt: Runtime, size: int, table: torch.Tensor) -> dict[str, _Method]:
 
     def floor(args: list[dict[str, Any]]) -> None:
         begin, end = npu.graph_task_update_begin, npu.graph_task_update_end
-        with npu.stream(us):
+        with npu.stream(update_stream):
             for i in range(len(args)):
-                begin(us, handles[i])
+                begin(update_stream, handles[i])
                 kernel(**args[i])
-                end(us)
-                events[i].record(us)
+                end(update_stream)
+                events[i].record(update_stream)
 
     geometry = rt.updater.plan(entry).tasks[0].geometry
     check = BlockIdCheck.on(dev.memory, int(table.shape[1]))
@@ -605,7 +605,7 @@ def _updatable(
     operation = shadow.tasks[0].spec.kernel_fn(dev)
     provider_cls = _PAProvider if kernel == "pa" else _FIAProvider
     tasks = [_UpdateTask(operation, dict(t.args), provider_cls(t.layer), t.handle, t.event) for t in shadow.tasks]
-    us, main = npu.Stream(), npu.current_stream()
+    update_stream, main = npu.Stream(), npu.current_stream()
 
     def ws_key(kw: dict[str, Any]) -> tuple[Any, ...]:
         def sig(t: Any) -> tuple[Any, Any]:
@@ -629,10 +629,10 @@ def _updatable(
             npu.synchronize()
         shadow.graph.replay()
         if not synchronize:
-            us.wait_stream(main)
+            update_stream.wait_stream(main)
         source = _ContextSource(meta.context)
         resolved = tuple(task.bind(source.get(task.provider, i)) for i, task in enumerate(tasks))
-        with npu.stream(us):
+        with npu.stream(update_stream):
             ws_buffer: dict[Any, Any] = {}
             for task in resolved:
                 if kernel == "pa":
@@ -642,7 +642,7 @@ def _updatable(
                         ws_kwargs.pop("workspace")
                         ws_buffer[key] = ops._npu_paged_attention_get_workspace(**ws_kwargs)
                     task.kwargs["workspace"] = ws_buffer[key]
-                task.apply(npu, us)
+                task.apply(npu, update_stream)
 
     return dev, step
 

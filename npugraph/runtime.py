@@ -143,15 +143,15 @@ class Runtime:
         """
         tokens = int(call.query.shape[0])
         rows = int(call.block_table.shape[0])
-        tpr = call.tokens_per_request
+        tokens_per_request = call.tokens_per_request
         if self.manager.phase is Phase.CAPTURE:
             r = meta.num_reqs
             if meta.query_start_loc is not None:
                 q_ends: list[int] | None = meta.query_start_loc.tolist()[1:]
             else:
-                q_ends = None if tpr == 1 else [tpr * (i + 1) for i in range(r)]
+                q_ends = None if tokens_per_request == 1 else [tokens_per_request * (i + 1) for i in range(r)]
             longest = _longest_request([0, *(q_ends or ())])
-            if tokens > rows * tpr or longest > tpr:
+            if tokens > rows * tokens_per_request or longest > tokens_per_request:
                 # a graph with more query tokens than rows x tokens_per_request (vLLM's mixed
                 # FULL batches) runs requests of several tokens: capture it causal
                 call = attrs.evolve(call, tokens_per_request=max(longest, -(-tokens // max(1, rows))))
@@ -161,7 +161,7 @@ class Runtime:
         batch = rows
         qsl = meta.query_start_loc
         if qsl is None:  # uniform: tokens_per_request each, spare tokens are padding requests
-            batch = max(rows, tokens // max(1, tpr))
+            batch = max(rows, tokens // max(1, tokens_per_request))
         else:  # mixed prefill/decode: causal within each request; spare tokens form one padding request
             starts = qsl.tolist() if isinstance(qsl, torch.Tensor) else list(qsl)
             longest = _longest_request(starts)
@@ -188,7 +188,7 @@ class Runtime:
             capacity_blocks=int(call.block_table.shape[1]),
             where=f"eager {namespace} layer {layer!r}",
             validate=self.validate,
-            tokens_per_request=tpr if meta.query_start_loc is None else 1,
+            tokens_per_request=tokens_per_request if meta.query_start_loc is None else 1,
             table_device=self.device.memory,
         )
         choice = self.manager.kernel_for(namespace, tokens)

@@ -281,18 +281,21 @@ def calibrate_costs(kind: str | Device = "sim", repeats: int = 20) -> dict[str, 
         b = _make(device, kernel, (4,))
         entry = b.rt.entry(4)
         plan = b.rt.updater.plan(entry)
-        us = b.rt.updater.stream
+        update_stream = b.rt.updater.stream
         host = plan.tasks[0].spec.host_values(pad_lens([_MAX_LEN // 2] * 4, None, 4, 4))
         for _ in range(repeats):
             npu.synchronize()
-            with npu.stream(us):
+            with npu.stream(update_stream):
                 for t in plan.tasks:
                     kw = {**t.kwargs, **host}
                     args = t.qkv or ()
-                    clock(f"{kernel}_update_begin", functools.partial(npu.graph_task_update_begin, us, t.handle))
+                    clock(
+                        f"{kernel}_update_begin",
+                        functools.partial(npu.graph_task_update_begin, update_stream, t.handle),
+                    )
                     clock(f"{kernel}_op_launch", functools.partial(t.kernel, *args, **kw))
-                    clock(f"{kernel}_update_end", functools.partial(npu.graph_task_update_end, us))
-                    clock("event_record", functools.partial(t.event.record, us))
+                    clock(f"{kernel}_update_end", functools.partial(npu.graph_task_update_end, update_stream))
+                    clock("event_record", functools.partial(t.event.record, update_stream))
             clock("replay", entry.graph.replay)
             clock("synchronize", npu.synchronize)
             if kernel == "pa":

@@ -173,9 +173,24 @@ class RecordingDevice:
         self.deadlock_errors: tuple[type[BaseException], ...] = ()
         self.race_errors: tuple[type[BaseException], ...] = ()
         self.fault_errors: tuple[type[BaseException], ...] = ()
+        self.fused_update_pays = True  # as on hardware (Device.fused_update_pays)
 
     def device_seconds(self) -> float:
         return 0.0  # the recording device does no work
+
+    # what a device adapter answers on hardware (npugraph.device.Device): no names in its
+    # reports, no task group in its errors, no pool sizes
+    def name_in_reports(self, obj: Any, name: str) -> None:
+        pass
+
+    def names_task(self, message: str, handle: Any) -> bool:
+        return False
+
+    def task_group(self, handle: Any) -> Any:
+        return None
+
+    def pool_bytes(self, pool: Any) -> int | None:
+        return None
 
     def weak_ref_tensor(self, t: Any) -> Any:
         return t

@@ -650,13 +650,13 @@ class CaptureManager:
             f"{len(entries)} graphs captured in {where} ({sum(len(e.tasks) for e in entries)} attention tasks; "
             + ", ".join(f"{n} {k}" for k, n in sorted(kernels.items()))
             + f") in {took:.1f} s"
-            + self._memory_said(entries)
+            + self._memory_summary(entries)
             + (f", graph pool {pool / 2**20:.1f} MiB" if pool is not None else "")
-            + self._choices_said(entries)
+            + self._choices_summary(entries)
         )
 
     @staticmethod
-    def _memory_said(entries: Sequence[CapturedGraph]) -> str:
+    def _memory_summary(entries: Sequence[CapturedGraph]) -> str:
         """The device memory the captures took, in all and per size (largest first)."""
         if not entries:
             return ""
@@ -665,7 +665,7 @@ class CaptureManager:
         each = ", ".join(f"{t}: {m:.1f}" for t, m in mib[:8]) + (", ..." if len(mib) > 8 else "")
         return f", device memory {sum(m for _, m in mib):.1f} MiB (per size, MiB: {each})"
 
-    def _choices_said(self, entries: Sequence[CapturedGraph]) -> str:
+    def _choices_summary(self, entries: Sequence[CapturedGraph]) -> str:
         """What capture chose, and why: each kernel's sizes (with why FIA's lengths are or are
         not on the device), and the ExternalEvents per namespace."""
         if not entries:

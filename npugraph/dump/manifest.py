@@ -159,9 +159,9 @@ def build_manifest(
         namespaces[ns] = {"keys": keys}
         if ns in manager.configured:
             namespaces[ns]["configured_sizes"] = [k for k in manager.configured[ns] if isinstance(k, int)]
-    pool = manager._pool
-    if pool is not None and manager.device.is_sim:
-        totals["pool_bytes"] = int(manager.device.ops.pool_bytes(pool))
+    pool_bytes = manager.device.pool_bytes(manager._pool)
+    if pool_bytes is not None:
+        totals["pool_bytes"] = pool_bytes
     return {
         "schema_version": SCHEMA_VERSION,
         "device": manager.device.name,

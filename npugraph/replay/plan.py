@@ -91,9 +91,9 @@ class LensWrite:
     device: Any
     ring: list[_Staging] = attrs.field(factory=list)
 
-    def write(self, hv: Mapping[str, Any]) -> None:
+    def write(self, host_values: Mapping[str, Any]) -> None:
         staging = self._free()
-        for row, values in enumerate(hv.values()):  # the spec's host values: query ends, key lengths
+        for row, values in enumerate(host_values.values()):  # the spec's host values: query ends, key lengths
             staging.values[row, :] = values
         self.group.lens.copy_(staging.host, non_blocking=True)
         staging.event.record()

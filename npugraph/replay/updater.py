@@ -224,7 +224,7 @@ class ReplayUpdater:
         entry, plan, state = self._graph(namespace, key)
         if not plan.tasks:  # nothing to update (a PIECEWISE piece)
             self._replay(entry, plan, state)
-            self._said()
+            self._warn_noted_misorders()
             return entry.outputs
         prepared = self._prepare_checked(entry, plan, state, metadata)
         self._stage_checked(entry, plan, state, prepared)
@@ -234,7 +234,7 @@ class ReplayUpdater:
         else:
             self._replay(entry, plan, state)
             self._write(entry, plan, state, prepared, staged=True)
-        self._said()
+        self._warn_noted_misorders()
         return entry.outputs
 
     def update(self, namespace: str, key: Hashable, metadata: StepMetadata) -> None:
@@ -256,7 +256,7 @@ class ReplayUpdater:
             if staged:
                 self._stage_checked(entry, plan, state, prepared)
             self._write(entry, plan, state, prepared, staged=staged)
-        self._said()
+        self._warn_noted_misorders()
 
     def replay(self, namespace: str, key: Hashable) -> None:
         """Enqueue the graph of ``(namespace, key)`` on the current stream: half a step.
@@ -267,7 +267,7 @@ class ReplayUpdater:
         self._order_notes.clear()
         entry, plan, state = self._graph(namespace, key)
         self._replay(entry, plan, state, ready=True)
-        self._said()
+        self._warn_noted_misorders()
 
     def refusal(self, namespace: str, key: Hashable, metadata: StepMetadata) -> str | None:
         """Why the graph of ``(namespace, key)`` cannot run the batch ``metadata`` holds
@@ -286,14 +286,18 @@ class ReplayUpdater:
             return None
         seen: set[tuple[int, Geometry, bool]] = set()
         for t, meta in zip(plan.tasks, metas):
-            geo, one = t.geometry, t.one_query_token
-            if (id(meta), geo, one) in seen:
+            geometry, one_token = t.geometry, t.one_query_token
+            if (id(meta), geometry, one_token) in seen:
                 continue
-            seen.add((id(meta), geo, one))
-            if geo.batch >= geo.tokens and getattr(meta, "query_start_loc", None) is None:
+            seen.add((id(meta), geometry, one_token))
+            if geometry.batch >= geometry.tokens and getattr(meta, "query_start_loc", None) is None:
                 continue  # one token per request, as many rows as tokens: it always fits
-            found = real_batch(meta, max(1, geo.tokens // max(1, geo.batch)))
-            refused = None if found is None else batch_refusal(geo.batch, geo.tokens, *found, one_query_token=one)
+            found = real_batch(meta, max(1, geometry.tokens // max(1, geometry.batch)))
+            refused = (
+                None
+                if found is None
+                else batch_refusal(geometry.batch, geometry.tokens, *found, one_query_token=one_token)
+            )
             if refused is not None:
                 return f"{t.where}: {refused}"
         return None
@@ -347,7 +351,7 @@ class ReplayUpdater:
         if self._on_update is not None:
             self._on_update(entry, state)
         if misordered is not None:
-            self._warn_order(entry, state, misordered, "update")
+            self._note_misorder(entry, state, misordered, "update")
 
     def _replay(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, *, ready: bool = False) -> None:
         """Enqueue a replay and move the graph to its next phase (see the class table);
@@ -395,7 +399,7 @@ class ReplayUpdater:
             state.ready.record()  # on the engine's stream, after the tables it wrote for this step
         self._launch(entry, state, waits=True)
         if misordered is not None:
-            self._warn_order(entry, state, misordered, "replay")
+            self._note_misorder(entry, state, misordered, "replay")
 
     def _launch(self, entry: CapturedGraph, state: GraphState, *, waits: bool) -> None:
         """Enqueue the graph; ``waits``: it waits on the device for the update that follows."""
@@ -453,9 +457,9 @@ class ReplayUpdater:
         if other is not None and other is not entry:
             state = self.state(other)
             self._release(self.plan(other), state)
-            self._warn_order(other, state, _ABANDONED_REPLAY, f"call on {entry.namespace}/{entry.key!r}")
+            self._note_misorder(other, state, _ABANDONED_REPLAY, f"call on {entry.namespace}/{entry.key!r}")
 
-    def _warn_order(self, entry: CapturedGraph, state: GraphState, kind: str, call: str) -> None:
+    def _note_misorder(self, entry: CapturedGraph, state: GraphState, kind: str, call: str) -> None:
         """Note, once per graph and kind, that a half step discarded work nobody ran; the
         public call that found it warns at the caller's line when it returns."""
         if kind in state.warned:
@@ -463,14 +467,14 @@ class ReplayUpdater:
         state.warned.add(kind)
         self._order_notes.append((entry, kind, call))
 
-    def _said(self) -> None:
+    def _warn_noted_misorders(self) -> None:
         """Warn of the misordered halves this call found, once it has done all it does (a
         warning turned into an error then interrupts nothing)."""
         notes, self._order_notes = self._order_notes, []
         for entry, kind, call in notes:
-            self._say_order(entry, kind, call)
+            self._warn_misorder(entry, kind, call)
 
-    def _say_order(self, entry: CapturedGraph, kind: str, call: str) -> None:
+    def _warn_misorder(self, entry: CapturedGraph, kind: str, call: str) -> None:
         what = {
             _DISCARDED_UPDATE: "discarded the update made before it, which no replay ran",
             _SECOND_REPLAY: "came while its previous replay still waited for an update; that replay was "
