@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from npugraph import Runtime, sim
+from npugraph.device import load_device
 from npugraph.errors import GraphDeadlock, ReplayFailed
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine
@@ -25,7 +26,20 @@ FIA = "npu_fused_infer_attention_score"
 ORDERS = ["replay-first", "update-first"]
 
 
-def _engine(faults: str, order: str = "replay-first") -> tuple[Runtime, DecodeEngine, list]:
+# The simulator's own adapter, and npugraph's Ascend adapter over the simulator installed as
+# torch_npu (NPUGRAPH_SIM_TORCH_NPU=1: how the release check runs vLLM; the device's own
+# reports must name npugraph's graphs there too, and its error types are hardware's: none).
+ADAPTERS = ["sim", "npu"]
+
+
+@pytest.fixture
+def sim_as_torch_npu(monkeypatch):
+    """``import torch_npu`` and ``torch.npu`` give the simulator in this process."""
+    monkeypatch.setitem(sys.modules, "torch_npu", sim)
+    monkeypatch.setattr(torch, "npu", sim.npu, raising=False)
+
+
+def _engine(faults: str, order: str = "replay-first", adapter: str = "sim") -> tuple[Runtime, DecodeEngine, list]:
     """A 2-layer decoder captured at 4 (PA) and 8 (FIA, its lengths updated per layer, as on a
     device without the tiling-sink kernel: each layer a task group) on a device with
     ``faults`` injected; its steps of size 8, and their outputs on a device without faults."""
@@ -36,7 +50,7 @@ def _engine(faults: str, order: str = "replay-first") -> tuple[Runtime, DecodeEn
     for plan in ("", faults):  # the same seeded weights on a healthy device, then on a faulty one
         sim.configure(faults=plan)
         torch.manual_seed(0)
-        rt = Runtime("sim", max_model_len=cfg.max_model_len, device_lengths=False, order=order)
+        rt = Runtime(load_device(adapter), max_model_len=cfg.max_model_len, device_lengths=False, order=order)
         eng = DecodeEngine(rt, Decoder(cfg, rt), [4, 8])
         eng.capture()
         if not plan:
@@ -50,8 +64,11 @@ def healthy_device_after():
     sim.configure(faults="")
 
 
-def test_a_kernel_fault_in_a_replay_is_named_by_the_device_and_by_npugraph_and_the_next_step_is_right():
-    rt, eng, steps = _engine(f"kernel={FIA}@2")  # the second FIA run: layer 1 of the first replay
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_a_kernel_fault_in_a_replay_is_named_by_the_device_and_by_npugraph_and_the_next_step_is_right(
+    adapter, sim_as_torch_npu
+):
+    rt, eng, steps = _engine(f"kernel={FIA}@2", adapter=adapter)  # the second FIA run: layer 1 of the first replay
     (b0, _), (b1, ref1) = steps[:2]
     rt.step(8, eng.metadata(b0.meta), inputs=_inputs(b0))
     # an engine synchronizes itself: the device's error names npugraph's graph, layer and op
@@ -71,6 +88,17 @@ def test_npugraphs_synchronize_turns_the_kernel_fault_into_replay_failed_naming_
     with pytest.raises(ReplayFailed, match=r"replay of main/8 failed in layer 'main\.layers\.1\.attn' \(task 1, fia"):
         eng.step(b0)
     assert torch.equal(eng.step(b1), ref1)
+
+
+@pytest.mark.no_serving_check("npugraph's Ascend adapter knows no hang error: on hardware the lost record is a timeout")
+def test_with_the_simulator_as_torch_npu_a_lost_record_is_a_hang_the_device_names_by_npugraphs_names(sim_as_torch_npu):
+    rt, eng, steps = _engine("lost-record@1", adapter="npu")
+    assert rt.device.name == "npu" and rt.device.deadlock_errors == ()
+    rt.step(8, eng.metadata(steps[0][0].meta), inputs=_inputs(steps[0][0]))
+    with pytest.raises(sim.DeadlockError) as raw:
+        sim.npu.synchronize()
+    text = str(raw.value)
+    assert "[main/8]" in text and "[main/8/main.layers.0.attn], which is never recorded" in text, text
 
 
 @pytest.mark.parametrize("order", ORDERS)

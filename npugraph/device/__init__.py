@@ -88,15 +88,19 @@ class Device:
         """The bytes a graph memory pool holds, where the device can tell (the simulator), else None."""
         return int(self.ops.pool_bytes(pool)) if self.is_sim and pool is not None else None
 
+    # The next two ask the object, not ``is_sim``: with the simulator installed as torch_npu
+    # (NPUGRAPH_SIM_TORCH_NPU=1, how engines run here) the adapter is ``load_device("npu")``
+    # over the simulator's objects, and its reports must still name npugraph's graphs.
+
     def task_group(self, handle: Any) -> Any:
         """The device task group behind a captured task's handle, as the device's errors carry it
         (the simulator's ``task_group``), or None where errors carry none (hardware)."""
-        return getattr(handle, "_group", None) if self.is_sim else None
+        return getattr(handle, "_group", None)
 
     def name_in_reports(self, obj: Any, name: str) -> None:
         """Name a graph, event or task group in the device's own reports: the simulator's hang,
         race and fault messages say it.  Hardware's objects carry no name: nothing to do."""
-        if self.is_sim:
+        if hasattr(obj, "label"):
             obj.label = name
 
     def names_task(self, message: str, handle: Any) -> bool:
