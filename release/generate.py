@@ -69,13 +69,23 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import attrs
 import engine_counts  # this folder's
 import tiny_model  # this folder's
-from runs import clear_results, counts_folder, engine_env, order, result_path, run_logged  # this folder's
+from runs import (  # this folder's
+    TIMED,
+    clear_results,
+    counts_folder,
+    engine_env,
+    order,
+    result_path,
+    run_logged,
+    side_by_side,
+)
 
 MODES = ("eager", "aclgraph", "npugraph")
 # vLLM's default compilation config (no compilation_config: FULL_AND_PIECEWISE), without and
@@ -255,16 +265,27 @@ def run(model: Path, mode: str) -> dict[str, Any]:
 
 def generate(out_dir: Path, runs: int = 1) -> None:
     """Each model and mode in its own process, into ``out_dir``: eager once, vllm-ascend's
-    graphs and npugraph's once each for the Qwen3 and ``runs`` times, in turn, for the Llama
-    (so that a drift of the machine over the minutes falls on both alike)."""
-    plan = order(tuple(MODELS), MODES[1:], runs, "llama")
+    graphs and npugraph's once each for the other models and ``runs`` times, in turn, for
+    the Llama (so that a drift of the machine over the minutes falls on both alike).  The
+    untimed runs go two at a time; the timed ones (the Llama's and the n-gram Llama's graph
+    modes) alone, last."""
+    shared, alone = side_by_side(order(tuple(MODELS), MODES[1:], runs, "llama"), TIMED)
     clear_results(out_dir)
     for arch in MODELS:
         write_model(out_dir / arch)
-    for arch, mode, run in plan:
+
+    def one(arch: str, mode: str, run: int) -> None:
         out = result_path(out_dir, arch, mode, run)
         args = [sys.executable, __file__, str(out_dir / arch), mode, str(out)]
         run_logged(args, out, process_env(out_dir, out), f"{arch} {mode} (run {run})")
+
+    # An engine keeps about one core busy (its processes take turns), so two untimed runs
+    # share this two-core machine; the timed ones then run alone (release/runs.py).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for done in [pool.submit(one, *r) for r in shared]:
+            done.result()
+    for r in alone:
+        one(*r)
 
 
 def process_env(out_dir: Path, out: Path) -> dict[str, str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "TIMED",
     "clear_results",
     "counts_folder",
     "engine_env",
@@ -18,7 +19,12 @@ __all__ = [
     "results",
     "run_logged",
     "run_to_the_end",
+    "side_by_side",
 ]
+
+# the models whose graph steps release/update_cost.py times (the Qwen3's are few: its graph
+# steps run a Triton kernel in the interpreter, and it serves fewer tokens)
+TIMED = ("llama", "ngram")
 
 
 def clear_results(out_dir: Path) -> None:
@@ -65,6 +71,22 @@ def order(
     plan += [(model, mode, 1) for model in models if model != repeated for mode in graph_modes]
     plan += [(repeated, mode, run) for run in range(1, runs + 1) for mode in graph_modes]
     return plan
+
+
+def side_by_side(
+    plan: list[tuple[str, str, int]], timed: tuple[str, ...]
+) -> tuple[list[tuple[str, str, int]], list[tuple[str, str, int]]]:
+    """Split ``plan`` into the runs that may share the machine, two at a time, and the runs
+    that must have it alone, in plan order: the graph modes of the ``timed`` models (their
+    update cost is measured in host time, and a neighbour on the other core would be in it).
+
+    The shared runs come as every model's eager run, then the first graph mode of each
+    model, then the second: a model's two graph modes, which compile the same graph into
+    one compile cache, are not neighbours."""
+    alone = [r for r in plan if r[0] in timed and r[1] != "eager"]
+    shared = [r for r in plan if r not in alone]
+    modes = list(dict.fromkeys(mode for _, mode, _ in shared))
+    return sorted(shared, key=lambda r: modes.index(r[1])), alone
 
 
 def counts_folder(out: Path) -> Path:

@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# the models whose graph steps are timed (the Qwen3's are few: its graph steps run a Triton
-# kernel in the interpreter, and it serves fewer tokens)
-MODELS = ("llama", "ngram")
+import runs  # this folder's: the results' names, and the models whose graph steps are timed
+
+MODELS = runs.TIMED
 
 
 def _quantiles(xs: list[float]) -> dict[str, float]:
@@ -77,8 +77,6 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.splitlines()[3].strip(), file=sys.stderr)
         return 2
-    import runs  # this folder's: the results' names
-
     results = Path(argv[1])
     pairs = [
         (model, acl, npg)

@@ -5,6 +5,7 @@ The check itself needs the release's environment (7 GB, minutes); these run with
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -149,6 +150,34 @@ def test_a_generation_plans_eager_once_and_the_repeated_models_graph_modes_in_tu
     ]
     with pytest.raises(ValueError, match="runs must be at least 1"):
         runs.order(("llama",), ("aclgraph",), 0, "llama")
+
+
+def test_the_timed_runs_have_the_machine_alone_and_a_models_graph_modes_are_not_neighbours():
+    runs = _release_module("runs")
+    plan = runs.order(("llama", "qwen3", "ngram", "mla"), ("aclgraph", "npugraph"), 2, "llama")
+    shared, alone = runs.side_by_side(plan, ("llama", "ngram"))
+    assert sorted(shared + alone) == sorted(plan) and len(shared + alone) == len(plan)
+    assert alone == [
+        ("ngram", "aclgraph", 1),
+        ("ngram", "npugraph", 1),
+        ("llama", "aclgraph", 1),
+        ("llama", "npugraph", 1),
+        ("llama", "aclgraph", 2),
+        ("llama", "npugraph", 2),
+    ]
+    assert shared == [
+        ("llama", "eager", 1),
+        ("qwen3", "eager", 1),
+        ("ngram", "eager", 1),
+        ("mla", "eager", 1),
+        ("qwen3", "aclgraph", 1),
+        ("mla", "aclgraph", 1),
+        ("qwen3", "npugraph", 1),
+        ("mla", "npugraph", 1),
+    ]
+    # two at a time: no two neighbours are the same model's graph modes
+    graph = [r for r in shared if r[1] != "eager"]
+    assert all(a[0] != b[0] for a, b in itertools.pairwise(graph))
 
 
 def test_engine_counts_are_written_by_the_process_that_counts_and_read_back_one_per_rank(tmp_path):
