@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 import torch
 
-from npugraph.capture import CapturedGraph, CaptureManager, Phase
+from npugraph.capture import CapturedGraph, CaptureManager
 from npugraph.device import Device, load_device
 from npugraph.dump.manifest import build_manifest, save_manifest
 from npugraph.dump.postmortem import PostMortem
@@ -144,7 +144,7 @@ class Runtime:
         tokens = int(call.query.shape[0])
         rows = int(call.block_table.shape[0])
         tokens_per_request = call.tokens_per_request
-        if self.manager.phase is Phase.CAPTURE:
+        if self.manager.capturing:
             r = meta.num_reqs
             if meta.query_start_loc is not None:
                 q_ends: list[int] | None = meta.query_start_loc.tolist()[1:]

@@ -18,7 +18,7 @@ def _numpy_seeded():
     """The test seeds torch with its ``seed`` parameter but draws its cos/sin cache from
     numpy unseeded: a new cache each run.  Its tolerance (atol 0.05) is below one bfloat16
     step at the cache's larger products (0.0625 from 8 up), so now and then one element of
-    131,072 lands a step or more off the test's reference (whether triton-ascend on a device
-    would too is not known here: Triton's interpreter rounds here); a CI rehearsal failed so
-    once (2026-12-03, 0.097 off at one element).  Seeded, each run checks the same inputs."""
+    131,072 lands a step or more off the test's reference, 0.097 at worst seen (whether
+    triton-ascend on a device would too is not known here: Triton's interpreter rounds
+    here).  Seeded, each run checks the same inputs, and a failure is a change."""
     np.random.seed(0)

@@ -1,6 +1,6 @@
 """Capture of device graphs with their updatable attention tasks."""
 
-from npugraph.capture.manager import AUTO_EVENT_GROUP, AUTO_EVENT_GROUP_MIN, SINK_MIN_LAYERS, CaptureManager, Phase
+from npugraph.capture.manager import AUTO_EVENT_GROUP, AUTO_EVENT_GROUP_MIN, SINK_MIN_LAYERS, CaptureManager
 from npugraph.capture.records import CapturedGraph, TaskRecord
 
 __all__ = [
@@ -9,6 +9,5 @@ __all__ = [
     "SINK_MIN_LAYERS",
     "CaptureManager",
     "CapturedGraph",
-    "Phase",
     "TaskRecord",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import enum
 import gc
 import logging
 import os
@@ -26,7 +25,7 @@ from npugraph.errors import CaptureFailed, ConfigError, UnknownKeyError
 from npugraph.ops import FIA_SINK, SPECS, AttentionCall, LensArena, LensGroup, OpSpec, StepLens
 from npugraph.policy import KernelChoice, KernelPolicy, StaticPolicy
 
-__all__ = ["AUTO_EVENT_GROUP", "AUTO_EVENT_GROUP_MIN", "Phase", "CaptureManager", "EventSchedule", "SINK_MIN_LAYERS"]
+__all__ = ["AUTO_EVENT_GROUP", "AUTO_EVENT_GROUP_MIN", "CaptureManager", "EventSchedule", "SINK_MIN_LAYERS"]
 
 # Below this many attention layers a graph keeps FIA's per-layer update: one FIA layer's
 # update costs ~184 us of host time (begin + re-issue + end + record, vllm-ascend #13058),
@@ -45,11 +44,19 @@ AUTO_EVENT_GROUP_MIN = 2 * AUTO_EVENT_GROUP
 logger = logging.getLogger("npugraph")
 
 
-class Phase(enum.Enum):
-    """What the manager is doing with the callable right now."""
+@attrs.frozen
+class _How:
+    """How a capture tries: its event schedule, why the tiling-sink path is refused (empty:
+    it is not), and the room its device lengths get (None: the namespace's default)."""
 
-    IDLE = "idle"
-    CAPTURE = "capture"
+    schedule: EventSchedule | None
+    sink_refusal: str = ""
+    lens_room: tuple[int, int] | None = None
+
+
+# A bound, not a count: each reason to try again (_try_capture's list) is settled by the
+# next try, and only the lengths' room can come back, once, after the task count's.
+_MOST_TRIES = 8
 
 
 @attrs.define
@@ -118,8 +125,11 @@ def _shape(call: AttentionCall) -> tuple[Any, ...]:
 class CaptureManager:
     """Capture callables into one device graph per key, per namespace, in one memory pool.
 
-    Workflow of :meth:`capture` — the callable runs **once**, under ``torch.npu.graph``
-    (warm it up yourself if it needs it: vLLM already has, with eager runs):
+    Workflow of :meth:`capture` — the callable runs under ``torch.npu.graph``, once, or again
+    when its first graph shows it must be captured another way (a namespace's first graph
+    counts the tasks that event groups divide; the tiling-sink path refused or short of room:
+    :meth:`_try_capture`).  Nothing it computes runs eagerly, so running it again is safe;
+    warm it up yourself if it needs it (vLLM already has, with eager runs):
 
     1. at each attention call the kernel policy picks PA or FIA for that call's shape
        (once per shape), and one workspace, sized for every length up to
@@ -182,8 +192,9 @@ class CaptureManager:
 
     # --- what clients see ------------------------------------------------------------
     @property
-    def phase(self) -> Phase:
-        return Phase.CAPTURE if self._ctx is not None else Phase.IDLE
+    def capturing(self) -> bool:
+        """Whether a capture is in progress (attention calls are then recorded, not run)."""
+        return self._ctx is not None
 
     @property
     def pool(self) -> Any:
@@ -414,11 +425,40 @@ class CaptureManager:
             if isinstance(key, bool) or not isinstance(key, int):
                 raise CaptureFailed(f"capture of {namespace}/{key!r}: the key is not a token count; pass tokens=")
             tokens = key
-        # the schedule needs the namespace's task count: its first capture counts them (and
-        # is captured again, grouped, if it has tasks updated per layer and groups apply)
-        return self._capture_once(
-            fn, args, kwargs, namespace, key, int(tokens), static_inputs, require_attention, self._schedule(namespace)
-        )
+        # The schedule needs the namespace's task count: its first capture counts them.  A try
+        # whose graph turns out to need another way of capturing is dropped (nothing was
+        # registered) and the callable is captured again that way: see _try_capture.
+        how = _How(schedule=self._schedule(namespace))
+        for spec in SPECS.values():
+            spec.prepare(self.device.memory)  # outside the graph: not from its pool
+        free_before = self._free_memory()  # a capture done again counts from before its first try
+        for _ in range(_MOST_TRIES):
+            done = self._try_capture(
+                fn, args, kwargs, namespace, key, int(tokens), static_inputs, require_attention, how, free_before
+            )
+            if isinstance(done, _How):
+                how = done
+                continue
+            entry, outputs = done
+            break
+        else:
+            raise CaptureFailed(
+                f"capture of {namespace}/{key!r}: still asked to capture again after {_MOST_TRIES} tries "
+                f"(last: {how}); this is a bug in npugraph: please report it with the capture report"
+            )
+        smaller = [e.key for e in self.entries(namespace) if e.tokens < entry.tokens]
+        if smaller and namespace not in self._warned_order:
+            self._warned_order.add(namespace)
+            warnings.warn(
+                f"captured {namespace}/{key!r} ({entry.tokens} tokens) after smaller graphs ({smaller[:4]}): "
+                "capture the largest first, so that smaller graphs reuse its pool blocks instead of growing "
+                "the pool (Runtime.capture_all orders the keys for you)",
+                stacklevel=2,
+            )
+        self._entries[(namespace, key)] = entry
+        for t in entry.tasks:
+            self._by_event.setdefault(id(t.event), (entry, t))  # a shared event names its group's first task
+        return outputs
 
     def group_size(self, namespace: str) -> int:
         """Tasks per ExternalEvent in ``namespace``'s graphs updated per layer: ``event_group``,
@@ -435,7 +475,7 @@ class CaptureManager:
             return None
         return EventSchedule(tasks=count, size=size)
 
-    def _capture_once(
+    def _try_capture(
         self,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
@@ -445,17 +485,21 @@ class CaptureManager:
         tokens: int,
         static_inputs: Mapping[str, torch.Tensor] | None,
         require_attention: bool,
-        schedule: EventSchedule | None,
-        *,
-        sink_refusal: str = "",
-        lens_room: tuple[int, int] | None = None,
-        free_before: int | None = None,
-    ) -> Any:
+        how: _How,
+        free_before: int,
+    ) -> tuple[CapturedGraph, Any] | _How:
+        """Capture the callable once, ``how`` says; return its graph (not registered yet) and
+        outputs, or, where the graph shows it must be captured another way, that way (this
+        graph reset).  The reasons to capture again, each settled by the next try:
+
+        * the namespace's first graph counted its tasks, and they are grouped per event;
+        * the tiling-sink lengths need more room than the try gave them;
+        * the tiling-sink path is refused (too few layers, or mixed with per-layer tasks
+          under event grouping): the kernels read their lengths from the host instead;
+        * the graph has another task count than its namespace's first: one event per task.
+        """
+        schedule, sink_refusal, lens_room = how.schedule, how.sink_refusal, how.lens_room
         npu = self.device.npu
-        for spec in SPECS.values():
-            spec.prepare(self.device.memory)
-        if free_before is None:  # a capture done again counts from before its first try
-            free_before = self._free_memory()
         ctx = _Capture(
             namespace=namespace,
             key=key,
@@ -471,26 +515,9 @@ class CaptureManager:
         graph = npu.NPUGraph()
         self.device.name_in_reports(graph, f"{namespace}/{key!r}")
 
-        def again(
-            sched: EventSchedule | None, *, refusal: str = sink_refusal, room: tuple[int, int] | None = lens_room
-        ) -> Any:
-            """Drop this capture and capture the callable again (nothing was registered)."""
-            graph.reset()
-            self._ctx = None
-            return self._capture_once(
-                fn,
-                args,
-                kwargs,
-                namespace,
-                key,
-                tokens,
-                static_inputs,
-                require_attention,
-                sched,
-                sink_refusal=refusal,
-                lens_room=room,
-                free_before=free_before,
-            )
+        def again(how: _How) -> _How:
+            graph.reset()  # nothing was registered
+            return how
 
         t0 = time.perf_counter()
         self._ctx = ctx
@@ -514,10 +541,10 @@ class CaptureManager:
                 self._task_counts[namespace] = len(ctx.tasks)  # the namespace's first graph counts
                 learned = self._schedule(namespace)
                 if schedule is None and learned is not None and any(t.lens is None for t in ctx.tasks):
-                    return again(learned)
+                    return again(attrs.evolve(how, schedule=learned))
             if ctx.lens_short is not None:
                 self._lens_groups[namespace] = max(self._lens_groups.get(namespace, 1), ctx.lens_short[0])
-                return again(schedule, room=ctx.lens_short)
+                return again(attrs.evolve(how, lens_room=ctx.lens_short))
             on_device = [t for t in ctx.tasks if t.lens is not None]
             forced = any(c.fixed and c.kernel == "fia_sink" for _, c in ctx.choices.values())
             mixed = on_device and schedule is not None and len(on_device) < len(ctx.tasks)
@@ -538,7 +565,8 @@ class CaptureManager:
             elif mixed:
                 refused = "the graph mixes tiling-sink and per-layer tasks, and event grouping is on"
             if refused:
-                return again(schedule if schedule is not None else self._schedule(namespace), refusal=refused)
+                sched = schedule if schedule is not None else self._schedule(namespace)
+                return again(attrs.evolve(how, schedule=sched, sink_refusal=refused))
             if on_device:  # the graph's last tiling-sink task records the shared event
                 last = on_device[-1].index
                 ctx.tasks[last] = attrs.evolve(ctx.tasks[last], records=True)
@@ -549,9 +577,9 @@ class CaptureManager:
                     f"capture of {namespace}/{key!r}: {len(ctx.tasks)} attention calls, but the first graph "
                     f"of namespace {namespace!r} had {schedule.tasks}; this graph records one ExternalEvent "
                     f"per layer (event_group={schedule.size} does not apply to it)",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-                return again(None, room=None)
+                return again(attrs.evolve(how, schedule=None, lens_room=None))
             entry = CapturedGraph(
                 namespace=namespace,
                 key=key,
@@ -591,19 +619,7 @@ class CaptureManager:
             ) from cause
         finally:
             self._ctx = None
-        smaller = [e.key for e in self.entries(namespace) if e.tokens < entry.tokens]
-        if smaller and namespace not in self._warned_order:
-            self._warned_order.add(namespace)
-            warnings.warn(
-                f"captured {namespace}/{key!r} ({entry.tokens} tokens) after smaller graphs ({smaller[:4]}): "
-                "capture the largest first, so that smaller graphs reuse its pool blocks instead of growing "
-                "the pool (Runtime.capture_all orders the keys for you)",
-                stacklevel=3,
-            )
-        self._entries[(namespace, key)] = entry
-        for t in entry.tasks:
-            self._by_event.setdefault(id(t.event), (entry, t))  # a shared event names its group's first task
-        return outputs
+        return entry, outputs
 
     def capture_all(
         self,

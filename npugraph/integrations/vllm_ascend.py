@@ -297,8 +297,8 @@ def _one_token_rows(meta: AttentionMetadata, tokens: int, keep: list[Any]) -> At
     step's table is copied into: one the draft wrapper made before the capture (in
     ``keep``).  Not one made here: inside the capture it would be a block of the graph's
     pool, which an earlier node of the same graph (the first draft step's, freed by then)
-    may write at every replay after the step's table was copied in (a first try read
-    garbage block ids so).
+    may write at every replay after the step's table was copied in: the replay would read
+    whatever that node left there as block ids (refused with ``CaptureFailed``).
     """
     table = meta.block_table
     made = [t for t in keep if t.shape[0] >= tokens and t.shape[1] >= table.shape[1] and t.dtype == table.dtype]

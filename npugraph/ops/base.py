@@ -109,7 +109,7 @@ def batch_refusal(
     the step's update refuses what this refuses, and ``Runtime.key_for`` picks the
     smallest graph this accepts.  Spare query tokens belong to padding rows, so a graph
     whose rows are all real must have no spare token.  ``one_query_token``: the graph's
-    kernel takes one query token per request (:attr:`OpSpec.one_query_token`).
+    kernel takes one query token per request (:attr:`OpSpec.runs_one_query_token`).
     """
     if num_reqs > rows:
         return f"{num_reqs} requests do not fit the captured batch of {rows}; pick a key whose size covers the batch"
@@ -212,7 +212,7 @@ class OpSpec:
       up to ``max_model_len`` (queried at capture only, never per step);
     * ``unsupported(call)``: why this kernel cannot run ``call`` (or ``None``);
     * ``fused_update``: the device's 4-in-1 update entry point may be used;
-    * ``one_query_token(args)``: whether the task, as captured with ``args``, runs one query
+    * ``runs_one_query_token(args)``: whether the task, as captured with ``args``, runs one query
       token per request (PA, whose query rows are the requests; FIA captured without a
       causal mask); a step whose requests have more is refused, as the kernel would compute
       them wrongly;
@@ -238,7 +238,7 @@ class OpSpec:
     unsupported: Callable[[AttentionCall], str | None]
     fused_update: bool = False
     prepare: Callable[[torch.device], object] = _no_constants
-    one_query_token: Callable[[Mapping[str, Any]], bool] = _never
+    runs_one_query_token: Callable[[Mapping[str, Any]], bool] = _never
     lens_on_device: bool = False
     metadata_kernel: str | None = None
     plan_args: Callable[[AttentionCall], dict[str, Any]] | None = None

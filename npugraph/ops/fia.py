@@ -14,7 +14,7 @@ import torch
 
 from npugraph.ops.base import AttentionCall, OpSpec, StepLens
 
-__all__ = ["FIA", "causal_mask", "fia_arguments", "fia_one_query_token", "fia_workspace_bytes"]
+__all__ = ["FIA", "causal_mask", "fia_arguments", "fia_runs_one_query_token", "fia_workspace_bytes"]
 
 
 @functools.cache
@@ -68,7 +68,7 @@ def fia_arguments(call: AttentionCall, lens: StepLens, workspace: torch.Tensor |
     return kwargs
 
 
-def fia_one_query_token(args: Mapping[str, Any]) -> bool:
+def fia_runs_one_query_token(args: Mapping[str, Any]) -> bool:
     """Captured without a mask (``sparse_mode=0``), a request's query tokens all see all its
     keys: right for one token, not causal for several."""
     return bool(args.get("sparse_mode") == 0)
@@ -110,5 +110,5 @@ FIA = OpSpec(
     unsupported=_unsupported,
     prepare=causal_mask,
     fused_update=True,
-    one_query_token=fia_one_query_token,
+    runs_one_query_token=fia_runs_one_query_token,
 )

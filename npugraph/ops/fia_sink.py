@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from npugraph.ops.base import AttentionCall, LensGroup, OpSpec, StepLens
-from npugraph.ops.fia import causal_mask, fia_arguments, fia_one_query_token
+from npugraph.ops.fia import causal_mask, fia_arguments, fia_runs_one_query_token
 
 __all__ = ["FIA_SINK"]
 
@@ -85,7 +85,7 @@ FIA_SINK = OpSpec(
     workspace_bytes=lambda device, kwargs, max_model_len: 0,  # its plan is its tiling: no workspace
     unsupported=_unsupported,
     prepare=causal_mask,
-    one_query_token=fia_one_query_token,
+    runs_one_query_token=fia_runs_one_query_token,
     lens_on_device=True,
     metadata_kernel="_npu_fused_infer_attention_score_v2_sink_metadata",
     plan_args=_plan_args,

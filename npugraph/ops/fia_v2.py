@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from npugraph.ops.base import AttentionCall, OpSpec, StepLens
-from npugraph.ops.fia import causal_mask, fia_arguments, fia_one_query_token, fia_workspace_bytes
+from npugraph.ops.fia import causal_mask, fia_arguments, fia_runs_one_query_token, fia_workspace_bytes
 
 __all__ = ["FIA_V2"]
 
@@ -54,5 +54,5 @@ FIA_V2 = OpSpec(
     ),
     unsupported=_unsupported,
     prepare=causal_mask,
-    one_query_token=fia_one_query_token,
+    runs_one_query_token=fia_runs_one_query_token,
 )

@@ -36,5 +36,5 @@ MLA = OpSpec(
     unsupported=_unsupported,
     prepare=FIA.prepare,
     fused_update=True,  # the 4-in-1 forwards every keyword, rope included
-    one_query_token=FIA.one_query_token,
+    runs_one_query_token=FIA.runs_one_query_token,
 )

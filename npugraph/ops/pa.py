@@ -96,5 +96,5 @@ PA = OpSpec(
     host_values=_host_values,
     workspace_bytes=_workspace_bytes,
     unsupported=_unsupported,
-    one_query_token=lambda args: True,  # its query rows are the requests
+    runs_one_query_token=lambda args: True,  # its query rows are the requests
 )

@@ -61,7 +61,7 @@ class TaskPlan:
     geometry: Geometry
     null_host: dict[str, Any]
     where: str  # "namespace/key layer name", for errors (made once, not per step)
-    one_query_token: bool  # as captured, it runs one query token per request (OpSpec.one_query_token)
+    one_query_token: bool  # as captured, it runs one query token per request (OpSpec.runs_one_query_token)
     lens: LensGroup | None = None  # a tiling-sink task's lengths and plan (never re-issued)
 
 
@@ -185,7 +185,7 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
                 geometry=geometry,
                 null_host=t.spec.host_values(pad_lens([], None, geometry.batch, geometry.tokens)),
                 where=f"{entry.namespace}/{entry.key!r} layer {t.layer!r}",
-                one_query_token=t.spec.one_query_token(t.args),
+                one_query_token=t.spec.runs_one_query_token(t.args),
                 lens=t.lens,
             )
         )

@@ -69,10 +69,10 @@ class StepPreparer:
         for i, meta in enumerate(metas):
             # each distinct metadata once per cache geometry (a layer's own cache bounds its block ids)
             t = plan.tasks[i]
-            ck = (id(meta), t.geometry)
-            lens = lens_by.get(ck)
+            lens_key = (id(meta), t.geometry)
+            lens = lens_by.get(lens_key)
             if lens is None:
-                lens = lens_by[ck] = self._convert(entry, plan, state, i, meta, deferred)
+                lens = lens_by[lens_key] = self._convert(entry, plan, state, i, meta, deferred)
                 new_lens[t.slot] = lens
             buf = t.block_table
             seen = copies.get(id(buf))
