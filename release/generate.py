@@ -69,7 +69,7 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -281,9 +281,15 @@ def generate(out_dir: Path, runs: int = 1) -> None:
 
     # An engine keeps about one core busy (its processes take turns), so two untimed runs
     # share this two-core machine; the timed ones then run alone (release/runs.py).
+    # The first failure ends the generation, as it did run by run: the runs not started are
+    # dropped, not run for a result nobody reads.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for done in [pool.submit(one, *r) for r in shared]:
-            done.result()
+        futures = [pool.submit(one, *r) for r in shared]
+        try:
+            for done in as_completed(futures):
+                done.result()
+        finally:
+            pool.shutdown(cancel_futures=True)
     for r in alone:
         one(*r)
 
