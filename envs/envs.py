@@ -9,7 +9,7 @@ refresh (`make lock`) re-resolves from the index and keeps the new locks only if
 use them pass.
 
     envs.py compile NAME [--upgrade] [--out FILE]   resolve the spec into its lock
-    envs.py sync NAME VENV                          install the lock (and npugraph, editable) into VENV
+    envs.py sync NAME VENV                          install the lock (and npugraph, npusim, editable) into VENV
     envs.py check NAME VENV                         uv's consistency check, then an import of each module
     envs.py sdists NAME VENV DEST                   the spec's source archives, by hash, into DEST
     envs.py diff OLD NEW                            what moved between two locks (package: old -> new)
@@ -111,7 +111,8 @@ def compile_lock(name: str, out: Path, upgrade: bool = False) -> None:
     s = spec(name)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        args = [uv(), "pip", "compile", str(REPO / "pyproject.toml"), f"{name}.in", *PLATFORM, *pip_sources()]
+        projects = [str(REPO / "pyproject.toml"), str(REPO / "npusim" / "pyproject.toml")]
+        args = [uv(), "pip", "compile", *projects, f"{name}.in", *PLATFORM, *pip_sources()]
         (work / f"{name}.in").write_text("\n".join(s.get("requirements", [])) + "\n")
         for extra in s.get("extras", []):
             args += ["--extra", extra]
@@ -121,7 +122,17 @@ def compile_lock(name: str, out: Path, upgrade: bool = False) -> None:
                 args += [f"--{kind}", f"{name}.{kind}"]
         if out.is_file() and not upgrade:
             shutil.copy(out, work / "prior.lock")  # uv keeps the pins of its output file where it can
-        args += ["--generate-hashes", "--no-header", "--no-emit-package", "npugraph", "-o", "prior.lock", "-q"]
+        args += [
+            "--generate-hashes",
+            "--no-header",
+            "--no-emit-package",
+            "npugraph",
+            "--no-emit-package",
+            "npusim",
+            "-o",
+            "prior.lock",
+            "-q",
+        ]
         done = subprocess.run(args, cwd=work, capture_output=True, text=True)
         if done.returncode != 0:
             raise EnvError(f"envs: envs/{name}.toml does not resolve: {last_error(done.stderr)}")
@@ -134,7 +145,8 @@ def compile_lock(name: str, out: Path, upgrade: bool = False) -> None:
 
 
 def sync(name: str, venv: Path) -> None:
-    """The lock, exactly, into venv (created if absent), then npugraph from this checkout, editable."""
+    """The lock, exactly, into venv (created if absent), then npugraph and its simulator, npusim,
+    from this checkout, editable."""
     lock = lock_path(name)
     if not lock.is_file():
         raise EnvError(f"envs: no lock {lock}: run `python3 envs/envs.py compile {name}` (or make lock)")
@@ -156,14 +168,16 @@ def sync(name: str, venv: Path) -> None:
     warnings = [ln for ln in done.stderr.splitlines() if ln.lower().startswith("warning")]
     installed = sum(ln.startswith(" + ") for ln in done.stderr.splitlines())
     print("\n".join([*warnings, f"{name} env: {installed} distributions installed from {lock}"]), flush=True)
-    # npugraph from this checkout, its dependencies already in the lock; setuptools (locked) builds it
+    # npugraph and npusim from this checkout, their dependencies already in the lock; setuptools
+    # (locked) builds them
+    editables = ["-e", str(REPO), "-e", str(REPO / "npusim")]
     done = subprocess.run(
-        [uv(), "pip", "install", "--python", python, "--no-deps", "--no-build-isolation", "-e", str(REPO)],
+        [uv(), "pip", "install", "--python", python, "--no-deps", "--no-build-isolation", *editables],
         capture_output=True,
         text=True,
     )
     if done.returncode != 0:
-        raise EnvError(f"{name} env: npugraph's editable install failed: {last_error(done.stderr)}")
+        raise EnvError(f"{name} env: the editable install of npugraph and npusim failed: {last_error(done.stderr)}")
 
 
 def fetch_sdists(name: str, venv: Path, dest: Path) -> list[Path]:

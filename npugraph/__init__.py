@@ -4,7 +4,7 @@ The public surface: :class:`Runtime` (capture / update / replay / step),
 :class:`AttentionMetadata` (what a backend provides per step),
 :class:`~npugraph.attention.DecodeAttention` (the thin attention client), and the
 pieces it is made of: :mod:`npugraph.capture`, :mod:`npugraph.replay`,
-:mod:`npugraph.ops`, :mod:`npugraph.device`, :mod:`npugraph.sim`.
+:mod:`npugraph.ops`, :mod:`npugraph.device`, :mod:`npusim`.
 """
 
 from npugraph._version import __version__

@@ -44,8 +44,9 @@ from typing import Any
 
 import attrs
 import torch
+from npusim.surfaces.graphs import _GraphDispatchRecord, update_records
 
-from npugraph import sim
+import npusim as sim
 from npugraph.errors import StepOrderWarning
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine
@@ -55,7 +56,6 @@ from npugraph.policy import FixedPolicy
 from npugraph.replay import AttentionMetadata, ReplayUpdater, convert
 from npugraph.replay.lens import BlockIdCheck, real_requests
 from npugraph.runtime import Runtime
-from npugraph.sim.surfaces.graphs import _GraphDispatchRecord, update_records
 from npugraph.timeline import Call, Costs, RecordingDevice, ShadowGraph, StepLog, TimelineResult, min_log, model_steps
 
 __all__ = [
@@ -699,7 +699,7 @@ def _torch_npu_update(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDev
 
     Capture (``auto_dispatch_capture=True``) left one :class:`_GraphDispatchRecord` per
     attention op (the simulator's record, its handler registry and its port of the update
-    loop, :func:`npugraph.sim.surfaces.graphs.update_records`, on the recording device).
+    loop, :func:`npusim.surfaces.graphs.update_records`, on the recording device).
     Each step is SGLang's ``NPUCudaGraphBackend.replay_with_input_update``:
     wait on the host for the previous replay's fence event, submit ``graph.update`` to the
     backend's one-thread executor, replay on the calling thread while the worker updates

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from npugraph import bench, sim
 from npugraph._version import __version__
 from npugraph.device import load_device
 from npugraph.dump import cli as dump_cli
@@ -31,7 +30,6 @@ from npugraph.models.engine import DecodeEngine
 from npugraph.policy import KernelPolicy, MeasuredPolicy, StaticPolicy, load_policy
 from npugraph.runtime import Runtime
 from npugraph.selftest import CheckResult, calibrate_costs, run_selftest, versions
-from npugraph.timeline import chrome_trace
 
 __all__ = ["main", "build_parser"]
 
@@ -125,7 +123,7 @@ def _policy(spec: str | None) -> KernelPolicy | None:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Capture the decoder, decode under continuous batching, check every step against eager."""
     if args.device == "sim":
-        sim.configure(adversarial_seed=args.adversarial)
+        load_device("sim").ops.configure(adversarial_seed=args.adversarial)
     torch.manual_seed(args.seed)
     cfg = DecoderConfig(
         layers=args.layers,
@@ -281,7 +279,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_selftest(args: argparse.Namespace) -> int:
     """Check the device behaviours npugraph relies on; exit 0 only if all pass."""
     if args.device == "sim":
-        sim.configure()
+        load_device("sim").ops.configure()
     info = versions(load_device(args.device))
     print(
         f"npugraph {__version__} selftest on {info['device']}: torch {info['torch']}, torch_npu {info['torch_npu']}, CANN {info['cann']}"
@@ -314,6 +312,11 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """The modeled timeline (npugraph vs UpdatableGraph vs the older loop), then the measured
     host cost of the update path against the floor, and validation's share."""
+    # the modeled and measured benchmarks run on the simulator (npusim): imported here, not by
+    # every command
+    from npugraph import bench
+    from npugraph.timeline import chrome_trace
+
     host_costs = None
     if args.costs:
         host_costs = read_json(args.costs, "host-cost calibration")

@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from npugraph.sim import HostCostModel
+from npusim import HostCostModel
 
 __all__ = ["Call", "Costs", "RecordingDevice", "StepLog", "TimelineResult", "model_steps", "chrome_trace"]
 

@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from npugraph_hook import after_import
+from npusim_hook import after_import
 
 os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "0")
 after_import("vllm_ascend.utils", lambda utils: utils.enable_custom_op())

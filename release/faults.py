@@ -8,7 +8,7 @@ same requests, with one fault:
 * ``host-copy-in-capture``: each Llama MLP calls a custom op that reads a value to the host
   while a graph is captured (release/ascend_site.py, ``NPUGRAPH_VLLM_FAULT=host-copy``);
 * ``kernel-fault-at-replay``: a PA kernel inside a replay fails, as an AI core exception
-  does (``NPUGRAPH_SIM_FAULT=kernel=...``: npugraph/sim/runtime/faults.py);
+  does (``NPUGRAPH_SIM_FAULT=kernel=...``: npusim/npusim/runtime/faults.py);
 * ``lost-event-record``: an ExternalEvent record that npugraph issued never lands, so the
   replay waiting on it would wait forever (``NPUGRAPH_SIM_FAULT=lost-record@...``).
 

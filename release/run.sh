@@ -61,7 +61,7 @@ echo "== npugraph's plugin against vllm-ascend $(basename "$SRC")"
 (cd "$REPO" && NPUGRAPH_REQUIRE_VLLM_ASCEND=1 NPUGRAPH_VLLM_ASCEND_SRC="$SRC" "$PYTHON" -m pytest -q \
     -p no:cacheprovider tests/test_vllm_ascend.py -k real_vllm_ascend) || status=1
 echo "== triton-ascend's language extension in Triton's interpreter (vllm-ascend's fused kernels use it)"
-(cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_sim_triton_ascend.py) || status=1
+(cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider tests/sim/test_triton_ascend.py) || status=1
 echo "== vllm-ascend's own test of its fused q/k-norm + rope Triton kernel (its nightly's; 1 and 16 tokens)"
 OPS="$RESULTS/ops"
 mkdir -p "$OPS"

@@ -30,7 +30,7 @@ def timed(
     original = getattr(owner, name)
 
     def timed_call(*args: Any, **kwargs: Any) -> Any:
-        from npugraph import sim  # at the call: the wrapped module may load inside the simulator's own import
+        import npusim as sim  # at the call: the wrapped module may load inside the simulator's own import
 
         counters = sim.counters
         before = collections.Counter({k: counters()[k] for k in DEVICE_CALLS})

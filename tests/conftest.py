@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from npugraph import sim
+import npusim as sim
 from npugraph.models.engine import DecodeEngine
 from tests.helpers import Harness, assert_engine_serves
 

@@ -7,18 +7,26 @@ Every import of an npugraph module is read from the source (function-level and
 from __future__ import annotations
 
 import ast
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import attrs
 import pytest
 
 from npugraph.capture import CapturedGraph, TaskRecord
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "npugraph"
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ROOT = REPO / "npugraph"
+SIM_ROOT = REPO / "npusim" / "npusim"  # the simulator's distribution (npusim/) holds its package
+PACKAGES = ("npugraph", "npusim")
 
 # Lower layers first. A module may import its own package and anything in a lower layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("npugraph.sim", "npugraph.errors", "npugraph._version"),
+    ("npusim", "npugraph.errors", "npugraph._version"),
+    ("npugraph.sim",),  # the simulator's former name, an alias of npusim
     ("npugraph.files", "npugraph.device", "npugraph.reference", "npugraph.timeline"),
     ("npugraph.ops",),
     ("npugraph.policy",),  # choosing a kernel is pure: below capture
@@ -34,44 +42,43 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 CORE = ("npugraph.capture", "npugraph.replay")
 
-# Inside the simulator (one layer above), its rooms, lower first: what a device is, CANN's
+# Inside the simulator (the lowest layer), its rooms, lower first: what a device is, CANN's
 # runtime rules, kernels, the surfaces other people's code imports, then the two faces
-# torch_npu has at its top (``torch_npu.npu`` is ``npugraph.sim.npu``, ``torch_npu`` the package).
+# torch_npu has at its top (``torch_npu.npu`` is ``npusim.npu``, ``torch_npu`` the package).
 SIM_LAYERS: list[tuple[str, ...]] = [
-    ("npugraph.sim.errors",),  # every room raises them
-    ("npugraph.sim.device",),
-    ("npugraph.sim.runtime",),
-    ("npugraph.sim.kernels",),
-    ("npugraph.sim.surfaces",),
-    ("npugraph.sim.npu",),
-    ("npugraph.sim",),
+    ("npusim.errors",),  # every room raises them
+    ("npusim.device",),
+    ("npusim.runtime",),
+    ("npusim.kernels",),
+    ("npusim.surfaces",),
+    ("npusim.npu",),
+    ("npusim",),
 ]
 
 
-def _module_name(path: pathlib.Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
-    parts = list(rel.parts)
+def _module_name_at(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def _modules() -> dict[str, pathlib.Path]:
-    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+    return {_module_name_at(p, root.parent): p for root in (ROOT, SIM_ROOT) for p in sorted(root.rglob("*.py"))}
 
 
 MODULES = _modules()
 
 
 def _resolve(name: str, modules: dict[str, pathlib.Path]) -> str:
-    """The npugraph module an import name refers to (a submodule if one exists, else its package)."""
+    """The npugraph or npusim module an import name refers to (a submodule if one exists, else its package)."""
     while name not in modules:
         name = name.rpartition(".")[0]
     return name
 
 
 def _imports(path: pathlib.Path, own: str, modules: dict[str, pathlib.Path] = MODULES) -> list[tuple[str, int, bool]]:
-    """(imported npugraph module, line, at module level) for every import in ``path``."""
+    """(imported npugraph or npusim module, line, at module level) for every import in ``path``."""
     tree = ast.parse(path.read_text(), filename=str(path))
     top = {id(n) for n in tree.body}
     for n in tree.body:  # imports under `if TYPE_CHECKING:` count as module level
@@ -89,9 +96,9 @@ def _imports(path: pathlib.Path, own: str, modules: dict[str, pathlib.Path] = MO
                 base = ".".join(
                     package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
                 )
-            names = [f"{base}.{a.name}" for a in node.names] if base.startswith("npugraph") else [base]
+            names = [f"{base}.{a.name}" for a in node.names] if base.startswith(PACKAGES) else [base]
         for name in names:
-            if name == "npugraph" or name.startswith("npugraph."):
+            if name.split(".")[0] in PACKAGES:
                 out.append((_resolve(name, modules), node.lineno, id(node) in top))
     return out
 
@@ -100,7 +107,7 @@ GRAPH = {mod: _imports(path, mod) for mod, path in MODULES.items()}
 
 
 def _package(mod: str, layers: list[tuple[str, ...]] = LAYERS) -> str:
-    """The longest layer entry ``mod`` belongs to (``npugraph.sim`` for ``npugraph.sim.kernels.pa``)."""
+    """The longest layer entry ``mod`` belongs to (``npusim`` for ``npusim.kernels.pa``)."""
     return max((p for g in layers for p in g if mod == p or mod.startswith(p + ".")), key=len, default="")
 
 
@@ -152,9 +159,29 @@ def test_no_import_cycles():
     assert cycles == [], "\n".join(" -> ".join(c) for c in cycles)
 
 
+# The tools that model and measure on the simulator: they import npusim at module level, and
+# the CLI imports them in the one command that uses them (`npugraph bench`), so that its other
+# commands run where npusim is not installed (an Ascend host).  Nothing else of npugraph but
+# the simulator's former name (npugraph.sim) imports npusim.
+SIMULATOR_TOOLS = ("npugraph.bench", "npugraph.timeline")
+
+
 def test_no_function_level_imports_of_npugraph():
-    bad = [f"{m}:{line} imports {t} inside a function" for m, imps in GRAPH.items() for t, line, top in imps if not top]
+    bad = [
+        f"{m}:{line} imports {t} inside a function"
+        for m, imps in GRAPH.items()
+        if m.startswith("npugraph")
+        for t, line, top in imps
+        if not top and t.startswith("npugraph") and not (m == "npugraph.cli" and t in SIMULATOR_TOOLS)
+    ]
     assert bad == [], "\n".join(bad)
+
+
+def test_only_the_simulator_tools_import_the_simulator():
+    importers = {
+        m for m, imps in GRAPH.items() if m.startswith("npugraph") for t, _, _ in imps if t.startswith("npusim")
+    }
+    assert importers == {*SIMULATOR_TOOLS, "npugraph.sim"}, importers
 
 
 def test_imports_only_run_downward():
@@ -163,60 +190,59 @@ def test_imports_only_run_downward():
 
 
 def test_every_simulator_module_is_in_a_room():
-    sim = [m for m in MODULES if m.startswith("npugraph.sim")]
+    sim = [m for m in MODULES if m.startswith("npusim")]
     assert all(_layer(m, SIM_LAYERS) >= 0 for m in sim), [m for m in sim if _layer(m, SIM_LAYERS) < 0]
 
 
 def test_the_simulators_imports_run_from_surfaces_to_kernels_to_runtime_to_device():
-    bad = _upward_imports(GRAPH, SIM_LAYERS, within="npugraph.sim")
+    bad = _upward_imports(GRAPH, SIM_LAYERS, within="npusim")
     assert bad == [], "\n".join(bad)
 
 
 def test_the_simulators_top_holds_few_modules_and_its_rooms_are_packages():
-    top = [p.name for p in (ROOT / "sim").glob("*.py")]
-    rooms = [p.name for p in (ROOT / "sim").iterdir() if (p / "__init__.py").exists()]
+    top = [p.name for p in SIM_ROOT.glob("*.py")]
+    rooms = [p.name for p in SIM_ROOT.iterdir() if (p / "__init__.py").exists()]
     assert len(top) <= 10, top
     assert sorted(rooms) == sorted(g[0].rpartition(".")[2] for g in SIM_LAYERS[1:5]), rooms
     for room in rooms:  # each says what it models and what it must not know
-        doc = ast.get_docstring(ast.parse((ROOT / "sim" / room / "__init__.py").read_text()))
+        doc = ast.get_docstring(ast.parse((SIM_ROOT / room / "__init__.py").read_text()))
         assert doc and len(doc) > 200, room
 
 
 def test_the_room_checker_reports_a_lower_room_importing_a_higher_one(tmp_path):
     # the device importing the runtime, and a kernel importing a surface: both reported;
     # the runtime importing the device and a kernel importing the runtime are not
-    sim = tmp_path / "npugraph" / "sim"
+    sim = tmp_path / "npusim"
     files = {
         "__init__.py": "",
         "errors.py": "",
         "device/__init__.py": "",
-        "device/backend.py": "from npugraph.sim.runtime import state\n",
+        "device/backend.py": "from npusim.runtime import state\n",
         "runtime/__init__.py": "",
-        "runtime/state.py": "from npugraph.sim.device import backend\nfrom npugraph.sim import errors\n",
+        "runtime/state.py": "from npusim.device import backend\nfrom npusim import errors\n",
         "kernels/__init__.py": "",
-        "kernels/pa.py": "from npugraph.sim.runtime import state\nfrom npugraph.sim.surfaces.torch_ops import x\n",
+        "kernels/pa.py": "from npusim.runtime import state\nfrom npusim.surfaces.torch_ops import x\n",
         "surfaces/__init__.py": "",
-        "surfaces/torch_ops.py": "from npugraph.sim.kernels import pa\n",
+        "surfaces/torch_ops.py": "from npusim.kernels import pa\n",
     }
     for name, text in files.items():
         (sim / name).parent.mkdir(parents=True, exist_ok=True)
         (sim / name).write_text(text)
-    (tmp_path / "npugraph" / "__init__.py").write_text("")
-    mods = {_module_name_at(p, tmp_path): p for p in (tmp_path / "npugraph").rglob("*.py")}
+    mods = {_module_name_at(p, tmp_path): p for p in sim.rglob("*.py")}
     graph = {m: _imports(p, m, mods) for m, p in mods.items()}
-    assert sorted(_upward_imports(graph, SIM_LAYERS, within="npugraph.sim")) == [
-        "npugraph.sim.device.backend:1 imports npugraph.sim.runtime.state, which is not below it",
-        "npugraph.sim.kernels.pa:2 imports npugraph.sim.surfaces.torch_ops, which is not below it",
+    assert sorted(_upward_imports(graph, SIM_LAYERS, within="npusim")) == [
+        "npusim.device.backend:1 imports npusim.runtime.state, which is not below it",
+        "npusim.kernels.pa:2 imports npusim.surfaces.torch_ops, which is not below it",
     ]
 
 
-def test_the_simulator_imports_nothing_of_npugraph_outside_itself():
+def test_the_simulator_imports_nothing_of_npugraph():
     bad = [
         f"{m}:{line} imports {t}"
         for m, imps in GRAPH.items()
-        if m.startswith("npugraph.sim")
+        if m.startswith("npusim")
         for t, line, _ in imps
-        if not t.startswith("npugraph.sim")
+        if not t.startswith("npusim")
     ]
     assert bad == [], bad
 
@@ -255,13 +281,6 @@ def test_the_checker_sees_module_and_function_level_imports(tmp_path):
     assert ("npugraph.capture", 2, False) in imps["npugraph.runtime"]
 
 
-def _module_name_at(path: pathlib.Path, root: pathlib.Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def test_capture_records_are_frozen():
     for cls in (TaskRecord, CapturedGraph):
         assert attrs.has(cls) and cls.__setattr__ is not object.__setattr__
@@ -286,7 +305,7 @@ def _simulator_names(path: pathlib.Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
-            if any(n == "sim" or "npugraph.sim" in n or n == "npusim" or n.startswith("npusim.") for n in names):
+            if any(n == "sim" or "npusim" in n or n == "npusim" or n.startswith("npusim.") for n in names):
                 found.append(f"{path.name}:{node.lineno} imports the simulator")
         elif isinstance(node, ast.Attribute) and node.attr in SIM_NAMES:
             found.append(f"{path.name}:{node.lineno} .{node.attr}")
@@ -324,3 +343,47 @@ def test_the_simulator_check_sees_what_the_core_used_to_do(tmp_path):
         "manager.py:4 getattr(..., '_group')",
         "manager.py:5 .is_sim",
     ], hits
+
+
+# Run in a fresh interpreter (this one has the simulator loaded): the simulator's modules
+# loaded after each step, as JSON.
+_COUNT_SIMULATOR_MODULES = r"""
+import json, sys
+def loaded():
+    return sorted(m for m in sys.modules if m.split(".")[0] == "npusim" or m.startswith("npugraph.sim"))
+counts = {}
+import npugraph
+counts["import npugraph"] = loaded()
+import npugraph.integrations.vllm
+counts["import npugraph.integrations.vllm"] = loaded()
+import npugraph.integrations.sglang
+counts["import npugraph.integrations.sglang"] = loaded()
+from npugraph.errors import DeviceUnavailable
+try:
+    npugraph.Runtime("npu", max_model_len=64)
+except DeviceUnavailable:
+    pass  # no torch_npu here: refused, as on any host without one
+counts["Runtime('npu') refused"] = loaded()
+npugraph.Runtime("sim", max_model_len=64)
+counts["Runtime('sim')"] = loaded()
+import npugraph.sim, npusim
+counts["npugraph.sim is npusim"] = npugraph.sim is npusim
+print(json.dumps(counts))
+"""
+
+
+def test_npugraph_and_its_engine_integrations_load_no_simulator_module():
+    """An Ascend host gets none of the simulator: ``import npugraph``, its vLLM and SGLang
+    integrations and ``Runtime("npu")`` load no npusim module; ``Runtime("sim")`` loads it, and
+    the simulator's former name, ``npugraph.sim``, is that same module."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NPUGRAPH_SIM_TORCH_NPU", "NPUSIM_TORCH_NPU")}
+    done = subprocess.run(
+        [sys.executable, "-c", _COUNT_SIMULATOR_MODULES], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    for step in ("import npugraph", "import npugraph.integrations.vllm", "import npugraph.integrations.sglang"):
+        assert counts[step] == [], (step, counts[step][:5])
+    assert counts["Runtime('npu') refused"] == []
+    assert "npusim.kernels.fia" in counts["Runtime('sim')"]
+    assert counts["npugraph.sim is npusim"] is True

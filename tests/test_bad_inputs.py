@@ -16,7 +16,8 @@ import attrs
 import pytest
 import torch
 
-from npugraph import AttentionMetadata, DecodeAttention, Runtime, sim
+import npusim as sim
+from npugraph import AttentionMetadata, DecodeAttention, Runtime
 from npugraph.dump.manifest import ManifestError, load_manifest, save_manifest
 from npugraph.dump.postmortem import MAX_POSTMORTEMS
 from npugraph.errors import (

@@ -17,7 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from npugraph import AttentionMetadata, Runtime, sim
+import npusim as sim
+from npugraph import AttentionMetadata, Runtime
 from npugraph.errors import GraphDeadlock, MetadataError, NpuGraphError
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine

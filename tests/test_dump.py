@@ -9,7 +9,8 @@ import pydot
 import pytest
 import torch
 
-from npugraph import AttentionMetadata, sim
+import npusim as sim
+from npugraph import AttentionMetadata
 from npugraph.cli import main
 from npugraph.dump.cli import inspect, to_dot
 from npugraph.dump.manifest import SCHEMA_VERSION, load_manifest

@@ -12,13 +12,13 @@ import weakref
 import pytest
 import torch
 
-import npugraph.sim as torch_npu
+import npusim as torch_npu
 from npugraph import Runtime
 from npugraph.errors import ReplayFailed
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.reference import paged_attention_reference
-from npugraph.sim import npu
+from npusim import npu
 
 from .helpers import equal_on_host
 
@@ -284,7 +284,8 @@ def test_model_tensors_are_not_kept_alive_by_the_runtime():
 
 _MEASURED = """
 import json
-from npugraph import Runtime, sim
+from npugraph import Runtime
+import npusim as sim
 from npugraph.models import Decoder, DecoderConfig
 from npugraph.models.engine import DecodeEngine
 cfg = DecoderConfig(layers=2, num_blocks=64, max_model_len=128)

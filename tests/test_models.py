@@ -13,7 +13,8 @@ import re
 import pytest
 import torch
 
-from npugraph import AttentionMetadata, MLAAttention, Runtime, sim
+import npusim as sim
+from npugraph import AttentionMetadata, MLAAttention, Runtime
 from npugraph.cli import main
 from npugraph.dump.cli import inspect
 from npugraph.errors import ConfigError

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from npugraph.device import load_device
 from npugraph.ops import PA, AttentionCall, pad_lens
 from npugraph.ops.pa import _probe_lengths
-from npugraph.sim import kernels
+from npusim import kernels
 
 
 @st.composite

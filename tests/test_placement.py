@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import torch
 
-import npugraph.sim as torch_npu
+import npusim as torch_npu
 from npugraph import AttentionMetadata, Runtime
 from npugraph.device import load_device
 from npugraph.models import Decoder, DecoderConfig

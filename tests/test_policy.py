@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from npugraph import sim
+import npusim as sim
 from npugraph.errors import CaptureFailed, PolicyError
 from npugraph.measure import measure_policy
 from npugraph.ops import AttentionCall

@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npugraph import AttentionMetadata, sim
+import npusim as sim
+from npugraph import AttentionMetadata
 from npugraph.errors import MetadataError, UpdateFailed
 from npugraph.policy import FixedPolicy, StaticPolicy
 from npugraph.reference import paged_attention_reference
-from npugraph.sim import kernels
+from npusim import kernels
 from tests.helpers import HEAD, HEADS, KV_HEADS, MAX_LEN, TOL, Harness, query_for
 
 

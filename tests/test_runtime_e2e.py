@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npugraph import sim
+import npusim as sim
 from npugraph.models import Workload
 
 from .helpers import SIZES, build, run

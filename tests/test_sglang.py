@@ -16,7 +16,7 @@ pytest.importorskip("sglang", reason="needs the SGLang environment (release/sgla
 
 from sglang.srt.plugins import hook_registry as hr
 
-from npugraph import sim
+import npusim as sim
 from npugraph.integrations import sglang as plugin
 
 

@@ -1,4 +1,4 @@
-"""Device faults injected into the simulator (``NPUGRAPH_SIM_FAULT``; npugraph.sim.runtime.faults):
+"""Device faults injected into the simulator (``NPUGRAPH_SIM_FAULT``; npusim.runtime.faults):
 a kernel that fails inside a replay and an ExternalEvent record the device loses.  Each is
 named by the device's own error, whoever synchronizes (an engine does it itself), with the
 graph and the layer npugraph gave it; npugraph's synchronize turns it into its typed error;
@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from npugraph import Runtime, sim
+import npusim as sim
+from npugraph import Runtime
 from npugraph.device import load_device
 from npugraph.errors import GraphDeadlock, ReplayFailed
 from npugraph.models import Decoder, DecoderConfig, Workload
@@ -122,7 +123,7 @@ def test_a_bad_fault_setting_is_named():
     with pytest.raises(ValueError, match=r"'melt' is not a fault the simulator injects"):
         sim.configure(faults="melt")
     env = {**os.environ, "NPUGRAPH_SIM_FAULT": "lost-record@x"}
-    code = "from npugraph import sim; sim.npu.synchronize()"
+    code = "import npusim as sim; sim.npu.synchronize()"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode != 0 and "NPUGRAPH_SIM_FAULT='lost-record@x'" in done.stderr
 

@@ -21,7 +21,8 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from npugraph import AttentionMetadata, sim
+import npusim as sim
+from npugraph import AttentionMetadata
 from npugraph.errors import GraphDeadlock, MetadataError, NotReplayableError, ReplayFailed, UpdateFailed
 from npugraph.replay import StepPhase
 from tests.helpers import BLOCKS, MAX_LEN, Harness, query_for

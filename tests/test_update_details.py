@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from npugraph import AttentionMetadata, Runtime, sim
+import npusim as sim
+from npugraph import AttentionMetadata, Runtime
 from npugraph.capture import CaptureManager
 from npugraph.device import load_device
 from npugraph.errors import (
@@ -41,7 +42,7 @@ from npugraph.policy import FixedPolicy, KernelChoice, StaticPolicy
 from npugraph.reference import paged_attention_reference
 from npugraph.replay import ReplayUpdater, StepPhase, describe_device_error
 from npugraph.replay.lens import BadColumns, BlockIdCheck
-from npugraph.sim import kernels
+from npusim import kernels
 from tests.helpers import BLOCK, BLOCKS, MAX_LEN, Harness, query_for
 
 # --- layers sharing one captured block-table buffer ---------------------------------------

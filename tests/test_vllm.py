@@ -24,7 +24,8 @@ from vllm.config import CompilationMode, CUDAGraphMode, VllmConfig
 from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-from npugraph import AttentionMetadata, Runtime, sim
+import npusim as sim
+from npugraph import AttentionMetadata, Runtime
 from npugraph.errors import ConfigError, NpuGraphError
 from npugraph.integrations import common
 from npugraph.integrations import vllm as integ
@@ -586,7 +587,7 @@ def test_one_runnable_call_and_one_counter_increment_per_capture():
 def test_gc_disable_also_disables_empty_cache_during_capture():
     from vllm.compilation.cuda_graph import CUDAGraphOptions
 
-    from npugraph.sim import npu as sim_npu
+    from npusim import npu as sim_npu
 
     seen = []
 

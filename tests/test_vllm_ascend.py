@@ -2,7 +2,7 @@
 
 Stand-ins of vllm-ascend (``tests/standin/{aug,sept}``: its module names, class names,
 signatures and torch_npu calls, for its Aug and Sept 2026 generations; bodies of our own)
-run over ``npugraph.sim.install_torch_npu()``, driven through real vLLM classes.  Each step
+run over ``npusim.install_torch_npu()``, driven through real vLLM classes.  Each step
 goes through the wrapper and then the runner's own per-step update (which the plugin must
 have made a no-op): one npugraph task per layer, exactly one event record per layer per
 step, replays bitwise equal to the backends' own eager path and within tolerance of the
@@ -29,7 +29,8 @@ if not os.environ.get("NPUGRAPH_REQUIRE_VLLM"):
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context
 
-from npugraph import Runtime, sim
+import npusim as sim
+from npugraph import Runtime
 from npugraph.integrations import vllm as integ
 from npugraph.integrations import vllm_ascend as ascend
 from npugraph.reference import paged_attention_reference

@@ -1,8 +1,10 @@
 """The one adapter over a torch_npu-shaped module pair.
 
-``load_device("sim")`` (the default) uses :mod:`npugraph.sim`; ``load_device("npu")``
-imports the real ``torch_npu`` lazily (it breaks ``import torch`` where CANN is missing)
-and uses ``torch.npu``.  Nothing else in npugraph imports torch_npu or touches ``torch.npu``.
+``load_device("sim")`` (the default) uses :mod:`npusim`, the simulator (``npugraph[sim]``);
+``load_device("npu")`` imports the real ``torch_npu`` (it breaks ``import torch`` where CANN is
+missing) and uses ``torch.npu``.  Both are imported when asked for, never by ``import npugraph``:
+an Ascend host loads no simulator module.  Nothing else in npugraph imports torch_npu or
+touches ``torch.npu``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from typing import Any
 import attrs
 import torch
 
-from npugraph import sim
 from npugraph.errors import DeviceUnavailable
 
 __all__ = ["SINK_OPS", "Device", "load_device"]
@@ -147,6 +148,14 @@ def load_device(kind: str | Device = "sim") -> Device:
     elif name == "npu":
         kind = "npu"
     if kind == "sim":
+        try:
+            sim = importlib.import_module("npusim")
+        except ImportError as exc:
+            raise DeviceUnavailable(
+                f"device='sim' needs npusim, npugraph's simulator, but importing it failed: {exc}. "
+                "Install it with `pip install 'npugraph[sim]'` (in a checkout: `pip install -e ./npusim`), "
+                "or use device='npu' on an Ascend host."
+            ) from exc
         sim.install_npu_device()  # the simulator's npu device, for the life of the process
         return Device(
             name="sim",

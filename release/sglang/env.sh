@@ -3,7 +3,7 @@
 #   SGLang 0.5.23 and its requirements less the CUDA ones (flashinfer, cuda-python, sglang-kernel, ...)
 #   torch 2.14.1 + torchvision 0.29.1 (SGLang's pin; from this machine's disk, as release/env.sh)
 #   npugraph (editable, from this checkout) as torch_npu: NPUGRAPH_SIM_TORCH_NPU=1, which also
-#   gives torchair and sgl_kernel_npu (npugraph/sim/surfaces), the Ascend stack's names no index has
+#   gives torchair and sgl_kernel_npu (npusim/npusim/surfaces), the Ascend stack's names no index has
 # into $SGLANG_ENV (default .sglang-env, git-ignored), its interpreter at $SGLANG_ENV/venv/bin/python,
 # and caches it there: a second run with the same lock does nothing but check it.  No file of
 # SGLang enters this repository.  Every distribution comes from envs/sglang.lock (one uv
@@ -14,7 +14,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(dirname "$(dirname "$HERE")")"
 ENV_DIR="${SGLANG_ENV:-$REPO/.sglang-env}"
 export PY="${PY:-python3}"
-ENV_REVISION=2  # bump when what this script adds to the lock changes: a cached environment is rebuilt
+ENV_REVISION=3  # bump when what this script adds to the lock changes: a cached environment is rebuilt
 
 # shellcheck source=/dev/null
 source "$(dirname "$HERE")/env_common.sh"
@@ -27,7 +27,7 @@ SITE="$(sync_env sglang "$ENV_DIR")"
 # release/sglang/site.py from this checkout at every interpreter start (it acts only when
 # generate.py asks, in SGLang's scheduler process): an edit needs no rebuild
 echo "import runpy; runpy.run_path('$HERE/site.py')" >"$SITE/sglang_site.pth"
-NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "from npugraph.sim.device import backend; backend.build()"
+NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "from npusim.device import backend; backend.build()"
 
 check_env sglang "$ENV_DIR"
 touch "$STAMP"

@@ -25,8 +25,7 @@ _DIR = os.environ.get("NPUGRAPH_SGLANG_COUNTS")
 def _install(folder: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: engine_counts.py
     from engine_counts import EngineCounts
-
-    from npugraph_hook import after_import
+    from npusim_hook import after_import
 
     counts = EngineCounts(folder)
 
@@ -50,7 +49,7 @@ def _install(folder: str) -> None:
         cls.__init__ = __init__
 
     after_import("sglang.srt.hardware_backend.npu.graph_runner.npu_cudagraph_backend", backend)
-    after_import("npugraph.sim.surfaces.graphs", graphs)
+    after_import("npusim.surfaces.graphs", graphs)
     counts.npugraph(after_import, write_each_step=False)
 
 

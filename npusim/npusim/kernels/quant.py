@@ -1,0 +1,129 @@
+"""Per-token dynamic int8 quantisation: ``npu_dynamic_quant`` and the fused
+``npu_add_rms_norm_dynamic_quant``, with real math.
+
+vllm-ascend's graph-fusion pass (``AddRMSNormQuantFusionPass``, on by default) registers the
+pattern ``npu_add_rms_norm`` + ``npu_dynamic_quant`` → ``npu_add_rms_norm_dynamic_quant`` and
+traces it on real ``npu`` tensors at registration, so both ops must run even for a model
+that is not quantised (only W8A8-dynamic checkpoints match it).  CANN's DynamicQuant: per
+row (the last dimension), ``scale = max|x| / 127`` in float32 and ``y = round(x / scale)``
+as int8 (an optional ``smooth_scales`` multiplies ``x`` first); the fused op adds the
+residual, RMS-normalises with ``gamma`` (and ``beta``), then quantises, and returns
+``(y1, y2, x1 + x2, scale1, scale2)``, the second quantisation (``smooth_scale2``) only where
+``output_mask`` asks for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from npusim.kernels.dense import _check_gamma, _kernel, rms_normalize
+from npusim.runtime.launch import fail, launch
+
+__all__ = ["SCHEMAS", "npu_add_rms_norm_dynamic_quant", "npu_dynamic_quant"]
+
+# torch_npu's schemas (op-plugin's): keyword-only tensors, which torch.library.custom_op
+# cannot infer, so they are declared as torch_npu declares them
+SCHEMAS = {
+    "npu_dynamic_quant": (
+        "npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None, "
+        "ScalarType? dst_type=None) -> (Tensor, Tensor)"
+    ),
+    "npu_add_rms_norm_dynamic_quant": (
+        "npu_add_rms_norm_dynamic_quant(Tensor x1, Tensor x2, Tensor gamma, *, Tensor? smooth_scale1=None, "
+        "Tensor? smooth_scale2=None, Tensor? beta=None, float epsilon=1e-06, bool[]? output_mask=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+}
+
+
+def _quantize(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> None:
+    """``x`` (float32) to int8 per row: ``scale = max|x| / 127`` (a zero row: scale 0, y 0)."""
+    s = x.abs().amax(dim=-1) / 127.0
+    scale.copy_(s)
+    q = torch.where(s.unsqueeze(-1) > 0, x / s.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1), 0.0)
+    y.copy_(q.round().clamp(-128, 127))
+
+
+def _dynamic_quant(p: dict[str, Any]) -> None:
+    x = p["input"].float()
+    if p["smooth_scales"] is not None:
+        x = x * p["smooth_scales"].float()
+    _quantize(x, p["y"], p["scale"])
+
+
+def _add_rms_norm_dynamic_quant(p: dict[str, Any]) -> None:
+    s = p["x1"].float() + p["x2"].float()
+    p["x"].copy_(s)
+    n, _ = rms_normalize(s, p["gamma"], float(p["epsilon"]))
+    if p["beta"] is not None:
+        n = n + p["beta"].float()
+    for i, (smooth, y, scale) in enumerate(
+        ((p["smooth_scale1"], p["y1"], p["scale1"]), (p["smooth_scale2"], p["y2"], p["scale2"]))
+    ):
+        if not p["mask"][i]:
+            continue
+        _quantize(n * smooth.float() if smooth is not None else n, y, scale)
+
+
+_DYNAMIC_QUANT = _kernel("npu_dynamic_quant", "input", ("y", "scale"), _dynamic_quant)
+_ADD_RMS_NORM_DQ = _kernel(
+    "npu_add_rms_norm_dynamic_quant", "x1", ("y1", "y2", "x", "scale1", "scale2"), _add_rms_norm_dynamic_quant
+)
+
+
+def npu_dynamic_quant(
+    input: torch.Tensor,
+    *,
+    smooth_scales: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+    dst_type: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 quantisation: ``(y int8, scale float32 [input.shape[:-1]])``."""
+    if group_index is not None or dst_type not in (None, torch.int8):
+        raise NotImplementedError("npu_dynamic_quant: group_index and dst_type other than int8 are not simulated")
+    if smooth_scales is not None and tuple(smooth_scales.shape) != (input.shape[-1],):
+        raise fail(
+            "npu_dynamic_quant", "smooth_scales", f"must be [{input.shape[-1]}], got {list(smooth_scales.shape)}"
+        )
+    y = torch.empty(input.shape, dtype=torch.int8, device=input.device)
+    scale = torch.empty(input.shape[:-1], dtype=torch.float32, device=input.device)
+    launch(_DYNAMIC_QUANT, {"input": input, "smooth_scales": smooth_scales, "y": y, "scale": scale})
+    return y, scale
+
+
+def npu_add_rms_norm_dynamic_quant(
+    x1: torch.Tensor,
+    x2: torch.Tensor,
+    gamma: torch.Tensor,
+    *,
+    smooth_scale1: torch.Tensor | None = None,
+    smooth_scale2: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    epsilon: float = 1e-6,
+    output_mask: list[bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Residual add, RMSNorm, then per-row int8 quantisation: ``(y1, y2, x1 + x2, scale1,
+    scale2)``; ``output_mask`` says which of the two quantisations to compute (default: the
+    first, and the second where ``smooth_scale2`` is given)."""
+    if x1.shape != x2.shape:
+        raise fail("npu_add_rms_norm_dynamic_quant", "x2", f"shape {list(x2.shape)} differs from x1 {list(x1.shape)}")
+    _check_gamma("npu_add_rms_norm_dynamic_quant", x1, gamma)
+    mask = list(output_mask) if output_mask is not None else [True, smooth_scale2 is not None]
+    rows = x1.shape[:-1]
+
+    def quantized(on: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, srows = (x1.shape, rows) if on else ((0,), (0,))
+        return (
+            torch.empty(shape, dtype=torch.int8, device=x1.device),
+            torch.empty(srows, dtype=torch.float32, device=x1.device),
+        )
+
+    (y1, scale1), (y2, scale2) = quantized(mask[0]), quantized(mask[1])
+    x = torch.empty_like(x1)
+    params = {"x1": x1, "x2": x2, "gamma": gamma, "beta": beta, "epsilon": epsilon, "mask": mask}
+    params.update(smooth_scale1=smooth_scale1, smooth_scale2=smooth_scale2, y1=y1, y2=y2, x=x)
+    params.update(scale1=scale1, scale2=scale2)
+    launch(_ADD_RMS_NORM_DQ, params)
+    return y1, y2, x, scale1, scale2
