@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -312,144 +311,25 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """The modeled timeline (npugraph vs UpdatableGraph vs the older loop), then the measured
     host cost of the update path against the floor, and validation's share."""
-    # the modeled and measured benchmarks run on the simulator (npusim): imported here, not by
-    # every command
-    from npugraph import bench
-    from npugraph.timeline import chrome_trace
+    # the benchmarks run on the simulator (npusim): imported by this command alone
+    from npugraph.bench import report
 
     host_costs = None
     if args.costs:
         host_costs = read_json(args.costs, "host-cost calibration")
         if not isinstance(host_costs, dict):
             raise NpuGraphError(f"{args.costs}: a calibration is a JSON object (npugraph selftest --calibrate FILE)")
-    source = f"host costs from {args.costs}" if args.costs else "A2 host costs"
-    loop_ns = bench.python_loop_ns()
-    print(
-        f"modeled on the device timeline ({source}; steps/s over {args.seeds} seeds, higher is better; each "
-        f"implementation's Python as this machine runs it: {loop_ns:.0f} ns a loop iteration):",
-        flush=True,
+    result = report.run(
+        seeds=args.seeds,
+        host_costs=host_costs,
+        costs_path=args.costs,
+        timeline=args.timeline,
+        cost_models={"off": [False], "a2": [True], "both": [False, True]}[args.cost_model],
+        layers=args.layers,
+        sizes=args.sizes,
+        repeats=args.repeats,
+        extra=args.extra,
     )
-
-    def show_model(label: str, res: dict[str, Any]) -> None:
-        cells = "  ".join(f"{k} {r.steps_per_s:7.1f}" for k, r in res.items())
-        print(f"  {label:<12} {cells}", flush=True)
-
-    try:
-        modeled, traces = bench.modeled_summary(seeds=args.seeds, progress=show_model, host_costs=host_costs)
-    except ValueError as exc:
-        raise NpuGraphError(f"{args.costs}: {exc}") from exc
-    for label in ("host_bound", "small_batch", "device_bound"):
-        row = modeled[label]
-        r, lat = row["npugraph_vs_updatable"], row["latency_vs_updatable"]
-        print(
-            f"  {label}: npugraph (default) / UpdatableGraph (MRV2) {r['median']:.3f} "
-            f"[{r['min']:.3f}, {r['max']:.3f}]{'' if r['claim'] else ' (within the noise: no claim)'}, "
-            f"/ MRV1 {row['npugraph_vs_updatable_mrv1']['median']:.3f}; latency {lat['median']:.3f}; "
-            f"per layer, grouped {row['npugraph_grouped_vs_updatable']['median']:.3f}, one event a layer "
-            f"{row['npugraph_per_layer_vs_updatable']['median']:.3f}; grouped / API floor "
-            f"{row['npugraph_vs_api_floor']['median']:.3f}; device limit "
-            f"{row['npugraph_vs_device_limit']['median']:.3f}",
-            flush=True,
-        )
-        for config in ("default", "grouped"):
-            cells = ", ".join(
-                f"{e} us {g['steps_per_s']['median']:.3f} (latency {g['latency']['median']:.3f})"
-                for e, g in row["background_thread"][config].items()
-            )
-            print(f"    background update thread / in line, {config}, by engine host work: {cells}", flush=True)
-        t = row["npugraph_vs_torch_npu_update"]
-        verdict = "" if "goal" not in t else f"; goal {t['goal']:g}x: " + ("met" if t["meets_goal"] else "NOT met")
-        print(
-            f"    npugraph (default) / torch_npu's NPUGraph.update as SGLang drives it {t['median']:.3f} "
-            f"[{t['min']:.3f}, {t['max']:.3f}]{'' if t['claim'] else ' (within the noise: no claim)'}{verdict}; "
-            f"latency {row['latency_vs_torch_npu_update']['median']:.3f}; per layer, grouped "
-            f"{row['npugraph_grouped_vs_torch_npu_update']['median']:.3f}",
-            flush=True,
-        )
-    sink = bench.bench_sink(host_costs=host_costs)
-    print(
-        "  tiling sink (FIA's lengths on the device), host-bound FIA at batch 16, by layers and the metadata op's "
-        "device time:",
-        flush=True,
-    )
-    for row in sink["rows"]:
-        cells = "; ".join(
-            f"{r['metadata_us']:g} us: {r['sink_vs_updatable']['median']:.2f}x UpdatableGraph, "
-            f"{r['sink_vs_npugraph_grouped']['median']:.2f}x per-layer grouped, latency "
-            f"{r['sink_latency_vs_updatable']['median']:.2f}"
-            for r in row["by_metadata_us"]
-        )
-        even = row["break_even_metadata_us"]
-        print(
-            f"    {row['layers']} layers: {cells}; below UpdatableGraph from "
-            + (f"{even:g} us" if even is not None else "never (up to 20 ms)"),
-            flush=True,
-        )
-    modeled["tiling_sink"] = sink
-    if args.timeline:
-        write_text(args.timeline, json.dumps(chrome_trace(traces)))
-        print(f"  timelines of every modeled shape: {args.timeline} (open in https://ui.perfetto.dev)")
-    cms = {"off": [False], "a2": [True], "both": [False, True]}[args.cost_model]
-    print(
-        f"{'cost':>4} {'layers':>6} {'size':>4} {'kernel':>6} {'npugraph us':>12} {'unchecked':>10} {'baseline us':>12} "
-        f"{'floor us':>10} {'vs base':>8} {'vs floor':>8} {'unchecked':>9} {'minimal':>8}  calls n/b/f"
-    )
-
-    def show(r: dict[str, Any]) -> None:
-        c = r["calls"]
-        print(
-            f"{r['cost_model']:>4} {r['layers']:>6} {r['size']:>4} {r['kernel']:>6} {r['npugraph_us']:>12.0f} "
-            f"{r['unchecked_us']:>10.0f} {r['baseline_us']:>12.0f} {r['floor_us']:>10.0f} "
-            f"{r['npugraph_us'] / r['baseline_us']:>8.2f} {r['npugraph_us'] / r['floor_us']:>8.2f} "
-            f"{r['unchecked_us'] / r['floor_us']:>9.2f} {r['minimal_us'] / r['floor_us']:>8.2f}  "
-            f"{c['npugraph']}/{c['baseline']}/{c['floor']}",
-            flush=True,
-        )
-
-    result = bench.run_bench(layers=args.layers, sizes=args.sizes, cost_models=cms, repeats=args.repeats, progress=show)
-    measured = result["summary"]
-    for cm, s in measured.items():
-        print(
-            f"summary [{cm}] (32+ layers): npugraph/baseline {s['ratio_vs_baseline_median']:.2f}, "
-            f"npugraph/floor {s['overhead_vs_floor_median']:.3f} "
-            f"(validation off: {s['unchecked_vs_floor_median']:.3f}; the minimal validated update: "
-            f"{s['minimal_vs_floor_median']:.3f}, npugraph/minimal {s['npugraph_vs_minimal_median']:.3f})"
-        )
-    result["summary"] = {
-        "modeled": modeled,
-        "measured_off": {
-            "npugraph_vs_floor": measured["off"]["overhead_vs_floor_median"],
-            "unchecked_vs_floor": measured["off"]["unchecked_vs_floor_median"],
-            "minimal_vs_floor": measured["off"]["minimal_vs_floor_median"],
-            "npugraph_vs_minimal": measured["off"]["npugraph_vs_minimal_median"],
-        }
-        if "off" in measured
-        else {},
-        "measured": measured,
-    }
-    result["validation"] = bench.bench_validation()
-    for r in result["validation"]:
-        print(
-            f"validation at {r['requests']} requests, {r['table_columns']} table columns, {r['layers']} layers: "
-            f"{r['validation_us']:.0f} us of a {r['update_us']:.0f} us update ({r['validation_share']:.1%}); "
-            f"a device-resident table's check on the device: {r['device_table_check_us']:.0f} us "
-            f"({r['device_table_check_decode_us']:.0f} us as requests decode)"
-        )
-    if args.extra:
-        result["capture"] = bench.bench_capture()
-        for r in result["capture"]:
-            print(
-                f"capture {r['sizes']:>3} sizes x {r['layers']:>2} layers: {r['seconds']:.2f}s, "
-                f"pool {r['pool_bytes'] / 2**20:.1f} MiB, workspaces {r['workspace_bytes'] / 2**20:.1f} MiB"
-            )
-        result["replay_vs_eager"] = bench.bench_replay_vs_eager()
-        print(f"decoder step, replay / eager on the simulator: {result['replay_vs_eager']['replay_over_eager']:.2f}")
-    result["machine"] = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "processor": platform.processor() or platform.machine(),
-        "python_loop_ns": loop_ns,  # the modeled ratios depend on it (bench.python_loop_ns)
-    }
     if args.json:
         write_text(args.json, json.dumps(result, indent=1))
     return 0

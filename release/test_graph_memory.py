@@ -29,8 +29,9 @@ pytest.importorskip("vllm_ascend", reason="needs the release environment (releas
 
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_memory import RUNS
-from npusim.device.backend import card_size
 from runs import engine_env, run_to_the_end
+
+from npusim.device.backend import card_size
 
 LIMIT_S = 900
 GIB = 1 << 30

@@ -318,9 +318,8 @@ def test_update_waits_for_the_previous_replay_without_host_sync():
 
 
 def test_pa_workspace_covers_every_length_not_one_fake_length():
-    from npusim.kernels import pa_workspace_bytes
-
     from npugraph.models.stack import AttentionStack
+    from npusim.kernels import pa_workspace_bytes
 
     rt = Runtime("sim", max_model_len=4096)
     stack = AttentionStack(rt, layers=2, heads=4, kv_heads=1, head_size=64, block_size=128, num_blocks=32)

@@ -12,7 +12,8 @@ import time
 import attrs
 import pytest
 
-from npugraph import bench
+import npusim as sim
+from npugraph.bench import measured, modeled, rivals
 from npugraph.timeline import Call, Costs, RecordingDevice, StepLog, chrome_trace, min_log, model_steps
 
 COSTS = Costs(attention_us=60.0)
@@ -71,11 +72,11 @@ def test_a_host_synchronize_before_the_replay_loses_the_overlap():
 
 
 def test_recording_logs_one_updater_and_the_legacy_loop():
-    bench.sim.configure()
-    rt, _, table, _q = bench._setup(8, 8, "fia", cost=False)
-    impls = bench._implementations(rt, 8, "fia")
+    sim.configure()
+    rt, _, table, _q = measured._setup(8, 8, "fia", cost=False)
+    impls = rivals._implementations(rt, 8, "fia")
     dev, step = impls["npugraph"]
-    inp = bench._step_input(rt, 8, [5] * 8, table)
+    inp = rivals._step_input(rt, 8, [5] * 8, table)
     with dev.recording() as logs:
         step(inp)
     (log,) = logs
@@ -122,10 +123,10 @@ def test_the_recorder_does_not_count_itself_and_counts_the_python_after_the_last
 
 
 def test_updatable_graph_baselines_follow_the_merged_code():
-    bench.sim.configure()
-    rt, _, table, _q = bench._setup(4, 4, "pa", cost=False)
-    impls = bench._implementations(rt, 4, "pa")
-    inp = bench._step_input(rt, 4, [5] * 4, table)
+    sim.configure()
+    rt, _, table, _q = measured._setup(4, 4, "pa", cost=False)
+    impls = rivals._implementations(rt, 4, "pa")
+    inp = rivals._step_input(rt, 4, [5] * 4, table)
     kinds = {}
     for name in ("updatable_mrv1", "updatable_mrv2", "legacy"):
         dev, step = impls[name]
@@ -144,11 +145,11 @@ def test_updatable_graph_baselines_follow_the_merged_code():
 def test_both_modeled_npugraph_graphs_read_the_steps_table_in_place(kernel):
     # an engine's graphs read its one block-table buffer: a graph with a buffer of its own
     # would copy the table in every step and be charged for it, the other not
-    bench.sim.configure()
-    shape = bench.ModeledShape(
+    sim.configure()
+    shape = modeled.ModeledShape(
         label="t", layers=4, size=4, kernel=kernel, attention_us=1.0, other_us=1.0, source="test", event_group=2
     )
-    rt, grouped, table, _queries = bench._modeled_runtimes(shape)
+    rt, grouped, table, _queries = modeled._modeled_runtimes(shape)
     for runtime in (rt, grouped):
         for task in runtime.entry(4).tasks:
             (name,) = task.spec.refreshed_buffers
@@ -187,15 +188,15 @@ def _pa_log(layers: int) -> StepLog:
 def test_a_background_update_thread_overlaps_the_engine_only_with_gil_free_updates(engine_us):
     """The engine's host work (Python) and the update share the GIL: beside GIL-free 4-in-1
     updates it hides; beside PA's ordinary calls it only adds the hand-offs."""
-    costs = attrs.evolve(COSTS, gil_handoff=bench.HANDOFF_US)
+    costs = attrs.evolve(COSTS, gil_handoff=modeled.HANDOFF_US)
 
     def sps(log: StepLog, background: bool, kernel: str) -> float:
-        step = bench.engine_step(log, engine_us, background=background)
+        step = modeled.engine_step(log, engine_us, background=background)
         return model_steps(step, costs if background else COSTS, kernel=kernel, layers=20).steps_per_s
 
     fused = _fused_log(20)
     assert sps(fused, True, "fia") > sps(fused, False, "fia")
-    in_line = model_steps(bench.engine_step(fused, engine_us, background=False), COSTS, kernel="fia", layers=20)
+    in_line = model_steps(modeled.engine_step(fused, engine_us, background=False), COSTS, kernel="fia", layers=20)
     assert in_line.host_us_per_step == pytest.approx(COSTS.replay + 20 * FIA_LAYER + engine_us)
     pa = _pa_log(20)
     assert sps(pa, True, "pa") < sps(pa, False, "pa")
@@ -206,14 +207,14 @@ def test_torch_npu_update_baseline_follows_sglang_and_torch_npu(kernel):
     # SGLang 0.5.23's replay_with_input_update: fence wait, submit, replay, wait for the
     # worker, new fence; torch_npu's update_capture_record on the worker: per record begin,
     # the op re-issued, end, the record's event; no workspace query (captured at max)
-    bench.sim.configure()
-    rt, _, table, _q = bench._setup(4, 4, kernel, cost=False)
-    impls = bench._implementations(rt, 4, kernel)
+    sim.configure()
+    rt, _, table, _q = measured._setup(4, 4, kernel, cost=False)
+    impls = rivals._implementations(rt, 4, kernel)
     dev, step = impls["torch_npu_update"]
     logs = []
     for lens in ([5] * 4, [7, 1, 2, 9]):
         with dev.recording() as log:
-            step(bench._step_input(rt, 4, lens, table))
+            step(rivals._step_input(rt, 4, lens, table))
         logs += log
     second = logs[1]
     main = [c.kind for c in second.calls if c.thread == 0]

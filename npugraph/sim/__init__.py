@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from npusim.surfaces.aliases import PackageAlias
-
 import npusim
+from npusim.surfaces.aliases import PackageAlias
 
 PackageAlias(__name__, "npusim").install()  # npugraph.sim.<submodule> -> npusim.<submodule>
 sys.modules[__name__] = npusim

@@ -25,6 +25,7 @@ _DIR = os.environ.get("NPUGRAPH_SGLANG_COUNTS")
 def _install(folder: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: engine_counts.py
     from engine_counts import EngineCounts
+
     from npusim_hook import after_import
 
     counts = EngineCounts(folder)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from npusim_hook import ENV, SHORT_ENV
 
 

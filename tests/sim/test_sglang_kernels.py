@@ -14,10 +14,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from npusim.kernels.dense import split_qkv_rmsnorm_rope
 
 import npusim as torch_npu
 from npusim import npu
+from npusim.kernels.dense import split_qkv_rmsnorm_rope
 
 
 def _rand(*shape, dtype=torch.bfloat16, seed=0):

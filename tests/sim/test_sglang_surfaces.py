@@ -50,9 +50,10 @@ def test_torchair_backend_compiles_and_computes_what_eager_does(torch_npu):
 
 
 def test_sgl_kernel_npu_imports_under_its_own_name_and_refuses_what_it_does_not_simulate(torch_npu):
-    from npusim.kernels import dense
     from sgl_kernel_npu.kvcacheio import TransferDirection, transfer_kv_dim_exchange
     from sgl_kernel_npu.norm.split_qkv_rmsnorm_rope import split_qkv_rmsnorm_rope
+
+    from npusim.kernels import dense
 
     assert split_qkv_rmsnorm_rope is dense.split_qkv_rmsnorm_rope and TransferDirection.D2H.value == 2
     with pytest.raises(RuntimeError, match="transfer_kv_dim_exchange is not simulated by npusim"):

@@ -16,6 +16,21 @@ npu = torch_npu.npu  # stands for torch.npu
 DEVICE = "npu"
 
 
+# The attributes every FIA call of torch_npu's test passes (32 heads, BNSD, its scale, no
+# sparsity, no softmax LSE), each call adding its own lengths, workspace and outputs.
+SCALE = 1 / 0.0078125
+FIA = dict(num_heads=32, input_layout="BNSD", scale=SCALE, pre_tokens=65535, next_tokens=65535, softmax_lse_flag=False)
+FIA_4_IN_1 = dict(num_heads=32, input_layout="BNSD", scale=SCALE, softmax_lse_flag=False)  # its 4-in-1 test's
+FIA_V2 = dict(
+    num_query_heads=32,
+    input_layout="BNSD",
+    softmax_scale=SCALE,
+    pre_tokens=65535,
+    next_tokens=65535,
+    return_softmax_lse=False,
+)
+
+
 def assert_equal(a, b):
     assert torch.equal(a.float(), b.float()), (a, b)
 
@@ -31,19 +46,13 @@ def _ifa_update(with_reset: bool, s_kv: int = 1):
     npu.set_device(0)
     length = [29]
     length_new = [100]
-    scale = 1 / 0.0078125
     query, key, value = _qkv(s_kv)
     kv_len, kv_len_new = [min(s_kv, 3)], [s_kv]
     res_src = torch_npu.npu_fused_infer_attention_score(
         query,
         key,
         value,
-        num_heads=32,
-        input_layout="BNSD",
-        scale=scale,
-        pre_tokens=65535,
-        next_tokens=65535,
-        softmax_lse_flag=False,
+        **FIA,
         actual_seq_lengths=length_new,
         actual_seq_lengths_kv=kv_len_new,
     )
@@ -55,12 +64,7 @@ def _ifa_update(with_reset: bool, s_kv: int = 1):
         query,
         key,
         value,
-        num_heads=32,
-        input_layout="BNSD",
-        scale=scale,
-        pre_tokens=65535,
-        next_tokens=65535,
-        softmax_lse_flag=False,
+        **FIA,
         actual_seq_lengths=length,
         actual_seq_lengths_kv=kv_len,
     )
@@ -77,13 +81,8 @@ def _ifa_update(with_reset: bool, s_kv: int = 1):
             query,
             key,
             value,
-            num_heads=32,
-            input_layout="BNSD",
-            scale=scale,
-            pre_tokens=65535,
+            **FIA,
             workspace=workspace,
-            next_tokens=65535,
-            softmax_lse_flag=False,
             actual_seq_lengths=length,
             actual_seq_lengths_kv=kv_len,
             out=[output, softmax_lse],
@@ -96,13 +95,8 @@ def _ifa_update(with_reset: bool, s_kv: int = 1):
             query,
             key,
             value,
-            num_heads=32,
-            input_layout="BNSD",
-            scale=scale,
-            pre_tokens=65535,
+            **FIA,
             workspace=workspace,
-            next_tokens=65535,
-            softmax_lse_flag=False,
             actual_seq_lengths=length_new,
             actual_seq_lengths_kv=kv_len_new,
             out=[output, softmax_lse],
@@ -132,18 +126,12 @@ def test_ifa_update_with_auto_dispatch_capture():
     npu.set_device(0)
     length = [29]
     length_new = [100]
-    scale = 1 / 0.0078125
     query, key, value = _qkv()
     res_src = torch_npu.npu_fused_infer_attention_score(
         query,
         key,
         value,
-        num_heads=32,
-        input_layout="BNSD",
-        scale=scale,
-        pre_tokens=65535,
-        next_tokens=65535,
-        softmax_lse_flag=False,
+        **FIA,
         actual_seq_lengths=length_new,
     )
     g = npu.NPUGraph()
@@ -151,12 +139,7 @@ def test_ifa_update_with_auto_dispatch_capture():
         query,
         key,
         value,
-        num_heads=32,
-        input_layout="BNSD",
-        scale=scale,
-        pre_tokens=65535,
-        next_tokens=65535,
-        softmax_lse_flag=False,
+        **FIA,
         actual_seq_lengths=length,
     )
     with npu.graph(g, auto_dispatch_capture=True):
@@ -166,13 +149,8 @@ def test_ifa_update_with_auto_dispatch_capture():
             query,
             key,
             value,
-            num_heads=32,
-            input_layout="BNSD",
-            scale=scale,
-            pre_tokens=65535,
+            **FIA,
             workspace=workspace,
-            next_tokens=65535,
-            softmax_lse_flag=False,
             actual_seq_lengths=length,
             out=[output, softmax_lse],
         )
@@ -186,18 +164,12 @@ def test_ifa_update_with_non_out_and_auto_dispatch_capture():
     npu.set_device(0)
     length = [29]
     length_new = [100]
-    scale = 1 / 0.0078125
     query, key, value = _qkv()
     res_src = torch_npu.npu_fused_infer_attention_score(
         query,
         key,
         value,
-        num_heads=32,
-        input_layout="BNSD",
-        scale=scale,
-        pre_tokens=65535,
-        next_tokens=65535,
-        softmax_lse_flag=False,
+        **FIA,
         actual_seq_lengths=length_new,
     )
     g = npu.NPUGraph()
@@ -208,12 +180,7 @@ def test_ifa_update_with_non_out_and_auto_dispatch_capture():
             query,
             key,
             value,
-            num_heads=32,
-            input_layout="BNSD",
-            scale=scale,
-            pre_tokens=65535,
-            next_tokens=65535,
-            softmax_lse_flag=False,
+            **FIA,
             actual_seq_lengths=length,
         )
     g.update(cpu_update_input=[{"actual_seq_lengths": length_new}])
@@ -226,18 +193,12 @@ def test_npu_fused_infer_attention_score_v2():
     npu.set_device(0)
     length = [29]
     length_new = [100]
-    scale = 1 / 0.0078125
     query, key, value = _qkv()
     res_src = torch_npu.npu_fused_infer_attention_score_v2(
         query,
         key,
         value,
-        num_query_heads=32,
-        input_layout="BNSD",
-        softmax_scale=scale,
-        pre_tokens=65535,
-        next_tokens=65535,
-        return_softmax_lse=False,
+        **FIA_V2,
         actual_seq_qlen=length_new,
     )
     g = npu.NPUGraph()
@@ -247,12 +208,7 @@ def test_npu_fused_infer_attention_score_v2():
         query,
         key,
         value,
-        num_query_heads=32,
-        input_layout="BNSD",
-        softmax_scale=scale,
-        pre_tokens=65535,
-        next_tokens=65535,
-        return_softmax_lse=False,
+        **FIA_V2,
         actual_seq_qlen=length,
     )
     with npu.graph(g):
@@ -266,13 +222,8 @@ def test_npu_fused_infer_attention_score_v2():
             query,
             key,
             value,
-            num_query_heads=32,
-            input_layout="BNSD",
-            softmax_scale=scale,
-            pre_tokens=65535,
+            **FIA_V2,
             workspace=workspace,
-            next_tokens=65535,
-            return_softmax_lse=False,
             actual_seq_qlen=length,
             out=[output, softmax_lse],
         )
@@ -283,13 +234,8 @@ def test_npu_fused_infer_attention_score_v2():
             query,
             key,
             value,
-            num_query_heads=32,
-            input_layout="BNSD",
-            softmax_scale=scale,
-            pre_tokens=65535,
+            **FIA_V2,
             workspace=workspace,
-            next_tokens=65535,
-            return_softmax_lse=False,
             actual_seq_qlen=length_new,
             out=[output, softmax_lse],
         )
@@ -302,17 +248,13 @@ def test_npu_fused_infer_attention_score_v2():
 
 def test_ifa_update_with_4_in_1_helper():
     npu.set_device(0)
-    scale = 1 / 0.0078125
     query, key, value = _qkv(s_kv=6)
     kv, kv_new = [2], [6]
     res_src = torch_npu.npu_fused_infer_attention_score(
         query,
         key,
         value,
-        num_heads=32,
-        input_layout="BNSD",
-        scale=scale,
-        softmax_lse_flag=False,
+        **FIA_4_IN_1,
         actual_seq_lengths_kv=kv_new,
     )
     g = npu.NPUGraph()
@@ -322,10 +264,7 @@ def test_ifa_update_with_4_in_1_helper():
         query,
         key,
         value,
-        num_heads=32,
-        input_layout="BNSD",
-        scale=scale,
-        softmax_lse_flag=False,
+        **FIA_4_IN_1,
         actual_seq_lengths_kv=kv,
     )
     with npu.graph(g):
@@ -339,11 +278,8 @@ def test_ifa_update_with_4_in_1_helper():
             query,
             key,
             value,
-            num_heads=32,
-            input_layout="BNSD",
-            scale=scale,
+            **FIA_4_IN_1,
             workspace=workspace,
-            softmax_lse_flag=False,
             actual_seq_lengths_kv=kv,
             out=[output, softmax_lse],
         )
@@ -355,11 +291,8 @@ def test_ifa_update_with_4_in_1_helper():
         query,
         key,
         value,
-        num_heads=32,
-        input_layout="BNSD",
-        scale=scale,
+        **FIA_4_IN_1,
         workspace=workspace,
-        softmax_lse_flag=False,
         actual_seq_lengths_kv=kv_new,
         out=[output, softmax_lse],
     )
@@ -397,11 +330,11 @@ def test_pa_auto_dispatch_update_against_golden():
     with pytest.raises(ValueError, match="context_lens"):
         g.update(cpu_update_input=[{"context_lens": new_lens}])
     # torch_npu's update does not close the update it failed in: the update stream stays in it
-    us = g.graph_dispatch_mode.update_stream
+    update_stream = g.graph_dispatch_mode.update_stream
     with pytest.raises(RuntimeError, match="is already updating"):
         g.update(cpu_update_input=[{"context_lens": torch.tensor(new_lens, dtype=torch.int32)}])
     with pytest.raises(torch_npu.UpdateMismatchError, match="0 ops"):
-        npu.graph_task_update_end(us)  # what its caller must do to go on: close the empty update
+        npu.graph_task_update_end(update_stream)  # what its caller must do to go on: close the empty update
     g.update(cpu_update_input=[{"context_lens": torch.tensor(new_lens, dtype=torch.int32)}])
     g.replay()
     npu.synchronize()
