@@ -9,15 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
+from npugraph import demo
 from npugraph._version import __version__
 from npugraph.device import load_device
 from npugraph.dump import cli as dump_cli
@@ -34,7 +33,6 @@ __all__ = ["main", "build_parser"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _DEFAULT_DTYPE = "bfloat16"  # the demo decoder's; `policy measure` defaults to it too
-_REF_TOL = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 6e-2}  # relative to the largest logit
 _MODELS = {"gqa": Decoder, "mla": MLADecoder, "gemma-like": Decoder}
 
 
@@ -171,108 +169,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     engine = DecodeEngine(rt, _MODELS[args.model](cfg, rt), args.sizes)
     # made before the capture, so that a workload this config cannot run is refused first
     wl = Workload(cfg, engine.sizes, seed=args.seed, adversarial=args.adversarial is not None, device=rt.device.memory)
-    t0 = time.perf_counter()
-    engine.capture()
-    capture_s = time.perf_counter() - t0
-    # Host time of each half of the step without the device's work, the device's work
-    # (on the simulator it runs on the CPU, inside whichever host call unblocks it), and
-    # the whole step with its synchronize.
-    times: dict[int, dict[str, list[float]]] = {
-        s: {"update": [], "replay": [], "device": [], "total": []} for s in engine.sizes
-    }
-    mismatches = 0
-    first_bad = None
-    ref_checks, ref_failures, ref_worst = 0, 0, 0.0
-    steps = tqdm(wl.steps(args.steps), total=args.steps, desc="decoding", unit="step", disable=args.no_progress)
-    for i, batch in enumerate(steps):
-        ref = engine.eager(batch).clone()
-        inputs = {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": batch.slot_mapping}
-        t = times[batch.size]
-        metadata = engine.metadata(batch.meta)
-        t1, d1 = time.perf_counter(), rt.device.device_seconds()
-        out = rt.step(batch.size, metadata, inputs=inputs)
-        rt.synchronize()
-        t["total"].append(time.perf_counter() - t1)
-        t["device"].append(rt.device.device_seconds() - d1)
-        state = rt.graph_state(batch.size)
-        t["update"].append(state.last_update_s)
-        t["replay"].append(state.last_replay_s)
-        got = out[: batch.num_reqs]
-        if not torch.equal(got, ref):
-            mismatches += 1
-            if first_bad is None:
-                first_bad = i
-        if i % args.reference_every == 0:  # and against the float64-attention reference
-            lens = batch.meta.seq_lens.tolist()
-            ind = engine.model.reference_logits(
-                batch.input_ids, batch.positions, batch.slot_mapping, lens, [1] * len(lens), batch.meta.block_table
-            )
-            err = float((got.float() - ind).abs().max()) if lens else 0.0
-            ref_worst = max(ref_worst, err / max(1.0, float(ind.abs().max()) if lens else 1.0))
-            ref_checks += 1
-            if err > _REF_TOL[args.dtype] * max(1.0, float(ind.abs().max()) if lens else 1.0):
-                ref_failures += 1
-        wl.feedback(batch.rids, got.argmax(-1).tolist())
-    kernels = {e.key: e.choice.kernel for e in rt.entries()}
-
-    def med(xs: list[float]) -> str:
-        return f"{statistics.median(xs) * 1e6:.0f}" if xs else "-"
-
-    print(
-        f"npugraph demo ({args.model}) on {rt.device.name}: {cfg.layers} layers, sizes {engine.sizes}, "
-        f"captured in {capture_s:.2f}s"
+    run = demo.decode(
+        engine,
+        wl,
+        steps=args.steps,
+        reference_every=args.reference_every,
+        dtype=args.dtype,
+        progress=not args.no_progress,
     )
-    device_col = "sim dev us" if rt.device.is_sim else "device us"
-    print(
-        f"{'size':>5} {'kernel':>8} {'replays':>8} {'update us':>10} {'replay us':>10} {device_col:>10} "
-        f"{'total us':>10}  why"
-    )
-    for e in sorted(rt.entries(), key=lambda e: e.tokens):
-        t = times[e.tokens]
-        replays = rt.graph_state(e.key).replays
-        dev_cell = med(t["device"]) if rt.device.is_sim else "-"
-        print(
-            f"{e.tokens:>5} {e.choice.kernel:>8} {replays:>8} {med(t['update']):>10} {med(t['replay']):>10} "
-            f"{dev_cell:>10} {med(t['total']):>10}  {e.choice.reason}"
-        )
-    verdict = f"{args.steps} steps, {mismatches} mismatches"
-    if first_bad is not None:
-        verdict += f" (first at step {first_bad})"
-    print(verdict)
-    print(
-        f"{ref_checks} steps against the float64 reference: {ref_failures} beyond tolerance "
-        f"(worst relative error {ref_worst:.2g})"
-    )
-    all_u = [x for t in times.values() for x in t["update"]]
-    all_r = [x for t in times.values() for x in t["replay"]]
-    all_d = [x for t in times.values() for x in t["device"]]
-    summary = {
-        "model": args.model,
-        "device": rt.device.name,
-        "layers": cfg.layers,
-        "capture_sizes": engine.sizes,
-        "steps": args.steps,
-        "mismatches": mismatches,
-        "kernel_by_size": {str(k): v for k, v in sorted(kernels.items())},
-        "kernel_reason_by_size": {str(e.key): e.choice.reason for e in rt.entries()},
-        "update_us_median": statistics.median(all_u) * 1e6 if all_u else None,
-        "replay_us_median": statistics.median(all_r) * 1e6 if all_r else None,
-        # the simulator's device work per step (it runs on the CPU); None on hardware
-        "sim_device_us_median": statistics.median(all_d) * 1e6 if all_d and rt.device.is_sim else None,
-        "timing_note": "update/replay: host time without the simulated device's work",
-        "capture_seconds": capture_s,
-        "order": args.order,
-        "dtype": args.dtype,
-        "adversarial_seed": args.adversarial,
-        "reference_checks": ref_checks,
-        "reference_failures": ref_failures,
-        "reference_worst_relative_error": ref_worst,
-    }
+    settings = {"order": args.order, "dtype": args.dtype, "adversarial_seed": args.adversarial}
+    summary = demo.report(run, engine, model=args.model, layers=cfg.layers, settings=settings)
     if args.json:
         write_text(args.json, json.dumps(summary, indent=1))
     if args.dump:
         rt.save_manifest(args.dump)
-    return 1 if mismatches or ref_failures else 0
+    return 1 if run.mismatches or run.reference_failures else 0
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("npugraph.runtime",),
     ("npugraph.attention",),
     ("npugraph.models", "npugraph.integrations"),
-    ("npugraph.measure", "npugraph.selftest", "npugraph.bench"),  # run models on the runtime
+    ("npugraph.measure", "npugraph.selftest", "npugraph.bench", "npugraph.demo"),  # run models on the runtime
     ("npugraph.cli",),
     ("npugraph",),
 ]
