@@ -9,7 +9,6 @@ import gc
 import logging
 import os
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -19,27 +18,22 @@ import torch
 import torch.utils._pytree as pytree
 from tqdm import tqdm
 
+from npugraph.capture.advice import advice_for, raised_at
+from npugraph.capture.events import EventSchedule, group_size
 from npugraph.capture.records import CapturedGraph, TaskRecord
+from npugraph.capture.report import capture_report
 from npugraph.device import Device
 from npugraph.errors import CaptureFailed, ConfigError, UnknownKeyError
 from npugraph.ops import FIA_SINK, SPECS, AttentionCall, LensArena, LensGroup, OpSpec, StepLens
 from npugraph.policy import KernelChoice, KernelPolicy, StaticPolicy
 
-__all__ = ["AUTO_EVENT_GROUP", "AUTO_EVENT_GROUP_MIN", "CaptureManager", "EventSchedule", "SINK_MIN_LAYERS"]
+__all__ = ["CaptureManager", "SINK_MIN_LAYERS"]
 
 # Below this many attention layers a graph keeps FIA's per-layer update: one FIA layer's
 # update costs ~184 us of host time (begin + re-issue + end + record, vllm-ascend #13058),
 # the tiling-sink step ~150-190 us of launches for the metadata op and the length copy
 # (#15336) plus one event record, so the sink path saves host time from the second layer.
 SINK_MIN_LAYERS = 2
-
-# Event grouping by default (``event_group=None``): a namespace whose graphs have at least
-# AUTO_EVENT_GROUP_MIN tasks updated per layer records one ExternalEvent per
-# AUTO_EVENT_GROUP of them.  Modeled on A2 host costs (npugraph bench): +5% steps/s on
-# host-bound FIA decode at 20 layers and +26% on PA at batch 4, step latency +4%, within
-# 1.05 of UpdatableGraph's; below 20 layers the gain is within the model's noise.
-AUTO_EVENT_GROUP = 10
-AUTO_EVENT_GROUP_MIN = 2 * AUTO_EVENT_GROUP
 
 logger = logging.getLogger("npugraph")
 
@@ -86,26 +80,6 @@ class _Capture:
     @property
     def choice(self) -> KernelChoice | None:
         return next(iter(self.choices.values()))[1] if self.choices else None
-
-
-@attrs.frozen(kw_only=True)
-class EventSchedule:
-    """Which tasks of a graph of ``tasks`` attention tasks share an ExternalEvent.
-
-    Groups of ``size`` tasks from the first, then the last task alone: the graph waits
-    once per group (at its first task) and the update records once (after its last), so
-    a step makes fewer event records; the last task alone keeps the step's latency (the
-    device runs one layer after the last update lands, as without groups).
-    """
-
-    tasks: int
-    size: int
-
-    def waits(self, i: int) -> bool:
-        return i == self.tasks - 1 or i % self.size == 0
-
-    def records(self, i: int) -> bool:
-        return i >= self.tasks - 2 or i % self.size == self.size - 1
 
 
 def _shape(call: AttentionCall) -> tuple[Any, ...]:
@@ -463,17 +437,10 @@ class CaptureManager:
     def group_size(self, namespace: str) -> int:
         """Tasks per ExternalEvent in ``namespace``'s graphs updated per layer: ``event_group``,
         or (``None``) AUTO_EVENT_GROUP once the namespace has AUTO_EVENT_GROUP_MIN tasks, else 1."""
-        if self.event_group is not None:
-            return self.event_group
-        count = self._task_counts.get(namespace, 0)
-        return AUTO_EVENT_GROUP if count >= AUTO_EVENT_GROUP_MIN else 1
+        return group_size(self._task_counts.get(namespace, 0), self.event_group)
 
     def _schedule(self, namespace: str) -> EventSchedule | None:
-        count = self._task_counts.get(namespace)
-        size = self.group_size(namespace)
-        if size == 1 or count is None or count < 3:
-            return None
-        return EventSchedule(tasks=count, size=size)
+        return EventSchedule.of(self._task_counts.get(namespace), self.group_size(namespace))
 
     def _try_capture(
         self,
@@ -515,10 +482,6 @@ class CaptureManager:
         graph = npu.NPUGraph()
         self.device.name_in_reports(graph, f"{namespace}/{key!r}")
 
-        def again(how: _How) -> _How:
-            graph.reset()  # nothing was registered
-            return how
-
         t0 = time.perf_counter()
         self._ctx = ctx
         failure: BaseException | None = None
@@ -537,49 +500,10 @@ class CaptureManager:
                     f"capture of {namespace}/{key!r}: the callable made no attention call "
                     "through the runtime; nothing would be updated"
                 )
-            if namespace not in self._task_counts and ctx.tasks:
-                self._task_counts[namespace] = len(ctx.tasks)  # the namespace's first graph counts
-                learned = self._schedule(namespace)
-                if schedule is None and learned is not None and any(t.lens is None for t in ctx.tasks):
-                    return again(attrs.evolve(how, schedule=learned))
-            if ctx.lens_short is not None:
-                self._lens_groups[namespace] = max(self._lens_groups.get(namespace, 1), ctx.lens_short[0])
-                return again(attrs.evolve(how, lens_room=ctx.lens_short))
-            on_device = [t for t in ctx.tasks if t.lens is not None]
-            forced = any(c.fixed and c.kernel == "fia_sink" for _, c in ctx.choices.values())
-            mixed = on_device and schedule is not None and len(on_device) < len(ctx.tasks)
-            if forced and mixed:
-                raise CaptureFailed(
-                    f"capture of {namespace}/{key!r}: the kernel policy chose fia_sink for some layers and "
-                    "another kernel, updated per layer, for others, with event grouping on; capture with "
-                    "event_group=1 or one kernel for every layer"
-                )
-            refused = ""
-            if forced:
-                pass  # the policy's choice, taken as it is
-            elif on_device and len(on_device) < SINK_MIN_LAYERS:
-                refused = (
-                    f"{len(on_device)} attention layer(s): below the {SINK_MIN_LAYERS} from which the "
-                    "tiling-sink path saves host time"
-                )
-            elif mixed:
-                refused = "the graph mixes tiling-sink and per-layer tasks, and event grouping is on"
-            if refused:
-                sched = schedule if schedule is not None else self._schedule(namespace)
-                return again(attrs.evolve(how, schedule=sched, sink_refusal=refused))
-            if on_device:  # the graph's last tiling-sink task records the shared event
-                last = on_device[-1].index
-                ctx.tasks[last] = attrs.evolve(ctx.tasks[last], records=True)
-            if schedule is not None and len(ctx.tasks) != schedule.tasks:
-                # this graph has another task count than its namespace's first: its last group
-                # would never record; capture it again with one event per task
-                warnings.warn(
-                    f"capture of {namespace}/{key!r}: {len(ctx.tasks)} attention calls, but the first graph "
-                    f"of namespace {namespace!r} had {schedule.tasks}; this graph records one ExternalEvent "
-                    f"per layer (event_group={schedule.size} does not apply to it)",
-                    stacklevel=3,
-                )
-                return again(attrs.evolve(how, schedule=None, lens_room=None))
+            another = self._another_way(ctx, how)
+            if another is not None:
+                graph.reset()  # nothing was registered
+                return another
             entry = CapturedGraph(
                 namespace=namespace,
                 key=key,
@@ -606,20 +530,73 @@ class CaptureManager:
                 if cause is exc:
                     raise  # Ctrl-C stays itself; our own errors already say where
                 raise cause from None
-            layer = ctx.layer or (ctx.tasks[-1].layer if ctx.tasks else None)
-            where = (
-                f" in layer {ctx.layer!r}"
-                if ctx.layer
-                else (f" after layer {layer!r} (the last attention call recorded)" if layer else "")
-            )
-            raise CaptureFailed(
-                f"capture of {namespace}/{key!r} failed{where} at {_raised_at(cause, self._library_code)}: "
-                f"{type(cause).__name__}: {str(cause).rstrip('.')}. Nothing was registered for this key."
-                + _advice(str(cause))
-            ) from cause
+            raise self._failed(ctx, cause) from cause
         finally:
             self._ctx = None
         return entry, outputs
+
+    def _another_way(self, ctx: _Capture, how: _How) -> _How | None:
+        """The way a just-captured graph must be captured again (see :meth:`_try_capture`), or
+        None where it stands as captured (its tiling-sink event marked)."""
+        namespace, key, schedule = ctx.namespace, ctx.key, how.schedule
+        if namespace not in self._task_counts and ctx.tasks:
+            self._task_counts[namespace] = len(ctx.tasks)  # the namespace's first graph counts
+            learned = self._schedule(namespace)
+            if schedule is None and learned is not None and any(t.lens is None for t in ctx.tasks):
+                return attrs.evolve(how, schedule=learned)
+        if ctx.lens_short is not None:
+            self._lens_groups[namespace] = max(self._lens_groups.get(namespace, 1), ctx.lens_short[0])
+            return attrs.evolve(how, lens_room=ctx.lens_short)
+        on_device = [t for t in ctx.tasks if t.lens is not None]
+        forced = any(c.fixed and c.kernel == "fia_sink" for _, c in ctx.choices.values())
+        mixed = on_device and schedule is not None and len(on_device) < len(ctx.tasks)
+        if forced and mixed:
+            raise CaptureFailed(
+                f"capture of {namespace}/{key!r}: the kernel policy chose fia_sink for some layers and "
+                "another kernel, updated per layer, for others, with event grouping on; capture with "
+                "event_group=1 or one kernel for every layer"
+            )
+        refused = ""
+        if forced:
+            pass  # the policy's choice, taken as it is
+        elif on_device and len(on_device) < SINK_MIN_LAYERS:
+            refused = (
+                f"{len(on_device)} attention layer(s): below the {SINK_MIN_LAYERS} from which the "
+                "tiling-sink path saves host time"
+            )
+        elif mixed:
+            refused = "the graph mixes tiling-sink and per-layer tasks, and event grouping is on"
+        if refused:
+            sched = schedule if schedule is not None else self._schedule(namespace)
+            return attrs.evolve(how, schedule=sched, sink_refusal=refused)
+        if on_device:  # the graph's last tiling-sink task records the shared event
+            last = on_device[-1].index
+            ctx.tasks[last] = attrs.evolve(ctx.tasks[last], records=True)
+        if schedule is not None and len(ctx.tasks) != schedule.tasks:
+            # this graph has another task count than its namespace's first: its last group
+            # would never record; capture it again with one event per task
+            warnings.warn(
+                f"capture of {namespace}/{key!r}: {len(ctx.tasks)} attention calls, but the first graph "
+                f"of namespace {namespace!r} had {schedule.tasks}; this graph records one ExternalEvent "
+                f"per layer (event_group={schedule.size} does not apply to it)",
+                stacklevel=4,
+            )
+            return attrs.evolve(how, schedule=None, lens_room=None)
+        return None
+
+    def _failed(self, ctx: _Capture, cause: BaseException) -> CaptureFailed:
+        """The error of a capture the callable (or the device) failed: where, and what to do."""
+        layer = ctx.layer or (ctx.tasks[-1].layer if ctx.tasks else None)
+        where = (
+            f" in layer {ctx.layer!r}"
+            if ctx.layer
+            else (f" after layer {layer!r} (the last attention call recorded)" if layer else "")
+        )
+        return CaptureFailed(
+            f"capture of {ctx.namespace}/{ctx.key!r} failed{where} at {raised_at(cause, self._library_code)}: "
+            f"{type(cause).__name__}: {str(cause).rstrip('.')}. Nothing was registered for this key."
+            + advice_for(str(cause))
+        )
 
     def capture_all(
         self,
@@ -654,59 +631,19 @@ class CaptureManager:
 
     def capture_report(self, namespace: str | None = None, seconds: float | None = None) -> str:
         """One line on what is captured: graphs, attention tasks, kernels, time, device memory
-        (per size, what each capture took), pool memory."""
+        (per size, what each capture took), pool memory, and what capture chose and why."""
         entries = self.entries(namespace)
-        kernels: dict[str, int] = {}
-        for e in entries:
-            kernels[e.choice.kernel] = kernels.get(e.choice.kernel, 0) + 1
-        took = seconds if seconds is not None else sum(e.capture_seconds for e in entries)
-        pool = self.device.pool_bytes(self._pool)
-        where = f"namespace {namespace!r}" if namespace is not None else "all namespaces"
-        return (
-            f"{len(entries)} graphs captured in {where} ({sum(len(e.tasks) for e in entries)} attention tasks; "
-            + ", ".join(f"{n} {k}" for k, n in sorted(kernels.items()))
-            + f") in {took:.1f} s"
-            + self._memory_summary(entries)
-            + (f", graph pool {pool / 2**20:.1f} MiB" if pool is not None else "")
-            + self._choices_summary(entries)
+        events = {
+            ns: (self.group_size(ns), self._task_counts.get(ns, 0)) for ns in sorted({e.namespace for e in entries})
+        }
+        return capture_report(
+            entries,
+            namespace=namespace,
+            seconds=seconds,
+            pool_bytes=self.device.pool_bytes(self._pool),
+            events=events,
+            event_group_set=self.event_group is not None,
         )
-
-    @staticmethod
-    def _memory_summary(entries: Sequence[CapturedGraph]) -> str:
-        """The device memory the captures took, in all and per size (largest first)."""
-        if not entries:
-            return ""
-        taken = sorted(entries, key=lambda e: -e.tokens)
-        mib = [(e.tokens, e.memory_bytes / 2**20) for e in taken]
-        each = ", ".join(f"{t}: {m:.1f}" for t, m in mib[:8]) + (", ..." if len(mib) > 8 else "")
-        return f", device memory {sum(m for _, m in mib):.1f} MiB (per size, MiB: {each})"
-
-    def _choices_summary(self, entries: Sequence[CapturedGraph]) -> str:
-        """What capture chose, and why: each kernel's sizes (with why FIA's lengths are or are
-        not on the device), and the ExternalEvents per namespace."""
-        if not entries:
-            return ""
-        sizes: dict[str, list[int]] = {}
-        why: dict[str, str] = {}
-        for e in sorted(entries, key=lambda e: e.tokens):
-            sizes.setdefault(e.choice.kernel, []).append(e.tokens)
-            _, _, detail = e.choice.reason.partition("; ")
-            if detail:
-                why.setdefault(e.choice.kernel, detail)
-        kernels = ", ".join(f"{k} at {v}" + (f" ({why[k]})" if k in why else "") for k, v in sorted(sizes.items()))
-        events = []
-        for ns in sorted({e.namespace for e in entries}):
-            per_layer = any(t.lens is None for e in entries if e.namespace == ns for t in e.tasks)
-            if not per_layer:
-                continue
-            g = self.group_size(ns)
-            how = "set" if self.event_group is not None else f"auto, {self._task_counts.get(ns, 0)} tasks"
-            events.append(
-                f"{ns!r}: one per layer ({how})" if g == 1 else f"{ns!r}: one per {g} layers updated per layer ({how})"
-            )
-        sink = any(t.lens is not None for e in entries for t in e.tasks)
-        said = (["one per step for tiling-sink graphs"] if sink else []) + events
-        return f"; kernels: {kernels}; ExternalEvents: " + ", ".join(said)
 
     # --- lookup ----------------------------------------------------------------------
     def entry(self, namespace: str, key: Hashable) -> CapturedGraph:
@@ -762,44 +699,6 @@ class CaptureManager:
             del self._entries[(ns, k)]
 
 
-# What a device's capture error means, by the code or message torch_npu and CANN report
-# (matched in lower case; vllm-ascend's issues #1168, #2182, the torch_npu builds without
-# aclmdlRI*, and the stream-resource and old-HDK markers its ACLGraphWrapper diagnoses in
-# compilation/acl_graph.py): the advice appended to CaptureFailed.
-_DEVICE_ADVICE = (
-    (
-        ("207008", "insufficient_stream_resources", "stream resources are insufficient"),
-        "The device ran out of stream resources (error 207008; about 1,920 graphs per device, vllm-ascend "
-        "#1168): capture fewer sizes (vLLM: compilation_config.cudagraph_capture_sizes, or a lower "
-        "max_cudagraph_capture_size) or fewer namespaces; FULL_DECODE_ONLY captures fewer graphs than "
-        "PIECEWISE.",
-    ),
-    (
-        ("alloc sq cq fail",),
-        "This is the capture error of an old Ascend HDK/CANN stack (`Alloc sq cq fail`): upgrade the Ascend "
-        "HDK to 25.5.1 or later with its matching CANN.",
-    ),
-    (
-        ("aclmdlricapturebegin", "aclmdlricapture"),
-        "This CANN/driver has no graph capture (aclmdlRICapture*): graph capture with task updates needs "
-        "CANN >= 8.2.RC1 and Ascend HDK >= 25.0.RC1; upgrade them, or run without graphs.",
-    ),
-    (
-        ("507011",),
-        "An event wait timed out on the device (507011): a replay waited for an update that never came "
-        "before this capture; synchronize (Runtime.synchronize names the graph) before capturing.",
-    ),
-)
-
-
-def _advice(message: str) -> str:
-    lowered = message.lower()
-    for needles, advice in _DEVICE_ADVICE:
-        if any(n in lowered for n in needles):
-            return " " + advice
-    return ""
-
-
 def _host_tuple(v: Any) -> tuple[int, ...]:
     if isinstance(v, torch.Tensor):
         return tuple(int(x) for x in v.tolist())
@@ -809,15 +708,6 @@ def _host_tuple(v: Any) -> tuple[int, ...]:
 def _batch_of(tasks: Sequence[TaskRecord]) -> int:
     """The graph's request slots: rows of its first task's block table (0 without attention)."""
     return int(tasks[0].args[tasks[0].spec.refreshed_buffers[0]].shape[0]) if tasks else 0
-
-
-def _raised_at(exc: BaseException, skip: tuple[str, ...]) -> str:
-    """``file:line in function`` of the deepest frame of ``exc`` outside the ``skip``
-    folders (torch's and the device's own code): where the callable went wrong.  Never
-    empty: the traceback starts in :meth:`CaptureManager.capture`."""
-    mine = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
-    f = mine[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}"
 
 
 @contextlib.contextmanager
