@@ -391,3 +391,27 @@ def test_npugraph_and_its_engine_integrations_load_no_simulator_module():
     assert counts["Runtime('npu') refused"] == []
     assert "npusim.kernels.fia" in counts["Runtime('sim')"]
     assert counts["npugraph.sim is npusim"] is True
+
+
+MOST_LINES = 100  # a function longer than this does several things: give each a name
+
+
+def _long_functions(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [
+        f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (node.end_lineno or node.lineno) - node.lineno + 1 > MOST_LINES
+    ]
+
+
+def test_no_function_of_npugraph_is_over_100_lines():
+    long = [hit for m, p in MODULES.items() if m.startswith("npugraph") for hit in _long_functions(p)]
+    assert long == [], long
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    src = tmp_path / "long.py"
+    src.write_text("def short():\n    pass\n\n\ndef long():\n" + "    x = 1\n" * MOST_LINES)
+    assert _long_functions(src) == [f"long.py:5 long ({MOST_LINES + 1} lines)"]

@@ -77,74 +77,97 @@ def validate_manifest(doc: dict[str, Any]) -> list[Violation]:
                 )
             ws_bytes = int(k.get("workspace", {}).get("bytes", 0))
             for t in k["tasks"]:
-                tw = f"{where} task {t['index']} ({t['layer']})"
-                ident = t.get("task_group")
-                if ident is not None and ident in handles:  # a tiling-sink task has none
-                    out.append(
-                        Violation(
-                            rule="unique-handles",
-                            where=tw,
-                            message=f"task_group {ident} is also used by {handles[ident]}",
-                        )
+                out += _task_violations(
+                    t, f"{where} task {t['index']} ({t['layer']})", where, ws_bytes, max_len, handles, events
+                )
+            out += _padding_violations(k, where)
+    return out
+
+
+def _task_violations(
+    t: dict[str, Any],
+    tw: str,
+    where: str,
+    ws_bytes: int,
+    max_len: int,
+    handles: dict[Any, str],
+    events: dict[Any, tuple[str, str]],
+) -> list[Violation]:
+    """The violations of task ``t`` (``tw`` names it, ``where`` its graph): its task group and
+    event shared with another graph's, its workspace, its lengths at capture and last update.
+    ``handles`` and ``events`` collect what earlier tasks used."""
+    out: list[Violation] = []
+    ident = t.get("task_group")
+    if ident is not None and ident in handles:  # a tiling-sink task has none
+        out.append(
+            Violation(
+                rule="unique-handles",
+                where=tw,
+                message=f"task_group {ident} is also used by {handles[ident]}",
+            )
+        )
+    elif ident is not None:
+        handles[ident] = tw
+    # tasks of one graph may share an event (event grouping, tiling-sink tasks); graphs may not
+    ident = t.get("event")
+    if ident in events and events[ident][0] != where:
+        out.append(
+            Violation(rule="unique-events", where=tw, message=f"event {ident} is also used by {events[ident][1]}")
+        )
+    elif ident not in events:
+        events[ident] = (where, tw)
+    need = int(t.get("workspace_required", 0))
+    have = _arg_bytes(t["args"].get("workspace"))
+    if have is None:
+        have = ws_bytes
+    if have < need:
+        out.append(
+            Violation(
+                rule="workspace",
+                where=tw,
+                message=f"workspace of {have} bytes is below the {need} bytes {t['op']} needs at max_model_len",
+            )
+        )
+    kc = t["args"].get("key_cache") or t["args"].get("key")
+    bt = t["args"].get("block_table")
+    cap = None
+    if kc and bt and kc.get("kind") == "tensor" and bt.get("kind") == "tensor":
+        cap = int(bt["shape"][1]) * int(kc["shape"][1])
+    for label, host in (
+        ("capture", t.get("host_at_capture") or {}),
+        ("last update", (t.get("last_update") or {}).get("host") or {}),
+    ):
+        lens = _kv_host(t, host)
+        for i, x in enumerate(lens):
+            if x > max_len or (cap is not None and x > cap) or x < 0:
+                out.append(
+                    Violation(
+                        rule="lengths",
+                        where=f"{tw} {label}",
+                        message=f"length[{i}] = {x} outside [0, min(max_model_len={max_len}, table capacity={cap})]",
                     )
-                elif ident is not None:
-                    handles[ident] = tw
-                # tasks of one graph may share an event (event grouping, tiling-sink tasks); graphs may not
-                ident = t.get("event")
-                if ident in events and events[ident][0] != where:
-                    out.append(
-                        Violation(
-                            rule="unique-events", where=tw, message=f"event {ident} is also used by {events[ident][1]}"
-                        )
+                )
+                break
+    return out
+
+
+def _padding_violations(k: dict[str, Any], where: str) -> list[Violation]:
+    """Every traced step of graph ``k`` whose padding requests had non-zero lengths."""
+    out: list[Violation] = []
+    for rec in k.get("trace", []):
+        for g, lens in rec.get("groups", {}).items():
+            real = lens.get("num_reqs")
+            if real is None:
+                continue
+            pad = lens["kv_lens"][real:]
+            if any(pad):
+                out.append(
+                    Violation(
+                        rule="padding-zero",
+                        where=f"{where} step {rec['step']} group {g}",
+                        message=f"padding requests {real}.. have non-zero lengths {pad}",
                     )
-                elif ident not in events:
-                    events[ident] = (where, tw)
-                need = int(t.get("workspace_required", 0))
-                have = _arg_bytes(t["args"].get("workspace"))
-                if have is None:
-                    have = ws_bytes
-                if have < need:
-                    out.append(
-                        Violation(
-                            rule="workspace",
-                            where=tw,
-                            message=f"workspace of {have} bytes is below the {need} bytes {t['op']} needs at max_model_len",
-                        )
-                    )
-                kc = t["args"].get("key_cache") or t["args"].get("key")
-                bt = t["args"].get("block_table")
-                cap = None
-                if kc and bt and kc.get("kind") == "tensor" and bt.get("kind") == "tensor":
-                    cap = int(bt["shape"][1]) * int(kc["shape"][1])
-                for label, host in (
-                    ("capture", t.get("host_at_capture") or {}),
-                    ("last update", (t.get("last_update") or {}).get("host") or {}),
-                ):
-                    lens = _kv_host(t, host)
-                    for i, x in enumerate(lens):
-                        if x > max_len or (cap is not None and x > cap) or x < 0:
-                            out.append(
-                                Violation(
-                                    rule="lengths",
-                                    where=f"{tw} {label}",
-                                    message=f"length[{i}] = {x} outside [0, min(max_model_len={max_len}, table capacity={cap})]",
-                                )
-                            )
-                            break
-            for rec in k.get("trace", []):
-                for g, lens in rec.get("groups", {}).items():
-                    real = lens.get("num_reqs")
-                    if real is None:
-                        continue
-                    pad = lens["kv_lens"][real:]
-                    if any(pad):
-                        out.append(
-                            Violation(
-                                rule="padding-zero",
-                                where=f"{where} step {rec['step']} group {g}",
-                                message=f"padding requests {real}.. have non-zero lengths {pad}",
-                            )
-                        )
+                )
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -90,7 +91,29 @@ def convert(
     kv = kv[:r]
     if r > batch:  # before the table's rows are checked against r (batch_refusal says it)
         raise MetadataError(f"{where}: {batch_refusal(batch, tokens, r, 0)}")
-    table = meta.block_table
+    table = _checked_table(meta.block_table, r, table_device, where)
+    q_ends = _query_ends(meta, kv, given, tokens_per_request, where)
+    refused = batch_refusal(batch, tokens, r, q_ends[-1] if q_ends else 0)
+    if refused is not None:
+        raise MetadataError(f"{where}: {refused}")
+    # batch_refusal's one-token rule, naming the request (without query_start_loc the graph's
+    # own tokens per request apply: one, for a kernel that runs one)
+    if one_query_token and meta.query_start_loc is not None and list(q_ends) != list(range(1, r + 1)):
+        many, n = next((i, b - a) for i, (a, b) in enumerate(itertools.pairwise([0, *q_ends])) if b - a != 1)
+        raise MetadataError(
+            f"{where}: request {many} has {n} query tokens, but "
+            "the captured kernel runs one query token per request (PA, or FIA captured without a causal mask); "
+            "run this batch on a graph captured for several tokens per request"
+        )
+    if validate and r:
+        _check_bounds(kv, table, max_model_len, block_size, capacity_blocks, where)
+        if check_block_ids if check_block_ids is not None else table.device.type == "cpu":
+            _check_block_ids(table, kv, block_size, num_blocks, where)
+    return pad_lens(kv, q_ends, batch, tokens)
+
+
+def _checked_table(table: Any, r: int, table_device: torch.device | None, where: str) -> torch.Tensor:
+    """The step's block table, refused unless int32 [>= r, cols] on the host or the device."""
     if not isinstance(table, torch.Tensor) or table.dim() != 2 or int(table.shape[0]) < r:
         shape = list(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
         raise MetadataError(f"{where}: block_table must be an int32 tensor [R={r}, cols], got {shape}")
@@ -101,6 +124,15 @@ def convert(
             f"{where}: block_table is on {table.device}; it must be on the host or on the device's memory "
             f"({table_device or 'cpu'}), where the runtime copies it into the captured buffer"
         )
+    return table
+
+
+def _query_ends(
+    meta: AttentionMetadata, kv: list[int], given: int, tokens_per_request: int, where: str
+) -> tuple[int, ...] | list[int]:
+    """Where each real request's query tokens end: from ``query_start_loc``, checked against
+    the key lengths, or ``tokens_per_request`` each."""
+    r = len(kv)
     if meta.query_start_loc is not None:
         qsl = _host_ints(meta.query_start_loc, "query_start_loc", where)
         if len(qsl) != given + 1 or qsl[0] != 0:
@@ -134,37 +166,28 @@ def convert(
                 f"{kv[short]}; the key length counts this step's tokens too (only trailing requests of "
                 "length 0 are padding)"
             )
-    refused = batch_refusal(batch, tokens, r, q_ends[-1] if q_ends else 0)
-    if refused is not None:
-        raise MetadataError(f"{where}: {refused}")
-    # batch_refusal's one-token rule, naming the request (without query_start_loc the graph's
-    # own tokens per request apply: one, for a kernel that runs one)
-    if one_query_token and meta.query_start_loc is not None and list(q_ends) != list(range(1, r + 1)):
-        many, n = next((i, b - a) for i, (a, b) in enumerate(itertools.pairwise([0, *q_ends])) if b - a != 1)
+    return q_ends
+
+
+def _check_bounds(
+    kv: list[int], table: torch.Tensor, max_model_len: int, block_size: int, capacity_blocks: int, where: str
+) -> None:
+    """Every key length non-negative, within max_model_len and within the blocks the table holds."""
+    longest = max(kv)
+    shortest = min(kv)
+    if shortest < 0:
+        raise MetadataError(f"{where}: seq_lens has a negative entry ({shortest})")
+    if longest > max_model_len:
+        i = kv.index(longest)
+        raise MetadataError(f"{where}: seq_lens[{i}] = {longest} exceeds max_model_len={max_model_len}")
+    cols = int(table.shape[1])
+    cap = min(cols, capacity_blocks) * block_size
+    if longest > cap:
+        i = kv.index(longest)
         raise MetadataError(
-            f"{where}: request {many} has {n} query tokens, but "
-            "the captured kernel runs one query token per request (PA, or FIA captured without a causal mask); "
-            "run this batch on a graph captured for several tokens per request"
+            f"{where}: seq_lens[{i}] = {longest} needs more than the {min(cols, capacity_blocks)} "
+            f"blocks of {block_size} tokens the block table holds"
         )
-    if validate and r:
-        longest = max(kv)
-        shortest = min(kv)
-        if shortest < 0:
-            raise MetadataError(f"{where}: seq_lens has a negative entry ({shortest})")
-        if longest > max_model_len:
-            i = kv.index(longest)
-            raise MetadataError(f"{where}: seq_lens[{i}] = {longest} exceeds max_model_len={max_model_len}")
-        cols = int(table.shape[1])
-        cap = min(cols, capacity_blocks) * block_size
-        if longest > cap:
-            i = kv.index(longest)
-            raise MetadataError(
-                f"{where}: seq_lens[{i}] = {longest} needs more than the {min(cols, capacity_blocks)} "
-                f"blocks of {block_size} tokens the block table holds"
-            )
-        if check_block_ids if check_block_ids is not None else table.device.type == "cpu":
-            _check_block_ids(table, kv, block_size, num_blocks, where)
-    return pad_lens(kv, q_ends, batch, tokens)
 
 
 def real_requests(kv_lens: list[int]) -> int:
