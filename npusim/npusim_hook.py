@@ -30,7 +30,7 @@ from typing import Any
 ENV = "NPUGRAPH_SIM_TORCH_NPU"  # its first name, which every script and doc of npugraph's sets
 SHORT_ENV = "NPUSIM_TORCH_NPU"
 
-__all__ = ["ENV", "SHORT_ENV", "after_import", "asked", "enabled", "from_pth", "torch_backend"]
+__all__ = ["ENV", "SHORT_ENV", "after_import", "asked", "enabled", "from_pth", "install", "torch_backend"]
 
 
 def asked() -> bool:
@@ -55,11 +55,19 @@ def enabled() -> bool:
 
 
 def torch_backend() -> None:
-    """torch's device-backend autoload (``torch.backends`` entry point): runs inside ``import torch``."""
+    """torch's device-backend autoload (``torch.backends`` entry point): runs inside ``import torch``.
+
+    Importing npusim installs it (:func:`install`, its last lines).  Where ``import npusim``
+    came first, it is half-loaded here (it imports torch near its top): this import returns
+    it as it is, and it installs itself once its names exist."""
     if not enabled():
         return
-    import npusim as sim
+    import npusim  # noqa: F401
 
+
+def install(sim: Any) -> None:
+    """Install the simulator module ``sim`` as torch_npu with its device, Triton's stand-ins
+    and the ``npugraph_ex`` backend: what ``NPUSIM_TORCH_NPU=1`` asks of every process."""
     sim.install_torch_npu(device=True)
     _install_triton()  # where no .pth ran (an editable install): before any Triton kernel is defined
     _install_npugraph_ex_backend()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+import npusim_hook as _hook
 from npusim import npu
 from npusim.device import backend as _device
 from npusim.errors import (
@@ -299,3 +300,10 @@ def uninstall_torch_npu() -> None:
     _INSTALLED.clear()
     _SGL_KERNEL_NPU.uninstall()
     _CONTRIB.uninstall()
+
+
+# With the simulator asked for as torch_npu (NPUSIM_TORCH_NPU=1), importing it installs it,
+# whichever came first: torch's device-backend autoload imports it inside `import torch`,
+# and an `import npusim` that came first imports torch, whose autoload finds it half-loaded.
+if _hook.enabled():
+    _hook.install(sys.modules[__name__])

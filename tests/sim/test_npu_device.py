@@ -191,19 +191,23 @@ def test_without_the_variable_nothing_changes():
     assert out.strip() == "ok"
 
 
-@pytest.mark.parametrize("first", ["torch", "torch_npu"])
-def test_the_short_name_npusim_torch_npu_asks_for_the_simulator_as_its_first_name_does(first):
-    """NPUSIM_TORCH_NPU=1 alone gives the simulator as torch_npu, whichever is imported first
-    (torch's autoload, or the finder npusim.pth installs)."""
-    second = "torch_npu" if first == "torch" else "torch"
+@pytest.mark.parametrize(
+    "first, variable",
+    [("torch", SHORT_ENV), ("torch_npu", SHORT_ENV), ("npusim", ENV), ("npusim.device.backend", ENV)],
+)
+def test_the_simulator_is_torch_npu_whichever_is_imported_first(first, variable):
+    """NPUSIM_TORCH_NPU=1 (or its first name) gives the simulator as torch_npu whichever module
+    comes first: torch (its autoload), torch_npu (the finder npusim.pth installs), or npusim
+    itself, which imports torch while half-loaded (torch's autoload must wait for it)."""
     out = _run(
         f"""
-        import {first}, {second}
+        import {first}
+        import torch, torch_npu
         import npusim
         assert torch_npu is npusim and torch.npu is npusim.npu
         print(torch.ones(2, device="npu").device)
         """,
-        env={ENV: "", SHORT_ENV: "1"},
+        env={ENV: "", SHORT_ENV: "", variable: "1"},
     )
     assert out.strip() == "npu:0"
 
