@@ -68,20 +68,20 @@ def _check_against_reference(h, out, q, meta, q_lens):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rows=st.lists(st.integers(1, 5), min_size=1, max_size=4, unique=True),
-    tpr=st.sampled_from([1, 2, 3]),
+    tokens_per_request=st.sampled_from([1, 2, 3]),
     batches=st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=5),
     seed=st.integers(0, 2**16),
 )
-def test_key_for_returns_the_smallest_key_that_step_runs(rows, tpr, batches, seed):
+def test_key_for_returns_the_smallest_key_that_step_runs(rows, tokens_per_request, batches, seed):
     """For any captured key set and any batch (requests, query lengths): key_for's key is
     run by step() and no smaller captured key is; when it raises, no captured key runs it."""
-    h = Harness(rows, layers=1, tokens_per_request=tpr)
+    h = Harness(rows, layers=1, tokens_per_request=tokens_per_request)
     rng = random.Random(seed)
-    by_size = sorted(rows)  # key = request rows; tokens = rows x tpr: one order for both
+    by_size = sorted(rows)  # key = request rows; tokens = rows x tokens_per_request: one order for both
     for q_lens in batches:
-        # a real request has a query token; decode graphs (tpr 1) also get requests of 2,
+        # a real request has a query token; decode graphs (tokens_per_request 1) also get requests of 2,
         # which their kernels (PA, FIA without a causal mask) cannot run
-        q_lens = [min(q or 1, max(tpr, 2)) for q in q_lens]
+        q_lens = [min(q or 1, max(tokens_per_request, 2)) for q in q_lens]
         meta = _meta(q_lens, rng)
         n, r = sum(q_lens), len(q_lens)
         runs = {}
@@ -113,8 +113,8 @@ def test_the_speculative_cases_from_the_issue():
 
 
 @given(st.integers(0, 8), st.integers(0, 30), st.integers(1, 8), st.integers(1, 4))
-def test_batch_refusal_is_the_padding_rule(r, n, rows, tpr):
+def test_batch_refusal_is_the_padding_rule(r, n, rows, tokens_per_request):
     """batch_refusal accepts exactly the batches the padding rule can lay out."""
-    tokens = rows * tpr
+    tokens = rows * tokens_per_request
     ok = batch_refusal(rows, tokens, r, n) is None
     assert ok == (r <= rows and n <= tokens and (r < rows or n == tokens))

@@ -72,5 +72,5 @@ def _choices_summary(
             f"{ns!r}: one per layer ({how})" if g == 1 else f"{ns!r}: one per {g} layers updated per layer ({how})"
         )
     sink = any(t.lens is not None for e in entries for t in e.tasks)
-    said = (["one per step for tiling-sink graphs"] if sink else []) + per_namespace
-    return f"; kernels: {kernels}; ExternalEvents: " + ", ".join(said)
+    parts = (["one per step for tiling-sink graphs"] if sink else []) + per_namespace
+    return f"; kernels: {kernels}; ExternalEvents: " + ", ".join(parts)

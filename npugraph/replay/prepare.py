@@ -97,14 +97,14 @@ class StepPreparer:
             name = t.spec.name
             cached = state.host_of[i]
             if cached is not None and cached[0] is lens:
-                hv = cached[1]  # task i's own lengths, unchanged
+                host_values = cached[1]  # task i's own lengths, unchanged
             else:
                 found = host_by.get((id(lens), name))
-                hv = found if found is not None else t.spec.host_values(lens)
-                host_by[(id(lens), name)] = hv
-                state.host_of[i] = (lens, hv)
+                host_values = found if found is not None else t.spec.host_values(lens)
+                host_by[(id(lens), name)] = host_values
+                state.host_of[i] = (lens, host_values)
             state.lens_of[i] = lens
-            host.append(hv)
+            host.append(host_values)
         state.last_lens.update(new_lens)
         return PreparedStep(host=host, copies=tuple((b, m) for b, m, _ in copies.values()), deferred=tuple(deferred))
 
@@ -119,8 +119,8 @@ class StepPreparer:
     ) -> StepLens:
         """Validate and pad the metadata of task ``i`` (and of every task sharing it)."""
         t = plan.tasks[i]
-        geo = t.geometry
-        bs, nblocks, batch, tokens = geo.block_size, geo.num_blocks, geo.batch, geo.tokens
+        geometry = t.geometry
+        bs, nblocks, batch, tokens = geometry.block_size, geometry.num_blocks, geometry.batch, geometry.tokens
         where = t.where
         defer = self.validate and self.resident(meta)
         lens = convert(
@@ -130,7 +130,7 @@ class StepPreparer:
             max_model_len=self.manager.max_model_len,
             block_size=bs,
             num_blocks=nblocks,
-            capacity_blocks=geo.table_cols,
+            capacity_blocks=geometry.table_cols,
             table_device=self.device.memory,
             where=where,
             validate=self.validate,
@@ -145,7 +145,7 @@ class StepPreparer:
                     kv=lens.kv_lens[: lens.num_reqs],
                     block_size=bs,
                     num_blocks=nblocks,
-                    columns=geo.table_cols,
+                    columns=geometry.table_cols,
                     step=state.steps + 1,
                     where=where,
                 )
@@ -169,15 +169,17 @@ class StepPreparer:
         lens = self._convert(entry, plan, state, 0, meta, deferred)
         cached = state.host_of[0]  # the first task stands for all: the others follow it
         if cached is not None and cached[0] is lens:
-            hv = cached[1]
+            host_values = cached[1]
         else:
-            hv = plan.tasks[0].spec.host_values(lens)
-            state.host_of[0] = (lens, hv)
+            host_values = plan.tasks[0].spec.host_values(lens)
+            state.host_of[0] = (lens, host_values)
         state.lens_of[0] = lens
         for slot in plan.slots:
             state.last_lens[slot] = lens
         return PreparedStep(
-            host=[hv] * len(plan.tasks), copies=tuple(zip(plan.buffers, repeat(meta))), deferred=tuple(deferred)
+            host=[host_values] * len(plan.tasks),
+            copies=tuple(zip(plan.buffers, repeat(meta))),
+            deferred=tuple(deferred),
         )
 
 

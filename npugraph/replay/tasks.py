@@ -49,14 +49,14 @@ def issue_tasks(
     reissued = 0
     for w in plan.lens_writes:
         i = w.task
-        hv = host[i]
-        if skip and applied[i] is hv:
+        host_values = host[i]
+        if skip and applied[i] is host_values:
             continue
         try:
-            w.write(hv)
+            w.write(host_values)
         except Exception as exc:
             raise TaskFailed(i, exc) from exc
-        applied[i] = hv
+        applied[i] = host_values
         reissued += 1
     rec = plan.lens_recorder
     if rec is not None and not pending[rec.index]:
@@ -68,8 +68,8 @@ def issue_tasks(
     for t in plan.updatable:
         i = t.index
         try:
-            hv = host[i]
-            if skip and applied[i] is hv:
+            host_values = host[i]
+            if skip and applied[i] is host_values:
                 if t.records and not pending[i]:
                     pending[i] = True  # once record() is called the flag will be set
                     t.event.record(us)
@@ -77,13 +77,13 @@ def issue_tasks(
             reissued += 1
             if t.fused and not pending[i]:
                 kw = t.kwargs
-                kw.update(hv)  # the plan's own dict: host entries are rewritten in place
+                kw.update(host_values)  # the plan's own dict: host entries are rewritten in place
                 fused(us, t.handle, t.event, *t.qkv, **kw)  # type: ignore[misc]
-                applied[i] = hv
+                applied[i] = host_values
                 pending[i] = True
                 continue
-            reissue(npu, us, t, hv)
-            applied[i] = hv
+            reissue(npu, us, t, host_values)
+            applied[i] = host_values
             if t.records and not pending[i]:
                 pending[i] = True
                 t.event.record(us)
@@ -92,10 +92,10 @@ def issue_tasks(
     return reissued
 
 
-def reissue(npu: Any, us: Any, t: TaskPlan, hv: dict[str, Any]) -> None:
-    """Rewrite task ``t``'s arguments with host values ``hv`` (no event record)."""
+def reissue(npu: Any, us: Any, t: TaskPlan, host_values: dict[str, Any]) -> None:
+    """Rewrite task ``t``'s arguments with host values ``host_values`` (no event record)."""
     kw = t.kwargs
-    kw.update(hv)  # the plan's own dict: host entries are rewritten in place
+    kw.update(host_values)  # the plan's own dict: host entries are rewritten in place
     npu.graph_task_update_begin(us, t.handle)
     try:
         if t.qkv is not None:

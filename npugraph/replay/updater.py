@@ -502,10 +502,10 @@ class ReplayUpdater:
         wrote; then every event not yet recorded is.  A task the device refuses even
         that is left unknown (the graph is BROKEN, but nothing waits forever).
         """
-        us = self.stream
-        with self.device.npu.stream(us):
-            self._order_update(us)
-            ok = null_tasks(self.device.npu, us, plan, state, keep)
+        update_stream = self.stream
+        with self.device.npu.stream(update_stream):
+            self._order_update(update_stream)
+            ok = null_tasks(self.device.npu, update_stream, plan, state, keep)
         self._waiting_ran(state)
         if not ok:
             state.phase = StepPhase.BROKEN
@@ -513,16 +513,16 @@ class ReplayUpdater:
     def _settle(self, plan: UpdatePlan, state: GraphState) -> None:
         """Consume the events a failure or an earlier step left recorded, and forget
         what the tasks hold, so that the next update re-issues every task."""
-        us = self.stream
+        update_stream = self.stream
         npu = self.device.npu
         if any(state.pending):
-            with npu.stream(us):
+            with npu.stream(update_stream):
                 for t in plan.tasks:
                     if state.pending[t.index]:
-                        t.event.wait(us)
+                        t.event.wait(update_stream)
                         state.pending[t.index] = False
             # a replay enqueued next must not race these waits for a record
-            npu.current_stream().wait_stream(us)
+            npu.current_stream().wait_stream(update_stream)
         if state.phase is StepPhase.BROKEN:
             state.applied[:] = [None] * len(state.applied)
         state.phase = StepPhase.IDLE
@@ -571,11 +571,11 @@ class ReplayUpdater:
         return [] if self._waiting is None else [self._waiting]
 
     # --- update internals ------------------------------------------------------------
-    def _order_update(self, us: Any) -> None:
+    def _order_update(self, update_stream: Any) -> None:
         """Order the update stream after the latest replay that waits for no update: it
         must consume the previous step's lengths and events before this step's land."""
         if self._after is not None:
-            us.wait_event(self._after)
+            update_stream.wait_event(self._after)
 
     def _issue(
         self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: PreparedStep, *, staged: bool
@@ -585,14 +585,20 @@ class ReplayUpdater:
         A failure is raised as :class:`TaskFailed` naming the task it happened at
         (``-1``: before any task, while checking or copying block tables).
         """
-        us = self.stream
-        with self.device.npu.stream(us):
-            self._order_update(us)
+        update_stream = self.stream
+        with self.device.npu.stream(update_stream):
+            self._order_update(update_stream)
             if not staged:
-                us.wait_event(state.ready)  # after the tables the engine wrote before the replay
+                update_stream.wait_event(state.ready)  # after the tables the engine wrote before the replay
                 self._stage(entry, plan, step)
             return issue_tasks(
-                self.device.npu, us, plan, state, step.host, skip_unchanged=self.skip_unchanged, fused=self._fused
+                self.device.npu,
+                update_stream,
+                plan,
+                state,
+                step.host,
+                skip_unchanged=self.skip_unchanged,
+                fused=self._fused,
             )
 
     def _stage_checked(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, step: PreparedStep) -> None:
