@@ -9,7 +9,9 @@ what it can run, and the rope arguments differ.
 
 from __future__ import annotations
 
-from npugraph.ops.base import AttentionCall, OpSpec
+import attrs
+
+from npugraph.ops.base import AttentionCall
 from npugraph.ops.fia import FIA
 
 __all__ = ["MLA"]
@@ -23,18 +25,6 @@ def _unsupported(call: AttentionCall) -> str | None:
     return None
 
 
-MLA = OpSpec(
-    name="mla",
-    kernel=FIA.kernel,
-    overload=FIA.overload,
-    host_args=FIA.host_args,
-    refreshed_buffers=FIA.refreshed_buffers,
-    cache_arg=FIA.cache_arg,
-    arguments=FIA.arguments,  # the rope arguments come from the call
-    host_values=FIA.host_values,
-    workspace_bytes=FIA.workspace_bytes,
-    unsupported=_unsupported,
-    prepare=FIA.prepare,
-    fused_update=True,  # the 4-in-1 forwards every keyword, rope included
-    runs_one_query_token=FIA.runs_one_query_token,
-)
+# FIA's declaration with another name and what it can run: the rope arguments come from
+# the call (fia_arguments), and the 4-in-1 update forwards every keyword, rope included.
+MLA = attrs.evolve(FIA, name="mla", unsupported=_unsupported)
