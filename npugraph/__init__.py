@@ -10,7 +10,7 @@ pieces it is made of: :mod:`npugraph.capture`, :mod:`npugraph.replay`,
 from npugraph._version import __version__
 from npugraph.attention import DecodeAttention, MLAAttention
 from npugraph.errors import NpuGraphError
-from npugraph.replay.lens import AttentionMetadata
+from npugraph.metadata import AttentionMetadata
 from npugraph.runtime import PAD_SLOT_ID, Runtime
 
 __all__ = [

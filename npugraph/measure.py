@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from npugraph.device import load_device
+from npugraph.metadata import AttentionMetadata
 from npugraph.models.stack import AttentionStack
 from npugraph.policy import FixedPolicy, KernelChoice, MeasuredPolicy, PolicySignature, SizeMeasurement, StaticPolicy
-from npugraph.replay.lens import AttentionMetadata
 from npugraph.runtime import Runtime
 
 __all__ = ["measure_policy"]

@@ -16,10 +16,10 @@ from npugraph.dump.manifest import build_manifest, save_manifest
 from npugraph.dump.postmortem import PostMortem
 from npugraph.dump.trace import UpdateTrace
 from npugraph.errors import ConfigError, MetadataError, NpuGraphError, UnknownKeyError
-from npugraph.ops import SPECS, AttentionCall, pad_lens
+from npugraph.metadata import AttentionMetadata, convert, pad_lens, real_requests
+from npugraph.ops import SPECS, AttentionCall
 from npugraph.policy import KernelPolicy
-from npugraph.replay import ORDERS, AttentionMetadata, GraphState, ReplayUpdater, StepMetadata, convert
-from npugraph.replay.lens import real_requests
+from npugraph.replay import ORDERS, GraphState, ReplayUpdater, StepMetadata
 
 __all__ = ["PAD_SLOT_ID", "Runtime"]
 
@@ -268,7 +268,7 @@ class Runtime:
         tokens per request times requests); :meth:`step` then pads the inputs and the
         metadata to that graph.
 
-        It applies the rule the step's update applies (:func:`npugraph.ops.batch_refusal`):
+        It applies the rule the step's update applies (:func:`npugraph.metadata.batch_refusal`):
         the graph must hold the requests and the tokens, and spare tokens need a padding
         row, so a graph whose request rows are all real takes no spare token.  Raises
         :class:`~npugraph.errors.UnknownKeyError` when no captured graph runs the batch.

@@ -21,11 +21,10 @@ import torch
 
 from npugraph.device import Device, load_device
 from npugraph.errors import NpuGraphError
+from npugraph.metadata import AttentionMetadata, pad_lens
 from npugraph.models.stack import AttentionStack
-from npugraph.ops import pad_lens
 from npugraph.policy import FixedPolicy
 from npugraph.reference import paged_attention_reference
-from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
 
 __all__ = ["CheckResult", "calibrate_costs", "run_selftest", "versions"]

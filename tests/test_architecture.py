@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("npusim", "npugraph.errors", "npugraph._version"),
     ("npugraph.sim",),  # the simulator's former name, an alias of npusim
     ("npugraph.files", "npugraph.device", "npugraph.reference", "npugraph.timeline"),
+    ("npugraph.metadata",),  # a step's metadata and the padding rule: what kernels and the updater read
     ("npugraph.ops",),
     ("npugraph.policy",),  # choosing a kernel is pure: below capture
     ("npugraph.capture",),

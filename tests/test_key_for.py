@@ -1,4 +1,4 @@
-"""``Runtime.key_for`` and ``step()`` share one padding rule (``npugraph.ops.batch_refusal``).
+"""``Runtime.key_for`` and ``step()`` share one padding rule (``npugraph.metadata.batch_refusal``).
 
 An engine that decodes several tokens per request (speculative verification) captures
 keys of ``request rows x tokens per request``; a batch whose rows are all real but whose
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from npugraph import AttentionMetadata
 from npugraph.errors import MetadataError, UnknownKeyError
-from npugraph.ops import batch_refusal
+from npugraph.metadata import batch_refusal
 from npugraph.reference import paged_attention_reference
 
 from .helpers import BLOCK, BLOCKS, MAX_LEN, TOL, Harness, query_for

@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from npugraph.device import load_device
-from npugraph.ops import PA, AttentionCall, pad_lens
+from npugraph.metadata import pad_lens
+from npugraph.ops import PA, AttentionCall
 from npugraph.ops.pa import _probe_lengths
 from npusim import kernels
 

@@ -33,15 +33,16 @@ from npugraph.errors import (
     ReplayFailed,
     UpdateFailed,
 )
+from npugraph.metadata import pad_lens
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
-from npugraph.ops import PA, AttentionCall, pad_lens
+from npugraph.ops import PA, AttentionCall
 from npugraph.ops.fia import causal_mask
 from npugraph.ops.pa import _probe_lengths
 from npugraph.policy import FixedPolicy, KernelChoice, StaticPolicy
 from npugraph.reference import paged_attention_reference
 from npugraph.replay import ReplayUpdater, StepPhase, describe_device_error
-from npugraph.replay.lens import BadColumns, BlockIdCheck
+from npugraph.replay.blockcheck import BadColumns, BlockIdCheck
 from npusim import kernels
 from tests.helpers import BLOCK, BLOCKS, MAX_LEN, Harness, query_for
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from npugraph.errors import ConfigError
+from npugraph.metadata import AttentionMetadata
 from npugraph.ops import AttentionCall
-from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
 
 __all__ = ["DecodeAttention", "MLAAttention", "AttentionMetadata"]

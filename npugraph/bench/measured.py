@@ -38,13 +38,12 @@ import torch
 
 import npusim as sim
 from npugraph.errors import StepOrderWarning
+from npugraph.metadata import AttentionMetadata, convert, pad_lens, real_requests
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.models.stack import AttentionStack
-from npugraph.ops import pad_lens
 from npugraph.policy import FixedPolicy
-from npugraph.replay import AttentionMetadata, convert
-from npugraph.replay.lens import BlockIdCheck, real_requests
+from npugraph.replay.blockcheck import BlockIdCheck
 from npugraph.runtime import Runtime
 
 _MAX_MODEL_LEN = 2048

@@ -17,7 +17,8 @@ import torch
 
 import npusim as sim
 from npugraph.bench.measured import _legacy_loop
-from npugraph.replay import AttentionMetadata, ReplayUpdater
+from npugraph.metadata import AttentionMetadata
+from npugraph.replay import ReplayUpdater
 from npugraph.runtime import Runtime
 from npugraph.timeline import RecordingDevice, ShadowGraph
 from npusim.surfaces.graphs import _GraphDispatchRecord, update_records

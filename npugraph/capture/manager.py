@@ -24,7 +24,8 @@ from npugraph.capture.records import CapturedGraph, TaskRecord
 from npugraph.capture.report import capture_report
 from npugraph.device import Device
 from npugraph.errors import CaptureFailed, ConfigError, UnknownKeyError
-from npugraph.ops import FIA_SINK, SPECS, AttentionCall, LensArena, LensGroup, OpSpec, StepLens
+from npugraph.metadata import StepLens
+from npugraph.ops import FIA_SINK, SPECS, AttentionCall, LensArena, LensGroup, OpSpec
 from npugraph.policy import KernelChoice, KernelPolicy, StaticPolicy
 
 __all__ = ["CaptureManager", "SINK_MIN_LAYERS"]

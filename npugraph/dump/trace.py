@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from npugraph.capture import CapturedGraph
-from npugraph.ops import StepLens
+from npugraph.metadata import StepLens
 from npugraph.replay import GraphState
 
 __all__ = ["UpdateRecord", "UpdateTrace"]

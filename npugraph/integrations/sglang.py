@@ -44,8 +44,8 @@ from npugraph.integrations.common import (
     runtime_from_env,
     say_captured,
 )
+from npugraph.metadata import AttentionMetadata
 from npugraph.ops import AttentionCall
-from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
 
 __all__ = ["ENV", "install", "load_plugin", "uninstall", "report_path"]

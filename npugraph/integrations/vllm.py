@@ -56,7 +56,8 @@ from npugraph.integrations.common import (  # noqa: F401 (the settings keep thei
     runtime_from_env,
 )
 from npugraph.integrations.common import say_captured as _say_captured
-from npugraph.replay import AttentionMetadata, StepMetadata
+from npugraph.metadata import AttentionMetadata
+from npugraph.replay import StepMetadata
 from npugraph.runtime import Runtime
 
 __all__ = [

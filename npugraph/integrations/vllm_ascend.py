@@ -37,8 +37,8 @@ import attrs
 import torch
 
 from npugraph.errors import CaptureFailed, MetadataError
+from npugraph.metadata import AttentionMetadata
 from npugraph.ops import AttentionCall
-from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
 
 __all__ = ["Replaced", "capturing", "detect", "draft_step", "install", "uninstall", "metadata_from_ascend"]

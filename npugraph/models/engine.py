@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
+from npugraph.metadata import AttentionMetadata
 from npugraph.models.llama import Decoder
 from npugraph.models.workload import StepBatch
-from npugraph.replay.lens import AttentionMetadata
 from npugraph.runtime import Runtime
 
 __all__ = ["DecodeEngine"]

@@ -21,8 +21,8 @@ from torch import nn
 
 from npugraph.attention import DecodeAttention, MLAAttention
 from npugraph.errors import ConfigError
+from npugraph.metadata import AttentionMetadata
 from npugraph.reference import paged_attention_reference
-from npugraph.replay import AttentionMetadata
 from npugraph.runtime import Runtime
 
 __all__ = ["DecoderConfig", "Decoder", "MLADecoder"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from npugraph.attention import DecodeAttention
-from npugraph.replay.lens import AttentionMetadata
+from npugraph.metadata import AttentionMetadata
 from npugraph.runtime import Runtime
 
 __all__ = ["AttentionStack"]

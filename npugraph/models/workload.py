@@ -15,8 +15,8 @@ import attrs
 import torch
 
 from npugraph.errors import ConfigError
+from npugraph.metadata import AttentionMetadata
 from npugraph.models.llama import DecoderConfig
-from npugraph.replay.lens import AttentionMetadata
 from npugraph.runtime import PAD_SLOT_ID
 
 __all__ = ["Request", "StepBatch", "Workload"]

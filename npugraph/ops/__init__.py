@@ -1,6 +1,6 @@
 """One declaration per attention kernel (:class:`OpSpec`); capture and update use only these."""
 
-from npugraph.ops.base import AttentionCall, LensArena, LensGroup, OpSpec, StepLens, batch_refusal, pad_lens
+from npugraph.ops.base import AttentionCall, LensArena, LensGroup, OpSpec
 from npugraph.ops.fia import FIA
 from npugraph.ops.fia_sink import FIA_SINK
 from npugraph.ops.fia_v2 import FIA_V2
@@ -18,9 +18,6 @@ __all__ = [
     "LensArena",
     "LensGroup",
     "OpSpec",
-    "StepLens",
-    "batch_refusal",
-    "pad_lens",
 ]
 
 SPECS: dict[str, OpSpec] = {"pa": PA, "fia": FIA, "fia_v2": FIA_V2, "mla": MLA, "fia_sink": FIA_SINK}

@@ -9,8 +9,9 @@ import attrs
 import torch
 
 from npugraph.errors import ConfigError
+from npugraph.metadata import StepLens
 
-__all__ = ["AttentionCall", "LensArena", "LensGroup", "StepLens", "OpSpec", "pad_lens", "batch_refusal"]
+__all__ = ["AttentionCall", "LensArena", "LensGroup", "OpSpec"]
 
 
 @attrs.frozen(kw_only=True)
@@ -53,81 +54,6 @@ class AttentionCall:
     @property
     def block_size(self) -> int:
         return int(self.key_cache.shape[1])
-
-
-@attrs.frozen(kw_only=True)
-class StepLens:
-    """Host-side lengths of one KV-cache group for one step, padded to the graph's batch.
-
-    ``kv_lens``: key length per request (padding requests: 0);
-    ``q_ends``: cumulative query-token ends per request (last = tokens);
-    ``num_reqs``: how many leading requests are real (the rest are padding).
-    Each kernel's spec turns these into its own host form (``OpSpec.host_values``).
-    """
-
-    kv_lens: tuple[int, ...]
-    q_ends: tuple[int, ...]
-    num_reqs: int = 0
-
-
-def pad_lens(
-    kv_lens: tuple[int, ...] | list[int],
-    q_ends: tuple[int, ...] | list[int] | None,
-    batch: int,
-    tokens: int,
-) -> StepLens:
-    """Pad ``R`` requests' lengths to ``batch`` requests and ``tokens`` query tokens.
-
-    Padding requests get key length 0 (they produce zeros) and the spare query tokens,
-    spread evenly (one each in plain decode), so a padded step has the same shapes
-    however many requests are real.  A real request's lengths never change: with every
-    row real, spare tokens have nowhere to go (giving them to the last request would
-    shift its causal window), so the caller must refuse such a step.
-    """
-    r = len(kv_lens)
-    kv = tuple(kv_lens) + (0,) * (batch - r)
-    q = tuple(range(1, r + 1)) if q_ends is None else tuple(q_ends)
-    last = q[-1] if q else 0
-    pad = batch - r
-    if pad:
-        per, extra = divmod(tokens - last, pad)
-        ends = []
-        for i in range(pad):
-            last += per + (1 if i >= pad - extra else 0)
-            ends.append(last)
-        q = q + tuple(ends)
-    return StepLens(kv_lens=kv, q_ends=q, num_reqs=r)
-
-
-def batch_refusal(
-    rows: int, tokens: int, num_reqs: int, num_tokens: int, *, one_query_token: bool = False
-) -> str | None:
-    """Why a graph of ``rows`` request rows and ``tokens`` query tokens cannot run a step of
-    ``num_reqs`` real requests with ``num_tokens`` real query tokens, or ``None`` if it can.
-
-    The one statement of the padding rule's limits (:func:`pad_lens` pads what passes):
-    the step's update refuses what this refuses, and ``Runtime.key_for`` picks the
-    smallest graph this accepts.  Spare query tokens belong to padding rows, so a graph
-    whose rows are all real must have no spare token.  ``one_query_token``: the graph's
-    kernel takes one query token per request (:attr:`OpSpec.runs_one_query_token`).
-    """
-    if num_reqs > rows:
-        return f"{num_reqs} requests do not fit the captured batch of {rows}; pick a key whose size covers the batch"
-    if num_tokens > tokens:
-        return f"{num_tokens} query tokens do not fit the captured {tokens}"
-    if one_query_token and num_tokens != num_reqs:
-        return (
-            f"the captured kernel runs one query token per request (PA, or FIA captured without a causal "
-            f"mask), but the step's {num_reqs} requests have {num_tokens} query tokens; run it on a graph "
-            "captured for several tokens per request"
-        )
-    if num_reqs == rows and num_tokens < tokens:
-        return (
-            f"all {rows} captured request rows are real but the step has {num_tokens} of "
-            f"{tokens} query tokens; the spare tokens need a padding row (giving them to the last "
-            "request would shift its causal window). Use a graph with more request rows than requests."
-        )
-    return None
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -12,7 +12,8 @@ from typing import Any, cast
 
 import torch
 
-from npugraph.ops.base import AttentionCall, OpSpec, StepLens
+from npugraph.metadata import StepLens
+from npugraph.ops.base import AttentionCall, OpSpec
 
 __all__ = ["FIA", "causal_mask", "fia_arguments", "fia_runs_one_query_token", "fia_workspace_bytes"]
 

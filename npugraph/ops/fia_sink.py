@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from npugraph.ops.base import AttentionCall, LensGroup, OpSpec, StepLens
+from npugraph.metadata import StepLens
+from npugraph.ops.base import AttentionCall, LensGroup, OpSpec
 from npugraph.ops.fia import causal_mask, fia_arguments, fia_runs_one_query_token
 
 __all__ = ["FIA_SINK"]

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from npugraph.ops.base import AttentionCall, OpSpec, StepLens
+from npugraph.metadata import StepLens
+from npugraph.ops.base import AttentionCall, OpSpec
 from npugraph.ops.fia import causal_mask, fia_arguments, fia_runs_one_query_token, fia_workspace_bytes
 
 __all__ = ["FIA_V2"]

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from npugraph.ops.base import AttentionCall, OpSpec, StepLens
+from npugraph.metadata import StepLens
+from npugraph.ops.base import AttentionCall, OpSpec
 
 __all__ = ["PA", "PA_HEAD_SIZES", "PA_DTYPES"]
 

@@ -1,6 +1,5 @@
 """Per-step update and replay of captured graphs."""
 
-from npugraph.replay.lens import AttentionMetadata, convert, pad_lens
 from npugraph.replay.plan import Geometry, TaskPlan, UpdatePlan, build_plan
 from npugraph.replay.updater import (
     ORDERS,
@@ -13,7 +12,6 @@ from npugraph.replay.updater import (
 
 __all__ = [
     "ORDERS",
-    "AttentionMetadata",
     "Geometry",
     "GraphState",
     "ReplayUpdater",
@@ -22,7 +20,5 @@ __all__ = [
     "TaskPlan",
     "UpdatePlan",
     "build_plan",
-    "convert",
     "describe_device_error",
-    "pad_lens",
 ]

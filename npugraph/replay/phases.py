@@ -13,8 +13,7 @@ from typing import Any
 
 import attrs
 
-from npugraph.ops import StepLens
-from npugraph.replay.lens import AttentionMetadata
+from npugraph.metadata import AttentionMetadata, StepLens
 
 __all__ = ["ORDERS", "GraphState", "StepMetadata", "StepPhase"]
 

@@ -13,7 +13,8 @@ import attrs
 import torch
 
 from npugraph.capture import CapturedGraph
-from npugraph.ops import LensGroup, OpSpec, batch_refusal, pad_lens
+from npugraph.metadata import batch_refusal, pad_lens
+from npugraph.ops import LensGroup, OpSpec
 
 __all__ = ["Geometry", "LensWrite", "TaskPlan", "UpdatePlan", "build_plan"]
 
@@ -131,7 +132,7 @@ class UpdatePlan:
 
     def refusal(self, num_tokens: int, num_reqs: int) -> str | None:
         """Why a step of ``num_reqs`` real requests and ``num_tokens`` real query tokens
-        cannot run on this graph (:func:`~npugraph.ops.batch_refusal` for each task's
+        cannot run on this graph (:func:`~npugraph.metadata.batch_refusal` for each task's
         shape), or ``None`` if its update accepts it.  A graph without attention takes
         any batch of up to its tokens."""
         if not self.shapes:

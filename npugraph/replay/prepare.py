@@ -2,7 +2,7 @@
 
 Each task's metadata is found by its layer name, then its KV-cache group
 (:func:`resolve`); each distinct metadata object is validated and padded once per cache
-geometry (:func:`~npugraph.replay.lens.convert`), and turned once into the host values of
+geometry (:func:`~npugraph.metadata.convert`), and turned once into the host values of
 each kernel that reads it; the block tables to copy into captured buffers are listed once
 per buffer; block-id checks of device-resident tables are deferred to the device.
 Unchanged lengths keep their objects, so the update skips the tasks that hold them.
@@ -19,9 +19,8 @@ import torch
 
 from npugraph.capture import CapturedGraph, CaptureManager
 from npugraph.errors import MetadataError
-from npugraph.ops import StepLens
+from npugraph.metadata import AttentionMetadata, StepLens, convert
 from npugraph.replay.blockcheck import DeferredCheck
-from npugraph.replay.lens import AttentionMetadata, convert
 from npugraph.replay.phases import GraphState, StepMetadata
 from npugraph.replay.plan import UpdatePlan
 

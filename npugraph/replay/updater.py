@@ -32,10 +32,9 @@ from npugraph.errors import (
     StepOrderWarning,
     UpdateFailed,
 )
-from npugraph.ops import batch_refusal
+from npugraph.metadata import batch_refusal, real_batch
 from npugraph.replay.blockcheck import DeferredBlockChecks
 from npugraph.replay.diagnose import caller_level, describe_device_error, failed_task
-from npugraph.replay.lens import real_batch
 from npugraph.replay.phases import ORDERS, GraphState, StepMetadata, StepPhase
 from npugraph.replay.plan import Geometry, UpdatePlan, build_plan
 from npugraph.replay.prepare import PreparedStep, StepPreparer, resolve
@@ -271,7 +270,7 @@ class ReplayUpdater:
 
     def refusal(self, namespace: str, key: Hashable, metadata: StepMetadata) -> str | None:
         """Why the graph of ``(namespace, key)`` cannot run the batch ``metadata`` holds
-        (:func:`~npugraph.ops.batch_refusal`: too many requests or tokens, spare tokens with
+        (:func:`~npugraph.metadata.batch_refusal`: too many requests or tokens, spare tokens with
         no padding row, or several query tokens per request for PA), or ``None``: what an
         engine asks before it replays rather than runs a batch eagerly.  Nothing else is
         checked: malformed metadata gives ``None``, and :meth:`step` refuses it with the

@@ -1,18 +1,28 @@
-"""Per-step attention metadata and its conversion to the host lengths kernels take."""
+"""A step's attention metadata, from the engine's form to the padded host lengths the kernels
+take: :class:`AttentionMetadata` (what an engine gives per KV-cache group), :class:`StepLens`
+(its lengths padded to a graph's size), the padding rule (:func:`pad_lens`, and
+:func:`batch_refusal`, its limits) and :func:`convert`, which checks the one against a
+captured graph and makes the other."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
 
 from npugraph.errors import MetadataError
-from npugraph.ops.base import StepLens, batch_refusal, pad_lens
 
-__all__ = ["AttentionMetadata", "BadColumns", "BlockIdCheck", "pad_lens", "convert", "real_requests", "real_batch"]
+__all__ = [
+    "AttentionMetadata",
+    "StepLens",
+    "batch_refusal",
+    "convert",
+    "pad_lens",
+    "real_batch",
+    "real_requests",
+]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -233,97 +243,90 @@ def _check_block_ids(table: torch.Tensor, kv: list[int], block_size: int, num_bl
     lo, hi = torch.aminmax(sub)
     if int(lo) >= 0 and int(hi) < num_blocks:
         return  # the common case: every id in the columns in use (and beside them) is valid
-    found = BlockIdCheck.on(table.device, width).flag(table, kv, block_size, num_blocks)
-    hit = found.first_in_use(found.scores.tolist())
-    if hit is not None:
-        i, j = hit
-        _bad_block(where, i, j, int(sub[i, j]), num_blocks)
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class BlockIdCheck:
-    """The device-side check of the block ids a step uses in a device-resident table.
-
-    Reading a device table on the host would synchronize, so the check is device work
-    whose result the host reads later, once the device is idle.  It sends nothing from the
-    host: per request it finds the first column of the table's row that holds an id
-    outside the cache (four ops: ``clamp``, ``ne``, ``where`` of a descending weight per
-    column, ``amax`` over the row), and the host, when it reads that column, compares it
-    with the blocks the request uses.  Nothing is cached between steps; ``weights``
-    (``columns - j`` at column ``j``) and ``zeros`` are made once per table width, so that
-    every operand is device memory (a Python 0 would be made a scalar tensor per step).
-    """
-
-    weights: torch.Tensor
-    zeros: torch.Tensor
-
-    @classmethod
-    def on(cls, memory: torch.device, cols: int) -> BlockIdCheck:
-        """A check of tables of up to ``cols`` columns on ``memory``."""
-        return cls(
-            weights=torch.arange(cols, 0, -1, dtype=torch.int32, device=memory),
-            zeros=torch.zeros(cols, dtype=torch.int32, device=memory),
-        )
-
-    def flag(self, table: torch.Tensor, kv: Sequence[int], block_size: int, num_blocks: int) -> BadColumns:
-        """Where the first ``len(kv)`` rows of ``table`` first hold an id outside
-        ``[0, num_blocks)``, on the device (read it later with :meth:`BadColumns.locate`).
-
-        ``kv``: the key lengths of at least one request, each within the table's columns
-        (kept until the result is read, not copied: pass a tuple).  Device work only: no
-        host read, no copy.
-        """
-        width = -(-max(kv) // block_size)
-        ids = table[: len(kv), :width]
-        outside = ids.clamp(0, num_blocks - 1).ne(ids)
-        scores = torch.where(outside, self.weights[:width], self.zeros[:width]).amax(dim=1)
-        return BadColumns(scores=scores, kv=kv, block_size=block_size, columns=int(self.weights.shape[0]))
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class BadColumns:
-    """Per request of one step, the first column of its table row that holds an id outside
-    the cache, on the device until the host reads it: ``scores[i]`` is ``columns - j`` for
-    that column ``j``, 0 where the row has none.  A column counts only if the request reads
-    it (``j * block_size < kv[i]``): what lies beside the blocks in use is never read."""
-
-    scores: torch.Tensor
-    kv: Sequence[int]
-    block_size: int
-    columns: int
-
-    def first_in_use(self, scores: list[int]) -> tuple[int, int] | None:
-        """The first ``(request, column)`` that reads an id outside the cache, from the
-        read ``scores`` (a row's first bad column is its only candidate: any earlier
-        column of the row is good)."""
-        for i, score in enumerate(scores):
-            if score and (self.columns - score) * self.block_size < self.kv[i]:
-                return i, self.columns - score
-        return None
-
-    @staticmethod
-    def locate(checks: list[BadColumns]) -> list[tuple[int, int] | None]:
-        """For each check, its first ``(request, column)`` in use holding an id outside
-        the cache, or None.  One host read per memory they lie in (call it once the device
-        is idle: it would synchronize otherwise; host tables checked with
-        ``defer_block_check=True`` leave theirs in host memory)."""
-        by_memory: dict[torch.device, list[int]] = {}
-        for k, check in enumerate(checks):
-            by_memory.setdefault(check.scores.device, []).append(k)
-        found: list[tuple[int, int] | None] = [None] * len(checks)
-        for ks in by_memory.values():
-            read = torch.cat([checks[k].scores for k in ks]).tolist()
-            at = 0
-            for k in ks:
-                n = int(checks[k].scores.shape[0])
-                scores = read[at : at + n]
-                at += n
-                if any(scores):
-                    found[k] = checks[k].first_in_use(scores)
-        return found
+    for i, length in enumerate(kv):  # the first id a request reads that is not a block of the cache
+        used = sub[i, : -(-length // block_size)]
+        bad = ((used < 0) | (used >= num_blocks)).nonzero()
+        if bad.numel():
+            j = int(bad[0, 0])
+            _bad_block(where, i, j, int(used[j]), num_blocks)
 
 
 def _bad_block(where: str, i: int, j: int, block: int, num_blocks: int) -> None:
     raise MetadataError(
         f"{where}: block_table[{i}, {j}] = {block} is not a block id of the KV cache (0 <= id < {num_blocks})"
     )
+
+
+@attrs.frozen(kw_only=True)
+class StepLens:
+    """Host-side lengths of one KV-cache group for one step, padded to the graph's batch.
+
+    ``kv_lens``: key length per request (padding requests: 0);
+    ``q_ends``: cumulative query-token ends per request (last = tokens);
+    ``num_reqs``: how many leading requests are real (the rest are padding).
+    Each kernel's spec turns these into its own host form (``OpSpec.host_values``).
+    """
+
+    kv_lens: tuple[int, ...]
+    q_ends: tuple[int, ...]
+    num_reqs: int = 0
+
+
+def pad_lens(
+    kv_lens: tuple[int, ...] | list[int],
+    q_ends: tuple[int, ...] | list[int] | None,
+    batch: int,
+    tokens: int,
+) -> StepLens:
+    """Pad ``R`` requests' lengths to ``batch`` requests and ``tokens`` query tokens.
+
+    Padding requests get key length 0 (they produce zeros) and the spare query tokens,
+    spread evenly (one each in plain decode), so a padded step has the same shapes
+    however many requests are real.  A real request's lengths never change: with every
+    row real, spare tokens have nowhere to go (giving them to the last request would
+    shift its causal window), so the caller must refuse such a step.
+    """
+    r = len(kv_lens)
+    kv = tuple(kv_lens) + (0,) * (batch - r)
+    q = tuple(range(1, r + 1)) if q_ends is None else tuple(q_ends)
+    last = q[-1] if q else 0
+    pad = batch - r
+    if pad:
+        per, extra = divmod(tokens - last, pad)
+        ends = []
+        for i in range(pad):
+            last += per + (1 if i >= pad - extra else 0)
+            ends.append(last)
+        q = q + tuple(ends)
+    return StepLens(kv_lens=kv, q_ends=q, num_reqs=r)
+
+
+def batch_refusal(
+    rows: int, tokens: int, num_reqs: int, num_tokens: int, *, one_query_token: bool = False
+) -> str | None:
+    """Why a graph of ``rows`` request rows and ``tokens`` query tokens cannot run a step of
+    ``num_reqs`` real requests with ``num_tokens`` real query tokens, or ``None`` if it can.
+
+    The one statement of the padding rule's limits (:func:`pad_lens` pads what passes):
+    the step's update refuses what this refuses, and ``Runtime.key_for`` picks the
+    smallest graph this accepts.  Spare query tokens belong to padding rows, so a graph
+    whose rows are all real must have no spare token.  ``one_query_token``: the graph's
+    kernel takes one query token per request (:attr:`OpSpec.runs_one_query_token`).
+    """
+    if num_reqs > rows:
+        return f"{num_reqs} requests do not fit the captured batch of {rows}; pick a key whose size covers the batch"
+    if num_tokens > tokens:
+        return f"{num_tokens} query tokens do not fit the captured {tokens}"
+    if one_query_token and num_tokens != num_reqs:
+        return (
+            f"the captured kernel runs one query token per request (PA, or FIA captured without a causal "
+            f"mask), but the step's {num_reqs} requests have {num_tokens} query tokens; run it on a graph "
+            "captured for several tokens per request"
+        )
+    if num_reqs == rows and num_tokens < tokens:
+        return (
+            f"all {rows} captured request rows are real but the step has {num_tokens} of "
+            f"{tokens} query tokens; the spare tokens need a padding row (giving them to the last "
+            "request would shift its causal window). Use a graph with more request rows than requests."
+        )
+    return None
