@@ -355,10 +355,10 @@ class Runtime:
         """
         if self.eager_fallback is not None and not self.manager.has(namespace, key):
             return self.eager_fallback(key, metadata, inputs or {})
-        entry = self.manager.entry(namespace, key)
+        entry = self.manager.entry(namespace, key)  # the step's one lookup
         if inputs:
             self.copy_inputs(entry, inputs, pad_values)
-        return self.updater.step(namespace, key, metadata)
+        return self.updater.step_entry(entry, metadata)
 
     def copy_inputs(
         self,

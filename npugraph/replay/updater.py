@@ -219,8 +219,13 @@ class ReplayUpdater:
         Bad metadata is refused before any device call.  Returns the graph's outputs
         (non-owning aliases: valid until another graph of the pool replays).
         """
+        return self.step_entry(self.manager.entry(namespace, key), metadata)
+
+    def step_entry(self, entry: CapturedGraph, metadata: StepMetadata) -> Any:
+        """:meth:`step` of a graph its caller has looked up already (``Runtime.step``)."""
         self._order_notes.clear()
-        entry, plan, state = self._graph(namespace, key)
+        found = self._lookup(entry)
+        plan, state = found.plan, found.state
         if not plan.tasks:  # nothing to update (a PIECEWISE piece)
             self._replay(entry, plan, state)
             self._warn_noted_misorders()
