@@ -33,7 +33,7 @@ class TaskFailed(Exception):
 
 def issue_tasks(
     npu: Any,
-    us: Any,
+    update_stream: Any,
     plan: UpdatePlan,
     state: GraphState,
     host: list[dict[str, Any]],
@@ -61,7 +61,7 @@ def issue_tasks(
     rec = plan.lens_recorder
     if rec is not None and not pending[rec.index]:
         try:
-            rec.event.record(us)
+            rec.event.record(update_stream)
         except Exception as exc:
             raise TaskFailed(rec.index, exc) from exc
         pending[rec.index] = True
@@ -72,31 +72,31 @@ def issue_tasks(
             if skip and applied[i] is host_values:
                 if t.records and not pending[i]:
                     pending[i] = True  # once record() is called the flag will be set
-                    t.event.record(us)
+                    t.event.record(update_stream)
                 continue
             reissued += 1
             if t.fused and not pending[i]:
                 kw = t.kwargs
                 kw.update(host_values)  # the plan's own dict: host entries are rewritten in place
-                fused(us, t.handle, t.event, *t.qkv, **kw)  # type: ignore[misc]
+                fused(update_stream, t.handle, t.event, *t.qkv, **kw)  # type: ignore[misc]
                 applied[i] = host_values
                 pending[i] = True
                 continue
-            reissue(npu, us, t, host_values)
+            reissue(npu, update_stream, t, host_values)
             applied[i] = host_values
             if t.records and not pending[i]:
                 pending[i] = True
-                t.event.record(us)
+                t.event.record(update_stream)
         except Exception as exc:
             raise TaskFailed(i, exc) from exc
     return reissued
 
 
-def reissue(npu: Any, us: Any, t: TaskPlan, host_values: dict[str, Any]) -> None:
+def reissue(npu: Any, update_stream: Any, t: TaskPlan, host_values: dict[str, Any]) -> None:
     """Rewrite task ``t``'s arguments with host values ``host_values`` (no event record)."""
     kw = t.kwargs
     kw.update(host_values)  # the plan's own dict: host entries are rewritten in place
-    npu.graph_task_update_begin(us, t.handle)
+    npu.graph_task_update_begin(update_stream, t.handle)
     try:
         if t.qkv is not None:
             t.kernel(*t.qkv, **kw)
@@ -104,15 +104,17 @@ def reissue(npu: Any, us: Any, t: TaskPlan, host_values: dict[str, Any]) -> None
             t.kernel(**kw)
     except BaseException:
         with contextlib.suppress(Exception):
-            npu.graph_task_update_end(us)  # close the update; the kernel's error is the one to report
+            npu.graph_task_update_end(update_stream)  # close the update; the kernel's error is the one to report
         raise
-    npu.graph_task_update_end(us)
+    npu.graph_task_update_end(update_stream)
 
 
-def null_tasks(npu: Any, us: Any, plan: UpdatePlan, state: GraphState, keep: list[dict[str, Any]] | None) -> bool:
+def null_tasks(
+    npu: Any, update_stream: Any, plan: UpdatePlan, state: GraphState, keep: list[dict[str, Any]] | None
+) -> bool:
     """Give every task key lengths 0 (it then reads no block, whatever the block-table
     buffer holds now), except those ``keep`` says this step already wrote, and record
-    every event not yet recorded, on ``us`` (the caller makes it current and orders it).
+    every event not yet recorded, on ``update_stream`` (the caller makes it current and orders it).
 
     Returns whether every task took it; one the device refuses even that is left
     unknown (``applied`` is ``None``: the next update re-issues it)."""
@@ -133,9 +135,9 @@ def null_tasks(npu: Any, us: Any, plan: UpdatePlan, state: GraphState, keep: lis
         reset(w.task, plan.tasks[w.task].null_host, w.write)
     for t in plan.tasks:
         if t.lens is None:
-            reset(t.index, t.null_host, functools.partial(reissue, npu, us, t))
+            reset(t.index, t.null_host, functools.partial(reissue, npu, update_stream, t))
         if t.records and not state.pending[t.index]:
             state.pending[t.index] = True
             with contextlib.suppress(Exception):
-                t.event.record(us)
+                t.event.record(update_stream)
     return ok
