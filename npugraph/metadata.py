@@ -1,7 +1,8 @@
 """A step's attention metadata, from the engine's form to the padded host lengths the kernels
 take: :class:`AttentionMetadata` (what an engine gives per KV-cache group), :class:`StepLens`
 (its lengths padded to a graph's size), the padding rule (:func:`pad_lens`, and
-:func:`batch_refusal`, its limits) and :func:`convert`, which checks the one against a
+:func:`batch_refusal`, its limits; :func:`capture_lens` and :func:`eager_rows`, the shape one
+call runs a step's metadata in) and :func:`convert`, which checks the one against a
 captured graph and makes the other."""
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ __all__ = [
     "AttentionMetadata",
     "StepLens",
     "batch_refusal",
+    "capture_lens",
     "convert",
+    "eager_rows",
     "pad_lens",
     "real_batch",
     "real_requests",
@@ -330,3 +333,46 @@ def batch_refusal(
             "request would shift its causal window). Use a graph with more request rows than requests."
         )
     return None
+
+
+def _longest_request(starts: list[int]) -> int:
+    """The most query tokens one request has, from cumulative query starts (1 without any)."""
+    return max((b - a for a, b in itertools.pairwise(starts)), default=1)
+
+
+def capture_lens(meta: AttentionMetadata, *, tokens: int, rows: int, tokens_per_request: int) -> tuple[int, StepLens]:
+    """The query tokens per request a captured call runs, and the lengths it is captured with.
+
+    A graph of ``rows`` request rows and ``tokens`` query tokens whose tokens exceed
+    ``rows x tokens_per_request``, or whose metadata holds a longer request (vLLM's mixed
+    FULL batches), runs requests of several tokens: it is captured causal, that wide.
+    """
+    q_ends: list[int] | None
+    if meta.query_start_loc is not None:
+        q_ends = meta.query_start_loc.tolist()[1:]
+    else:
+        q_ends = None if tokens_per_request == 1 else [tokens_per_request * (i + 1) for i in range(meta.num_reqs)]
+    longest = _longest_request([0, *(q_ends or ())])
+    if tokens > rows * tokens_per_request or longest > tokens_per_request:
+        tokens_per_request = max(longest, -(-tokens // max(1, rows)))
+    return tokens_per_request, pad_lens(meta.seq_lens.tolist(), q_ends, rows, tokens)
+
+
+def eager_rows(meta: AttentionMetadata, *, tokens: int, rows: int, tokens_per_request: int) -> tuple[int, int]:
+    """The request rows and query tokens per request an eager call runs ``meta`` in.
+
+    Uniform metadata (no ``query_start_loc``) gives every request ``tokens_per_request``
+    tokens, and spare tokens are padding requests.  Mixed prefill/decode metadata runs
+    causal within each request, as wide as its longest; its spare tokens form one padding
+    request, which needs a row of its own unless a trailing request of length 0 is one.
+    """
+    qsl = meta.query_start_loc
+    if qsl is None:
+        return max(rows, tokens // max(1, tokens_per_request)), tokens_per_request
+    starts = qsl.tolist() if isinstance(qsl, torch.Tensor) else list(qsl)
+    tokens_per_request = max(tokens_per_request, _longest_request(starts))
+    lens_on_host = isinstance(meta.seq_lens, torch.Tensor) and meta.seq_lens.device.type == "cpu"
+    real = real_requests(meta.seq_lens.tolist()) if lens_on_host and meta.seq_lens.dim() == 1 else 0
+    if real < len(starts) and starts[real] < tokens and real >= rows:
+        return rows + 1, tokens_per_request
+    return rows, tokens_per_request

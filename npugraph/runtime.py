@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -16,8 +15,8 @@ from npugraph.dump.manifest import build_manifest, save_manifest
 from npugraph.dump.postmortem import PostMortem
 from npugraph.dump.trace import UpdateTrace
 from npugraph.errors import ConfigError, MetadataError, NpuGraphError, UnknownKeyError
-from npugraph.metadata import AttentionMetadata, convert, pad_lens, real_requests
-from npugraph.ops import SPECS, AttentionCall
+from npugraph.metadata import AttentionMetadata, capture_lens, convert, eager_rows
+from npugraph.ops import AttentionCall
 from npugraph.policy import KernelPolicy
 from npugraph.replay import ORDERS, GraphState, ReplayUpdater, StepMetadata
 
@@ -143,58 +142,32 @@ class Runtime:
         """
         tokens = int(call.query.shape[0])
         rows = int(call.block_table.shape[0])
-        tokens_per_request = call.tokens_per_request
         if self.manager.capturing:
-            r = meta.num_reqs
-            if meta.query_start_loc is not None:
-                q_ends: list[int] | None = meta.query_start_loc.tolist()[1:]
-            else:
-                q_ends = None if tokens_per_request == 1 else [tokens_per_request * (i + 1) for i in range(r)]
-            longest = _longest_request([0, *(q_ends or ())])
-            if tokens > rows * tokens_per_request or longest > tokens_per_request:
-                # a graph with more query tokens than rows x tokens_per_request (vLLM's mixed
-                # FULL batches) runs requests of several tokens: capture it causal
-                call = attrs.evolve(call, tokens_per_request=max(longest, -(-tokens // max(1, rows))))
-            lens = pad_lens(meta.seq_lens.tolist(), q_ends, rows, tokens)
-            self.manager.attention(layer, group, call, lens, ubatch)
+            width, lens = capture_lens(meta, tokens=tokens, rows=rows, tokens_per_request=call.tokens_per_request)
+            self.manager.attention(layer, group, _widened(call, width), lens, ubatch)
             return
-        batch = rows
-        qsl = meta.query_start_loc
-        if qsl is None:  # uniform: tokens_per_request each, spare tokens are padding requests
-            batch = max(rows, tokens // max(1, tokens_per_request))
-        else:  # mixed prefill/decode: causal within each request; spare tokens form one padding request
-            starts = qsl.tolist() if isinstance(qsl, torch.Tensor) else list(qsl)
-            longest = _longest_request(starts)
-            if longest > call.tokens_per_request:
-                call = attrs.evolve(call, tokens_per_request=longest)
-            # spare tokens need a padding row: a trailing request of length 0 is one already
-            lens_ok = isinstance(meta.seq_lens, torch.Tensor) and meta.seq_lens.device.type == "cpu"
-            real = real_requests(meta.seq_lens.tolist()) if lens_ok and meta.seq_lens.dim() == 1 else 0
-            if real < len(starts) and starts[real] < tokens and real >= rows:
-                batch = rows + 1
+        batch, width = eager_rows(meta, tokens=tokens, rows=rows, tokens_per_request=call.tokens_per_request)
+        run = _widened(call, width)
         if batch > rows:
-            call = attrs.evolve(call, block_table=_pad_rows(call.block_table, batch))
-        if call.block_table.device != call.query.device:
+            run = attrs.evolve(run, block_table=_pad_rows(run.block_table, batch))
+        if run.block_table.device != run.query.device:
             # a host table (an engine's CPU metadata): the kernel reads the table on the device
-            staged = self.device.staged(call.block_table)
-            call = attrs.evolve(call, block_table=staged.to(call.query.device, non_blocking=True))
+            staged = self.device.staged(run.block_table)
+            run = attrs.evolve(run, block_table=staged.to(run.query.device, non_blocking=True))
         lens = convert(
             meta,
             batch=batch,
             tokens=tokens,
             max_model_len=self.max_model_len,
-            block_size=call.block_size,
-            num_blocks=int(call.key_cache.shape[0]),
-            capacity_blocks=int(call.block_table.shape[1]),
+            block_size=run.block_size,
+            num_blocks=int(run.key_cache.shape[0]),
+            capacity_blocks=int(run.block_table.shape[1]),
             where=f"eager {namespace} layer {layer!r}",
             validate=self.validate,
-            tokens_per_request=tokens_per_request if meta.query_start_loc is None else 1,
+            tokens_per_request=call.tokens_per_request if meta.query_start_loc is None else 1,
             table_device=self.device.memory,
         )
-        choice = self.manager.kernel_for(namespace, tokens)
-        if choice is None or choice.kernel not in SPECS or SPECS[choice.kernel].unsupported(call):
-            choice = self.manager.policy.choose(namespace, tokens, tokens, [call])
-        SPECS[choice.kernel].run_eager(self.device, call, lens)
+        self.manager.eager_kernel(namespace, tokens, run).run_eager(self.device, run, lens)
 
     # --- capture / update / replay ---------------------------------------------------
     def capture(
@@ -449,9 +422,11 @@ class Runtime:
         save_manifest(self.manifest(), path)
 
 
-def _longest_request(starts: list[int]) -> int:
-    """The most query tokens one request has, from cumulative query starts (1 without any)."""
-    return max((b - a for a, b in itertools.pairwise(starts)), default=1)
+def _widened(call: AttentionCall, tokens_per_request: int) -> AttentionCall:
+    """``call`` running ``tokens_per_request`` query tokens per request (causal when over 1)."""
+    if tokens_per_request == call.tokens_per_request:
+        return call
+    return attrs.evolve(call, tokens_per_request=tokens_per_request)
 
 
 def _pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from npugraph.device import load_device
-from npugraph.metadata import pad_lens
+from npugraph.metadata import AttentionMetadata, capture_lens, eager_rows, pad_lens
 from npugraph.ops import PA, AttentionCall
 from npugraph.ops.pa import _probe_lengths
 from npusim import kernels
@@ -48,6 +48,37 @@ def test_padding_keeps_real_requests_and_spreads_spare_tokens_evenly(step):
         assert max(sizes) - min(sizes) <= 1, f"spread evenly: {sizes}"
         assert sizes == sorted(sizes), "the larger shares last"
         assert min(sizes) >= 1, "a padding request has a query token"
+
+
+def _metadata(kv, ends):
+    qsl = None if ends is None else torch.tensor([0, *ends], dtype=torch.int32)
+    return AttentionMetadata(
+        seq_lens=torch.tensor(kv, dtype=torch.int32),
+        block_table=torch.zeros(len(kv), 1, dtype=torch.int32),
+        query_start_loc=qsl,
+    )
+
+
+@given(steps())
+def test_a_captured_call_is_as_wide_as_its_longest_request_and_pads_to_its_rows(step):
+    kv, ends, batch, tokens = step
+    width, lens = capture_lens(_metadata(kv, ends), tokens=tokens, rows=batch, tokens_per_request=1)
+    longest = max((b - a for a, b in itertools.pairwise([0, *(ends or ())])), default=1)
+    assert width >= longest, "a request's tokens all fit its causal window"
+    assert width * batch >= tokens, "the graph's tokens fit its rows"
+    assert width == 1 or width == max(longest, -(-tokens // batch)), "no wider than it must be"
+    assert lens == pad_lens(kv, ends, batch, tokens), "captured with the padding rule's lengths"
+
+
+@given(steps())
+def test_an_eager_call_adds_a_padding_row_only_for_spare_tokens_with_no_row(step):
+    kv, ends, batch, tokens = step
+    if ends is None:
+        ends = list(range(1, len(kv) + 1))
+    rows, width = eager_rows(_metadata(kv, ends), tokens=tokens, rows=len(kv), tokens_per_request=1)
+    spare = tokens > (ends[-1] if ends else 0)
+    assert rows == len(kv) + (1 if spare else 0)
+    assert width == max((b - a for a, b in itertools.pairwise([0, *ends])), default=1)
 
 
 def test_padding_examples():

@@ -187,6 +187,15 @@ class CaptureManager:
         entry = self._entries.get((namespace, key))
         return entry.choice if entry is not None else None
 
+    def eager_kernel(self, namespace: str, tokens: int, call: AttentionCall) -> OpSpec:
+        """The kernel an eager call of ``tokens`` query tokens runs: the one captured for
+        that size where it can run ``call`` (so eager steps stay comparable with the
+        graph's replays), else the policy's choice."""
+        choice = self.kernel_for(namespace, tokens)
+        if choice is None or choice.kernel not in SPECS or SPECS[choice.kernel].unsupported(call):
+            choice = self.policy.choose(namespace, tokens, tokens, [call])
+        return SPECS[choice.kernel]
+
     def attention(self, layer: str, group: str, call: AttentionCall, lens: StepLens, ubatch: int) -> None:
         """Record one attention call of the capture in progress as an updatable task.
 
