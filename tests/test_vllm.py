@@ -29,6 +29,7 @@ from npugraph import AttentionMetadata, Runtime
 from npugraph.errors import ConfigError, NpuGraphError
 from npugraph.integrations import common
 from npugraph.integrations import vllm as integ
+from npugraph.integrations.vllm import plugin
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.reference import paged_attention_reference
 
@@ -342,7 +343,7 @@ def test_plugin_entry_point_is_discovered_and_installs_on_request(monkeypatch, c
     assert current_platform.get_static_graph_wrapper_cls() == before, "disabled by default"
     monkeypatch.setenv(integ.ENV_ENABLE, "1")
     monkeypatch.delenv(integ.ENV_DEVICE, raising=False)
-    integ._log_once.cache_clear()
+    plugin._log_once.cache_clear()
     with caplog.at_level(logging.INFO, logger="vllm.npugraph"):
         integ.register()
         integ.register()
@@ -411,12 +412,12 @@ def test_micro_batched_metadata_becomes_one_mapping_per_micro_batch():
         seq_lens=torch.tensor([3, 4], dtype=torch.int32), block_table=torch.zeros(2, 4, dtype=torch.int32)
     )
     shared = _AscendLikeMetadata(meta)
-    out = integ._step_metadata([{"l0": shared, "l1": shared}, {"l0": meta}])
+    out = integ.step_metadata([{"l0": shared, "l1": shared}, {"l0": meta}])
     assert isinstance(out, list) and len(out) == 2
     assert out[0]["l0"] is out[0]["l1"], "a shared object is converted once"
     assert out[0]["l0"].seq_lens.tolist() == [3, 4] and out[1]["l0"] is meta
     with pytest.raises(NpuGraphError, match="must be a dict keyed by attention layer name"):
-        integ._step_metadata([meta])
+        integ.step_metadata([meta])
 
 
 # --- FULL_AND_PIECEWISE serving, and the wrapper's contract with vLLM ---------------------
@@ -676,7 +677,7 @@ def test_plugin_without_vllm_logs_one_line_and_device_is_validated(monkeypatch, 
     monkeypatch.setenv(integ.ENV_DEVICE, "SIM")  # any case, as NPUGRAPH_ENABLE
     assert common.env_device() == "sim"
     monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # import vllm.platforms now fails
-    integ._log_once.cache_clear()
+    plugin._log_once.cache_clear()
     with caplog.at_level(logging.INFO, logger="vllm.npugraph"):
         integ.register()
     lines = [r.getMessage() for r in caplog.records]
@@ -791,7 +792,7 @@ def test_each_engine_process_says_what_npugraph_captured_after_vllms_capture(mon
     runner.capture()
     monkeypatch.setenv(integ.ENV_REPORT_DIR, str(tmp_path))
     real = GPUModelRunner.capture_model
-    integ._patch_capture_model()
+    plugin._patch_capture_model()
     try:
         assert GPUModelRunner.capture_model is not real
         # vLLM's own capture_model, on a runner with nothing to capture (mode NONE): it
@@ -803,7 +804,7 @@ def test_each_engine_process_says_what_npugraph_captured_after_vllms_capture(mon
         with caplog.at_level(logging.INFO, logger="vllm.npugraph"):
             assert GPUModelRunner.capture_model(model_runner) == 0
     finally:
-        integ._unpatch_capture_model()
+        plugin._unpatch_capture_model()
     assert GPUModelRunner.capture_model is real
     (line,) = [r.getMessage() for r in caplog.records if "active in this engine process" in r.getMessage()]
     assert f"pid {os.getpid()}" in line and f"{len(SIZES)} graphs captured" in line

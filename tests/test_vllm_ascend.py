@@ -31,8 +31,10 @@ from vllm.forward_context import BatchDescriptor, get_forward_context, set_forwa
 
 import npusim as sim
 from npugraph import Runtime
+from npugraph.errors import ConfigError
 from npugraph.integrations import vllm as integ
 from npugraph.integrations import vllm_ascend as ascend
+from npugraph.integrations.vllm import kv_budget, plugin
 from npugraph.reference import paged_attention_reference
 
 pytestmark = pytest.mark.vllm
@@ -306,7 +308,7 @@ def test_a_draft_of_several_tokens_other_than_mtp_on_mla_is_refused_at_model_loa
             speculative_config=types.SimpleNamespace(num_speculative_tokens=2, method=method),
             model_config=types.SimpleNamespace(is_deepseek_mla=mla),
         )
-        with pytest.raises(integ.ConfigError, match="num_speculative_tokens=2"):
+        with pytest.raises(ConfigError, match="num_speculative_tokens=2"):
             integ.DraftNpuGraphWrapper(lambda: None, config, CUDAGraphMode.FULL)
 
 
@@ -700,11 +702,11 @@ def test_real_vllm_ascend_sources_have_every_name_npugraph_replaces(monkeypatch)
         if result.generation == "aug-2026":
             assert wanted <= set(result.replaced), f"not replaced: {sorted(wanted - set(result.replaced))}"
         # the speculative proposer's draft wrapper (MTP), which npugraph's vLLM plugin replaces
-        for module_name, names in integ._PATCHED_DRAFT:
+        for module_name, names in plugin._PATCHED_DRAFT:
             module = importlib.import_module(module_name)
             assert all(hasattr(module, n) for n in names), f"{module_name} has no {names}"
         # what the KV-cache budget's profiling capture runs on (the worker, the runner's helpers)
-        for module_name, _ in integ._KV_BUDGET_NAMES:
+        for module_name, _ in kv_budget._KV_BUDGET_NAMES:
             importlib.import_module(module_name)
         assert integ.kv_budget_missing() == []
     finally:

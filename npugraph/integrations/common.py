@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from typing import Any
 
 from npugraph.errors import ConfigError
 from npugraph.runtime import Runtime
@@ -23,6 +24,7 @@ __all__ = [
     "env_device_lengths",
     "env_event_group",
     "report_path",
+    "restore",
     "runtime_from_env",
     "say_captured",
 ]
@@ -119,3 +121,12 @@ def say_captured(runtime: Runtime, logger: logging.Logger, namespace: str | None
     line = f"npugraph: active in this engine process (pid {os.getpid()}): {runtime.capture_report(namespace)}; {where}"
     logger.info(line)
     return line
+
+
+def restore(obj: Any, name: str) -> None:
+    """Put back ``obj.<name>`` as it was before npugraph replaced it (kept beside it as
+    ``_npugraph_original_<name>``); nothing if ``obj`` is None or was not patched."""
+    marker = f"_npugraph_original_{name}"
+    if obj is not None and hasattr(obj, marker):
+        setattr(obj, name, getattr(obj, marker))
+        delattr(obj, marker)

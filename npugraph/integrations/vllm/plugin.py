@@ -1,0 +1,200 @@
+"""npugraph installed into vLLM (and vllm-ascend): :func:`register` is the plugin entry
+point, :func:`install` replaces the graph wrappers, the capture's closing report and the
+KV-cache budget, and :func:`uninstall` puts every original back."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from typing import Any
+
+from npugraph.errors import ConfigError
+from npugraph.integrations import vllm_ascend
+from npugraph.integrations.common import ENV_DEVICE, ENV_ENABLE, check_settings, enabled, restore
+from npugraph.integrations.common import say_captured as _say_captured
+from npugraph.integrations.vllm.kv_budget import ESTIMATE_ATTR, MIB, RUNNER, patch_kv_budget, unpatch_kv_budget
+from npugraph.integrations.vllm.wrapper import (
+    RUNTIME_ATTR,
+    DraftNpuGraphWrapper,
+    NpuGraphWrapper,
+    platform_has_npu_graphs,
+)
+from npugraph.runtime import Runtime
+
+__all__ = ["WRAPPER_PATH", "install", "register", "say_captured", "uninstall"]
+
+logger = logging.getLogger("vllm.npugraph")
+
+WRAPPER_PATH = "npugraph.integrations.vllm.NpuGraphWrapper"  # what vLLM resolves by name
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info(message)
+
+
+def install(platform: Any = None) -> None:
+    """Make vLLM (and vllm-ascend, if installed) use npugraph's wrapper and updater.
+
+    Replaced names, and why it is safe:
+
+    * ``<platform class>.get_static_graph_wrapper_cls`` → returns
+      ``npugraph.integrations.vllm.NpuGraphWrapper``: vLLM resolves the wrapper
+      class through it by name each time it builds one;
+    * vllm-ascend ``vllm_ascend.compilation.acl_graph.ACLGraphWrapper`` (and the
+      alias in ``vllm_ascend.worker.model_runner_v1``) → :class:`NpuGraphWrapper`,
+      which has the same constructor and call contract;
+    * vllm-ascend's own graph recorders and per-step update → npugraph's
+      (:func:`npugraph.integrations.vllm_ascend.install`, for its Aug and Sept 2026
+      generations): its backends become thin clients, and its update a no-op, since
+      npugraph's wrapper updates the graph itself (a second update would record each
+      event twice: a lost record, then a hang).
+
+    Every original is kept on the patched object (``_npugraph_original_*``) and
+    restored by :func:`uninstall`.  What was replaced is logged; every expected name
+    that was not found is warned about, once, by name.
+    """
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    cls = type(platform)
+    if not hasattr(cls, "_npugraph_original_wrapper_cls"):
+        cls._npugraph_original_wrapper_cls = cls.__dict__.get("get_static_graph_wrapper_cls")
+        cls.get_static_graph_wrapper_cls = classmethod(lambda c: WRAPPER_PATH)
+    for module_name, names in _PATCHED:
+        _patch(module_name, names, NpuGraphWrapper)
+    _patch_capture_model()
+    patch_kv_budget()
+    vllm_ascend.install()
+    for module_name, names in _PATCHED_DRAFT:  # after vllm-ascend's own import order (vllm_ascend.install)
+        _patch(module_name, names, DraftNpuGraphWrapper)
+    _log_once(f"npugraph: installed as the graph wrapper of {cls.__name__} (pid {os.getpid()})")
+
+
+# vllm-ascend names install() replaces (where the module and the name exist), and uninstall() restores.
+_PATCHED = (
+    ("vllm_ascend.compilation.acl_graph", ("ACLGraphWrapper",)),
+    ("vllm_ascend.worker.model_runner_v1", ("ACLGraphWrapper",)),
+)
+
+
+# vllm-ascend's speculative proposer (MTP, EAGLE): its draft model's graph wrapper
+_PATCHED_DRAFT = (("vllm_ascend.spec_decode.llm_base_proposer", ("ACLGraphWrapper",)),)
+
+
+def say_captured(runtime: Runtime) -> str:
+    """:func:`npugraph.integrations.report.say_captured` in vLLM's log."""
+    return _say_captured(runtime, logger)
+
+
+def _patch_capture_model() -> None:
+    """After vLLM's ``capture_model`` returns, say what npugraph captured in this process."""
+    try:
+        module = __import__(RUNNER[0], fromlist=["_"])
+    except Exception:  # vLLM without its model runner (or broken): nothing to say after
+        return
+    cls = getattr(module, RUNNER[1], None)
+    if cls is None or hasattr(cls, "_npugraph_original_capture_model"):
+        return
+    original = cls.capture_model
+
+    @functools.wraps(original)
+    def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        config = getattr(self, "vllm_config", None)
+        runtime = getattr(config, RUNTIME_ATTR, None)
+        if runtime is not None and runtime.manager.entries():
+            say_captured(runtime)
+            estimate = getattr(config, ESTIMATE_ATTR, None)
+            if estimate is not None:
+                held = sum(e.memory_bytes for e in runtime.entries())
+                logger.info(
+                    "npugraph: graph memory: %.2f MiB estimated before the KV cache and left out of its budget; "
+                    "the capture took %.2f MiB (each size measured alone; a pool the profiling capture grew is "
+                    "reused)",
+                    estimate.bytes / MIB,
+                    held / MIB,
+                )
+        return out
+
+    cls._npugraph_original_capture_model = original
+    cls.capture_model = capture_model
+
+
+def _unpatch_capture_model() -> None:
+    restore(getattr(sys.modules.get(RUNNER[0]), RUNNER[1], None), "capture_model")
+
+
+def _patch(module_name: str, names: tuple[str, ...], value: Any) -> None:
+    try:
+        module = __import__(module_name, fromlist=["_"])
+    except Exception:  # vllm-ascend absent (or broken): nothing to replace
+        return
+    for name in names:
+        if hasattr(module, name) and not hasattr(module, f"_npugraph_original_{name}"):
+            current = getattr(module, name)
+            if isinstance(current, type) and issubclass(current, NpuGraphWrapper):
+                # imported from a module patched before it: vllm-ascend's own class is
+                # the one that module keeps (what uninstall() puts back here too)
+                current = _original_wrapper(name, current)
+            setattr(module, f"_npugraph_original_{name}", current)
+            setattr(module, name, value)
+
+
+def _original_wrapper(name: str, default: Any) -> Any:
+    for module_name, names in _PATCHED:
+        module = sys.modules.get(module_name)
+        if name in names and module is not None and hasattr(module, f"_npugraph_original_{name}"):
+            return getattr(module, f"_npugraph_original_{name}")
+    return default
+
+
+def _unpatch(module_name: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        restore(sys.modules.get(module_name), name)
+
+
+def uninstall(platform: Any = None) -> None:
+    """Undo :func:`install` on ``platform``: every name it replaced gets its original back."""
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    cls = type(platform)
+    if hasattr(cls, "_npugraph_original_wrapper_cls"):
+        original = cls._npugraph_original_wrapper_cls
+        del cls.get_static_graph_wrapper_cls
+        if original is not None:
+            cls.get_static_graph_wrapper_cls = original
+        del cls._npugraph_original_wrapper_cls
+    for module_name, names in _PATCHED + _PATCHED_DRAFT:
+        _unpatch(module_name, names)
+    _unpatch_capture_model()
+    unpatch_kv_budget()
+    vllm_ascend.uninstall()
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: install npugraph when ``NPUGRAPH_ENABLE=1``.
+
+    It never raises (vLLM's plugin loader would print a traceback and go on): a bad
+    setting is one error line in vLLM's log, and vLLM is left untouched.
+    """
+    if not enabled():
+        return
+    try:
+        device = check_settings()
+    except ConfigError as exc:
+        logger.error("npugraph: %s; vLLM left untouched", exc)
+        return
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as exc:
+        _log_once(f"npugraph: {ENV_ENABLE}=1 but vLLM cannot be imported ({exc}); nothing installed")
+        return
+    if device is None and not platform_has_npu_graphs(current_platform):
+        _log_once(
+            f"npugraph: platform {type(current_platform).__name__} has no NPU graphs; vLLM left "
+            f"untouched (set {ENV_DEVICE}=sim to use npugraph's simulator)"
+        )
+        return
+    install(current_platform)
