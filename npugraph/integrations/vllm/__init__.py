@@ -27,7 +27,7 @@ Layers of one KV-cache group may share one metadata object; it is converted once
 per step.  :class:`npugraph.attention.DecodeAttention` is the reference client.
 """
 
-from npugraph.integrations.common import (
+from npugraph.integrations.common import (  # noqa: F401 (the settings keep their names here)
     ENV_DEVICE,
     ENV_DEVICE_LENGTHS,
     ENV_ENABLE,
@@ -41,11 +41,6 @@ from npugraph.integrations.vllm.plugin import WRAPPER_PATH, install, register, s
 from npugraph.integrations.vllm.wrapper import DraftNpuGraphWrapper, NpuGraphWrapper, attach_runtime, runtime_for
 
 __all__ = [
-    "ENV_DEVICE",
-    "ENV_DEVICE_LENGTHS",
-    "ENV_ENABLE",
-    "ENV_EVENT_GROUP",
-    "ENV_REPORT_DIR",
     "WRAPPER_PATH",
     "DraftNpuGraphWrapper",
     "GraphMemoryEstimate",
