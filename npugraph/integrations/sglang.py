@@ -18,6 +18,14 @@ This plugin, loaded through SGLang's ``sglang.srt.plugins`` entry points and act
   and the capture manifest written to :func:`report_path` (``$NPUGRAPH_REPORT_DIR``,
   default: the temporary directory).
 
+and, at SGLang's request intake (a ``BEFORE`` hook, in the server's main process):
+
+* ``TokenizerManager._validate_one_request``: a prompt holding a token id outside the
+  vocabulary is refused with SGLang's own request error (a 400 with the message).  SGLang
+  0.5.23 checks no prompt id against the vocabulary, and its scheduler's embedding lookup
+  then takes the whole server down (on a device, the lookup faults the NPU): this guards
+  that SGLang defect, whatever graphs the server runs.
+
 Only SGLang's target decode runner (``NPUGraphRunner``) of a model whose attention layers are
 all plain MHA is taken; anything else (MLA, attention sinks, sliding windows, speculative
 draft runners) stays SGLang's, and the plugin says so by name.  :func:`uninstall` restores.
@@ -56,6 +64,7 @@ ENV = ENV_ENABLE
 _BACKEND = "sglang.srt.hardware_backend.npu.graph_runner.npu_cudagraph_backend.NPUCudaGraphBackend"
 _ATTENTION = "sglang.srt.hardware_backend.npu.attention.ascend_backend.AscendAttnBackend"
 _RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+_TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 # the decode runner npugraph takes (its draft and ViT siblings stay SGLang's)
 _DECODE_RUNNER = "NPUGraphRunner"
 _STATE = "_npugraph_state"
@@ -224,6 +233,27 @@ def _after_capture(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     say_captured(state.runtime, logger, state.namespace)
 
 
+def _refuse_out_of_vocabulary(manager: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> None:
+    """``TokenizerManager._validate_one_request``, before SGLang's checks: a prompt token id
+    outside ``[0, vocab_size)`` is a ``ValueError``, which SGLang's endpoints answer with a
+    400 and its message, as they answer a prompt longer than the context."""
+    vocab = getattr(getattr(manager, "model_config", None), "vocab_size", None)
+    if not isinstance(input_ids, list) or not input_ids or not isinstance(vocab, int):
+        return  # no token ids (input embeddings), or no vocabulary to check against
+    try:
+        lo, hi = min(input_ids), max(input_ids)
+    except TypeError:
+        return  # not a flat list of ids: SGLang's own validation speaks for it
+    if lo >= 0 and hi < vocab:
+        return
+    bad = lo if lo < 0 else hi
+    raise ValueError(
+        f"The prompt holds token id {bad} at position {input_ids.index(bad)}, outside the model's vocabulary "
+        f"[0, {vocab}); send token ids the model's tokenizer makes (refused by npugraph's SGLang plugin: "
+        "SGLang's scheduler would fail on it)"
+    )
+
+
 @functools.cache
 def _say_once(message: str) -> None:
     logger.info(message)
@@ -236,6 +266,11 @@ _HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     (f"{_ATTENTION}.forward_decode_graph", "around", _forward_decode_graph),
     (f"{_RUNNER}.capture", "after", _after_capture),
 )
+# The request guard stands on its own: installed with the plugin whatever graphs SGLang runs.
+_INTAKE: tuple[tuple[str, str, Callable[..., Any]], ...] = (
+    (f"{_TOKENIZER}._validate_one_request", "before", _refuse_out_of_vocabulary),
+)
+_KINDS = {"after": "AFTER", "around": "AROUND", "before": "BEFORE"}
 
 
 def _resolve(target: str) -> Any:
@@ -247,26 +282,21 @@ def _resolve(target: str) -> Any:
 
 def install() -> bool:
     """Register npugraph's hooks with SGLang's ``HookRegistry`` (applied by SGLang after its
-    plugins load, or here when called outside that).  Returns whether every target was found;
-    each one missing is warned about by name and nothing is hooked."""
+    plugins load, or here when called outside that).  Returns whether every graph target was
+    found; each one missing is warned about by name and no graph hook is registered (the
+    request guard is, where SGLang has its target)."""
     from sglang.srt.plugins import hook_registry as hr
 
+    _register(hr, [h for h in _INTAKE if _resolve(h[0]) is not None])
     missing = [target for target, _, _ in _HOOKS if _resolve(target) is None]
-    if missing:
-        for target in missing:
-            logger.warning("npugraph: SGLang has no %s; npugraph leaves SGLang's NPU graphs as they are", target)
-        return False
-    for target, kind, hook in _HOOKS:
-        if any(h is hook for _, h, _ in hr.HookRegistry._hooks.get(target, [])):
-            continue  # installed already
-        owner_name, _, attr = target.rpartition(".")
-        owner = _resolve(owner_name)
-        if _MARK + attr not in owner.__dict__:  # SGLang's own, kept on its class for uninstall()
-            setattr(owner, _MARK + attr, owner.__dict__[attr])
-        hook_type = hr.HookType.AFTER if kind == "after" else hr.HookType.AROUND
-        hr.HookRegistry.register(target, hook, hook_type)
+    for target in missing:
+        logger.warning("npugraph: SGLang has no %s; npugraph leaves SGLang's NPU graphs as they are", target)
+    if not missing:
+        _register(hr, _HOOKS)
     if hr._current_plugin_source.get() is None:  # not inside SGLang's load_plugins: apply now
         hr.HookRegistry.apply_hooks()
+    if missing:
+        return False
     logger.info(
         "npugraph: SGLang's NPU decode graphs will be captured and updated by npugraph in the scheduler process "
         "(%s, %s, %s hooked)",
@@ -277,12 +307,25 @@ def install() -> bool:
     return True
 
 
+def _register(hr: Any, hooks: Any) -> None:
+    """Register each ``(target, kind, hook)`` not registered yet, SGLang's own function kept
+    on its class for :func:`uninstall`."""
+    for target, kind, hook in hooks:
+        if any(h is hook for _, h, _ in hr.HookRegistry._hooks.get(target, [])):
+            continue  # installed already
+        owner_name, _, attr = target.rpartition(".")
+        owner = _resolve(owner_name)
+        if _MARK + attr not in owner.__dict__:  # SGLang's own, kept on its class for uninstall()
+            setattr(owner, _MARK + attr, owner.__dict__[attr])
+        hr.HookRegistry.register(target, hook, getattr(hr.HookType, _KINDS[kind]))
+
+
 def uninstall() -> None:
     """Put SGLang's own functions back and drop npugraph's hooks."""
     from sglang.srt.plugins import hook_registry as hr
 
-    mine = {hook for _, _, hook in _HOOKS}
-    for target, _, _ in _HOOKS:
+    mine = {hook for _, _, hook in _HOOKS + _INTAKE}
+    for target, _, _ in _HOOKS + _INTAKE:
         owner_name, _, attr = target.rpartition(".")
         owner = _resolve(owner_name)
         if owner is not None and _MARK + attr in owner.__dict__:
