@@ -7,7 +7,11 @@
 #      its scheduler in its own process), the Llama's graph modes three times, in turn;
 #      release/sglang/test_generate.py checks identical tokens, Hugging Face's choices, and that
 #      npugraph did every update; release/sglang/update_cost.py prints the per-step update cost
-#      of the two graph modes, per run, and what the runs support.
+#      of the two graph modes, per run, and what the runs support;
+#   4. SGLang's server as users start it (python -m sglang.launch_server, the Llama, npugraph's
+#      plugin), driven by the openai client (release/sglang/test_server.py): a prompt token id
+#      outside the vocabulary is a 400 (the plugin guards an SGLang defect that takes the server
+#      down), good requests before and after it are right, and SIGINT ends the server cleanly.
 # Fails if any of them fails.
 set -euo pipefail
 
@@ -28,4 +32,7 @@ echo "== a real generation with SGLang $("$PYTHON" -c 'import importlib.metadata
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_generate.py) \
     || status=1
 "$PYTHON" "$HERE/update_cost.py" "$RESULTS" || status=1
+echo "== SGLang's server (launch_server) with npugraph's plugin, driven by the openai client"
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_server.py) \
+    || status=1
 exit $status

@@ -7,7 +7,7 @@ A completion whose prompt holds a token id outside the vocabulary gets a 400 wit
 whole server down: the plugin's request guard refuses it at SGLang's intake).  Good requests
 before and after it are answered, Hugging Face's float32 forward agrees with their tokens, and
 they equal the eager engine's tokens for the same prompt.  SIGINT ends the server within 90 s;
-its log has npugraph's INFO line and no traceback.
+its log has npugraph's INFO line, and no traceback but SGLang's own KeyboardInterrupt at shutdown.
 """
 
 from __future__ import annotations
@@ -92,6 +92,12 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             proc.wait()
 
 
+def _npugraph_dir() -> str:
+    import npugraph
+
+    return str(Path(npugraph.__file__).parent)
+
+
 def _complete(server: dict[str, Any], prompt: list[int]) -> list[int]:
     c = server["client"].completions.create(
         model=server["model"],
@@ -133,12 +139,19 @@ def test_an_out_of_vocabulary_prompt_is_a_400_and_the_server_serves_on(server: d
 
 
 def test_sigint_ends_the_server_in_time_with_npugraphs_line_and_no_traceback(server: dict[str, Any]):
+    """Serving, the log has no traceback.  At SIGINT, SGLang 0.5.23's launch_server prints its
+    own: uvicorn re-raises the KeyboardInterrupt through it (with or without npugraph); that
+    one is allowed, and nothing of npugraph's may be in it."""
     proc = server["proc"]
+    serving = server["log"].read_text()
+    assert "npugraph: active in this engine process" in serving, "npugraph's INFO line (the scheduler's)"
+    assert "Traceback" not in serving, serving[-6000:]
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=STOP_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"the server did not stop within {STOP_S} s of SIGINT")
-    text = server["log"].read_text()
-    assert "npugraph: active in this engine process" in text, "npugraph's INFO line (the scheduler's)"
-    assert "Traceback" not in text, text[-6000:]
+    shutdown = server["log"].read_text()[len(serving) :]
+    if "Traceback" in shutdown:
+        assert shutdown.rstrip().endswith("KeyboardInterrupt"), shutdown[-6000:]
+        assert _npugraph_dir() not in shutdown, f"a frame of npugraph's in SGLang's shutdown:\n{shutdown[-6000:]}"
