@@ -22,7 +22,10 @@
 #      device memory at capture, and so does npugraph's with that KV cache; npugraph's plugin
 #      as a user starts it counts its graphs in the budget and serves;
 #   7. vLLM's default compilation config (no compilation_config: FULL_AND_PIECEWISE) on the
-#      Llama, with and without npugraph's plugin (release/test_default_mode.py).
+#      Llama, with and without npugraph's plugin (release/test_default_mode.py);
+#   8. `vllm serve` with the plugin, driven by the openai client (release/test_server.py): bad
+#      requests each get a 400 and the server serves on, right; 200 concurrent connections; a
+#      client walking away mid-stream; SIGINT.
 # Fails if any of them fails.
 set -euo pipefail
 
@@ -92,4 +95,8 @@ echo "== graph memory and the KV-cache budget: vllm-ascend's own graph mode, npu
 echo "== vLLM's default compilation config (FULL_AND_PIECEWISE), without and with npugraph's plugin"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
     release/test_default_mode.py) || status=1
+
+echo "== vllm serve with npugraph's plugin, driven by the openai client: bad requests, a burst, SIGINT"
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
+    release/test_server.py) || status=1
 exit $status

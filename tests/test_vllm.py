@@ -29,6 +29,7 @@ from npugraph import AttentionMetadata, Runtime
 from npugraph.errors import ConfigError, NpuGraphError
 from npugraph.integrations import common
 from npugraph.integrations import vllm as integ
+from npugraph.integrations.common import restore
 from npugraph.integrations.vllm import plugin
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.reference import paged_attention_reference
@@ -813,3 +814,43 @@ def test_each_engine_process_says_what_npugraph_captured_after_vllms_capture(mon
     assert path.startswith(str(tmp_path)) and path in line
     doc = load_manifest(path)
     assert doc["totals"]["graphs"] == len(SIZES) and doc["totals"]["pool_bytes"] > 0
+
+
+def test_a_token_prompt_outside_the_vocabulary_is_refused_where_vllm_validates_it():
+    """vLLM takes its tokenizer's ``max_token_id`` as at least ``tokenizer.vocab_size`` (a count:
+    one past the last id), so an id equal to the vocabulary's size, or a negative one, passes
+    its check and the engine core dies in the embedding lookup.  The plugin's guard on vLLM's own
+    ``InputProcessor._validate_model_input`` refuses it with vLLM's request error (a ValueError:
+    a 400); anything else goes on to vLLM's checks (here: its prompt-length refusal)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    real = InputProcessor._validate_model_input
+    proc = object.__new__(InputProcessor)
+    proc.model_config = SimpleNamespace(get_vocab_size=lambda: 1024, max_model_len=4)
+    proc.skip_prompt_length_check, proc.supports_mm_inputs = False, False
+
+    def validate(ids):
+        InputProcessor._validate_model_input(proc, {"type": "token", "prompt_token_ids": ids}, "decoder")
+
+    long = r"longer than the maximum model length|prompt \(length \d+\) is longer"
+    with pytest.raises(Exception, match=long):  # vLLM's own (VLLMValidationError in vLLM 0.32)
+        validate([5, 6, 1024, 8, 9])  # not installed: vLLM's own first complaint is the length
+    plugin._patch_input_guard()
+    try:
+        assert InputProcessor._validate_model_input is not real
+        for ids, bad, where in (([5, 6, 1024, 8, 9], 1024, 2), ([-1, 5, 6, 7, 8], -1, 0)):
+            with pytest.raises(
+                ValueError, match=rf"token id {bad} at position {where}, outside the model's vocabulary"
+            ):
+                validate(ids)
+        with pytest.raises(Exception, match=long):
+            validate([0, 6, 1023, 8, 9])  # in the vocabulary, its first and last id: on to vLLM's checks
+        image = {"type": "multimodal", "prompt_token_ids": [5, 99999], "mm_placeholders": {}}
+        with pytest.raises(Exception) as err:  # a placeholder past the vocabulary: vLLM's rule, not the guard's
+            InputProcessor._validate_model_input(proc, image, "decoder")
+        assert "outside the model's vocabulary" not in str(err.value)
+    finally:
+        restore(InputProcessor, "_validate_model_input")
+    assert InputProcessor._validate_model_input is real

@@ -25,6 +25,7 @@ __all__ = [
     "env_event_group",
     "report_path",
     "restore",
+    "vocabulary_refusal",
     "runtime_from_env",
     "say_captured",
 ]
@@ -130,3 +131,24 @@ def restore(obj: Any, name: str) -> None:
     if obj is not None and hasattr(obj, marker):
         setattr(obj, name, getattr(obj, marker))
         delattr(obj, marker)
+
+
+def vocabulary_refusal(ids: Any, vocab: Any, engine: str, where: str) -> str | None:
+    """Why a prompt of token ``ids`` cannot reach ``engine``'s model of ``vocab`` ids (one
+    outside ``[0, vocab)``: the embedding lookup fails on it, and on a device faults the NPU),
+    or ``None`` if it can, or if there are no ids or no vocabulary to check them against.
+    ``where`` says what would fail: the engine's own checks let the id through."""
+    if not isinstance(ids, list) or not ids or not isinstance(vocab, int):
+        return None
+    try:
+        lo, hi = min(ids), max(ids)
+    except TypeError:
+        return None  # not a flat list of ids: the engine's own validation speaks for it
+    if lo >= 0 and hi < vocab:
+        return None
+    bad = lo if lo < 0 else hi
+    return (
+        f"The prompt holds token id {bad} at position {ids.index(bad)}, outside the model's vocabulary "
+        f"[0, {vocab}); send token ids the model's tokenizer makes (refused by npugraph's {engine} plugin: "
+        f"{where} would fail on it)"
+    )

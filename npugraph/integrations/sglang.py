@@ -51,6 +51,7 @@ from npugraph.integrations.common import (
     report_path,
     runtime_from_env,
     say_captured,
+    vocabulary_refusal,
 )
 from npugraph.metadata import AttentionMetadata
 from npugraph.ops import AttentionCall
@@ -238,20 +239,9 @@ def _refuse_out_of_vocabulary(manager: Any, obj: Any, input_ids: Any, *args: Any
     outside ``[0, vocab_size)`` is a ``ValueError``, which SGLang's endpoints answer with a
     400 and its message, as they answer a prompt longer than the context."""
     vocab = getattr(getattr(manager, "model_config", None), "vocab_size", None)
-    if not isinstance(input_ids, list) or not input_ids or not isinstance(vocab, int):
-        return  # no token ids (input embeddings), or no vocabulary to check against
-    try:
-        lo, hi = min(input_ids), max(input_ids)
-    except TypeError:
-        return  # not a flat list of ids: SGLang's own validation speaks for it
-    if lo >= 0 and hi < vocab:
-        return
-    bad = lo if lo < 0 else hi
-    raise ValueError(
-        f"The prompt holds token id {bad} at position {input_ids.index(bad)}, outside the model's vocabulary "
-        f"[0, {vocab}); send token ids the model's tokenizer makes (refused by npugraph's SGLang plugin: "
-        "SGLang's scheduler would fail on it)"
-    )
+    refused = vocabulary_refusal(input_ids, vocab, "SGLang", "SGLang's scheduler")
+    if refused is not None:
+        raise ValueError(refused)
 
 
 @functools.cache

@@ -8,11 +8,12 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from npugraph.errors import ConfigError
 from npugraph.integrations import vllm_ascend
-from npugraph.integrations.common import ENV_DEVICE, ENV_ENABLE, check_settings, enabled, restore
+from npugraph.integrations.common import ENV_DEVICE, ENV_ENABLE, check_settings, enabled, restore, vocabulary_refusal
 from npugraph.integrations.common import say_captured as _say_captured
 from npugraph.integrations.vllm.kv_budget import ESTIMATE_ATTR, MIB, RUNNER, patch_kv_budget, unpatch_kv_budget
 from npugraph.integrations.vllm.wrapper import (
@@ -65,6 +66,8 @@ def install(platform: Any = None) -> None:
     for module_name, names in _PATCHED:
         _patch(module_name, names, NpuGraphWrapper)
     _patch_capture_model()
+    _patch_input_guard()
+    _patch_render_guard()
     patch_kv_budget()
     vllm_ascend.install()
     for module_name, names in _PATCHED_DRAFT:  # after vllm-ascend's own import order (vllm_ascend.install)
@@ -122,6 +125,85 @@ def _patch_capture_model() -> None:
     cls.capture_model = capture_model
 
 
+# vLLM's input processor, whose _validate_model_input checks a prompt before it reaches the engine
+_INPUTS = ("vllm.v1.engine.input_processor", "InputProcessor")
+
+
+def _patch_input_guard() -> None:
+    """Refuse a token prompt holding an id outside the model's vocabulary where vLLM validates
+    it, with vLLM's own request error (a ``ValueError``: a 400 with the message).
+
+    vLLM 0.23 compares the largest id with its tokenizer's ``max_token_id``, which it takes as
+    at least ``tokenizer.vocab_size``: a count, one past the last id.  So an id equal to the
+    vocabulary's size, or a negative one, passes, the engine core's embedding lookup fails (on
+    a device it faults the NPU) and the server stops (``EngineDeadError``, HTTP 500 for every
+    request after).  Multimodal prompts keep vLLM's rule: their placeholder ids may lie past
+    the model's vocabulary and are replaced before the lookup."""
+    try:
+        module = __import__(_INPUTS[0], fromlist=["_"])
+    except Exception:  # vLLM without its input processor (or broken): nothing to guard
+        return
+    cls = getattr(module, _INPUTS[1], None)
+    if cls is None or not hasattr(cls, "_validate_model_input"):
+        logger.warning("npugraph: vLLM has no %s.%s._validate_model_input; prompt ids go unguarded", *_INPUTS)
+        return
+    if hasattr(cls, "_npugraph_original__validate_model_input"):
+        return
+    original = cls._validate_model_input
+
+    @functools.wraps(original)
+    def _validate_model_input(self: Any, prompt_input: Any, *args: Any, **kwargs: Any) -> Any:
+        refused = _token_refusal(prompt_input, self.model_config.get_vocab_size())
+        if refused is not None:
+            raise ValueError(refused)
+        return original(self, prompt_input, *args, **kwargs)
+
+    cls._npugraph_original__validate_model_input = original
+    cls._validate_model_input = _validate_model_input
+
+
+def _token_refusal(prompt_input: Any, vocab: int) -> str | None:
+    """Why vLLM's engine input ``prompt_input`` cannot reach a model of ``vocab`` ids, if it is a
+    token prompt holding one outside them (a multimodal prompt keeps vLLM's own rule)."""
+    if not isinstance(prompt_input, Mapping) or prompt_input.get("type") != "token":
+        return None
+    return vocabulary_refusal(prompt_input.get("prompt_token_ids"), vocab, "vLLM", "vLLM's engine core")
+
+
+# vLLM's server's rendering of a completion's prompts (where it refuses a bad one with a 400)
+_RENDER = ("vllm.entrypoints.serve.render.serving", "OpenAIServingRender")
+
+
+def _patch_render_guard() -> None:
+    """The same refusal where vLLM's server renders a completion's prompts, answered as the
+    render's own refusals are: an error response (a 400), before the engine sees the request.
+    The input processor's guard alone would be logged by uvicorn with its stack ("Exception in
+    ASGI application"), as vLLM's own out-of-vocabulary refusal is; this one is quiet, and the
+    input processor's still covers every other way in (``vllm.LLM``, chat)."""
+    try:
+        module = __import__(_RENDER[0], fromlist=["_"])
+    except Exception:  # another vLLM: its input processor's guard covers the server too
+        return
+    cls = getattr(module, _RENDER[1], None)
+    if cls is None or not hasattr(cls, "render_completion") or hasattr(cls, "_npugraph_original_render_completion"):
+        return
+    original = cls.render_completion
+
+    @functools.wraps(original)
+    async def render_completion(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inputs = await original(self, *args, **kwargs)
+        if isinstance(inputs, list):
+            vocab = self.model_config.get_vocab_size()
+            for prompt_input in inputs:
+                refused = _token_refusal(prompt_input, vocab)
+                if refused is not None:
+                    return self.create_error_response(refused)
+        return inputs
+
+    cls._npugraph_original_render_completion = original
+    cls.render_completion = render_completion
+
+
 def _unpatch_capture_model() -> None:
     restore(getattr(sys.modules.get(RUNNER[0]), RUNNER[1], None), "capture_model")
 
@@ -169,6 +251,8 @@ def uninstall(platform: Any = None) -> None:
     for module_name, names in _PATCHED + _PATCHED_DRAFT:
         _unpatch(module_name, names)
     _unpatch_capture_model()
+    restore(getattr(sys.modules.get(_INPUTS[0]), _INPUTS[1], None), "_validate_model_input")
+    restore(getattr(sys.modules.get(_RENDER[0]), _RENDER[1], None), "render_completion")
     unpatch_kv_budget()
     vllm_ascend.uninstall()
 

@@ -1,0 +1,133 @@
+"""vLLM's server as users start it, with npugraph's plugin: ``vllm serve M --dtype bfloat16``
+on 127.0.0.1 (vLLM's default engine and compilation config, vllm-ascend's defaults), driven by
+the ``openai`` client (release/run.sh runs this in the release environment; elsewhere it
+skips).  release/serving.py starts and drives it.
+
+Greedy completions are Hugging Face's float32 choices.  Bad requests (a prompt past the
+context, max_tokens past it, malformed JSON, bad sampling parameters, an empty prompt, an id
+outside the vocabulary) each get vLLM's own 400 with its reason; 200 concurrent connections
+are all answered, graphs replayed at batch sizes far past the release check's others; a client
+walks away mid-stream.  After each, the same greedy request gives the same tokens.  SIGINT ends
+the server within 90 s.  npugraph's INFO line is in the log, and no traceback in it has a frame
+of npugraph's: vLLM 0.23 prints its own for two of the refusals ("Exception in ASGI
+application", then the 400) and one at shutdown (``EngineDeadError`` from its output handler),
+with or without npugraph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm_ascend", reason="needs the release environment (release/env.sh)")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import generate
+from hf_reference import check_greedy_choices
+from runs import engine_env
+from serving import Served, bad_requests, npugraph_frames, started
+
+pytest.importorskip("openai")
+
+MODEL = "llama"
+LOGIT_TOLERANCE = 0.15  # as release/test_generate.py: bfloat16 kernels against float32
+NEW_TOKENS = 12
+# vllm serve on the simulator: its profile run of 2,048 tokens runs vllm-ascend's rope in
+# Triton's interpreter, then vLLM captures 70 sizes in two modes; about five minutes here
+START_S = 1200
+STOP_S = 90
+MESSAGES = {
+    "a prompt longer than the context": "maximum context length is",
+    "max_tokens past the context": "cannot be greater than max_model_len",
+    "malformed JSON": "JSON decode error",
+    "a negative temperature": "temperature must be non-negative",
+    "a non-numeric top_p": "valid number",
+    "a negative max_tokens": "max_tokens must be at least 1",
+    "an empty prompt": "Either prompt or prompt_embeds must be provided and non-empty",
+    "an empty list of token ids": "You must pass at least one prompt",
+    # npugraph's guard: vLLM's own check lets an id equal to the vocabulary's size through, and
+    # its engine core then dies (docs/vllm-ascend-release.md; npugraph/integrations/vllm/plugin.py)
+    "an out-of-vocabulary token id": "token id 1024 at position 2, outside the model's vocabulary",
+    "a negative token id": "Input should be greater than or equal to 0",  # vLLM's request model
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/run.sh's generation folder
+    out = Path(given) if given else tmp_path_factory.mktemp("server")
+    generate.write_model(out / MODEL)
+    return out / MODEL
+
+
+def _context(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    folder = tmp_path_factory.mktemp("vllm-serve")
+    env = engine_env(folder / "vllm-cache", NPUGRAPH_ENABLE="1")
+    args = [str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir), "--dtype", "bfloat16"]
+    with started(args, folder / "server.log", env, START_S) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def first(server: Served) -> list[int]:
+    """The first prompt's greedy tokens: every later repeat must give them again."""
+    return server.complete(generate.prompts(MODEL)[0], NEW_TOKENS)
+
+
+def _refused() -> list[tuple[str, Any, str]]:
+    vocab = generate.MODELS[MODEL].vocab
+    context = 1024  # the tiny Llama's max_position_embeddings (test_the_context_is_the_models)
+    return bad_requests(context, vocab, MESSAGES)
+
+
+def test_the_context_is_the_models(model_dir: Path):
+    assert _context(model_dir) == 1024
+
+
+def test_greedy_completions_are_hugging_faces(server: Served, first: list[int], model_dir: Path):
+    good = generate.prompts(MODEL)[:2]
+    answers = [first, server.complete(good[1], NEW_TOKENS)]
+    assert [len(a) for a in answers] == [NEW_TOKENS] * 2
+    check_greedy_choices(model_dir, good, answers, LOGIT_TOLERANCE)
+
+
+@pytest.mark.parametrize("what,body,message", _refused(), ids=[r[0] for r in _refused()])
+def test_a_bad_request_gets_vllms_400_and_the_next_good_one_is_right(
+    server: Served, first: list[int], what: str, body: Any, message: str
+):
+    status, text = server.post(body)
+    assert status == 400, f"{what}: HTTP {status} {text[:500]}"
+    assert message in text, f"{what}: {text[:500]}"
+    assert server.complete(generate.prompts(MODEL)[0], NEW_TOKENS) == first, f"after {what}: the same tokens"
+
+
+def test_a_burst_of_200_connections_is_served_and_the_server_serves_on(server: Served, first: list[int]):
+    finished = server.burst(generate.prompts(MODEL), 200, 4)
+    assert finished == ["length"] * 200, "every one of 200 concurrent completions answered in full"
+    assert server.complete(generate.prompts(MODEL)[0], NEW_TOKENS) == first
+
+
+def test_a_client_that_walks_away_mid_stream_leaves_the_server_serving(server: Served, first: list[int]):
+    assert server.walk_away(generate.prompts(MODEL)[1], 3, 600) == 3
+    assert server.complete(generate.prompts(MODEL)[0], NEW_TOKENS) == first
+
+
+def test_sigint_ends_the_server_in_time_and_no_traceback_is_npugraphs(server: Served):
+    serving = server.log.read_text()
+    assert "npugraph: active in this engine process" in serving, "npugraph's INFO line (the engine core's)"
+    assert "npugraph: installed as the graph wrapper" in serving
+    assert not npugraph_frames(serving), serving[-6000:]
+    ended, shutdown = server.interrupt(STOP_S)
+    assert ended, f"the server did not stop within {STOP_S} s of SIGINT"
+    assert not npugraph_frames(shutdown), shutdown[-6000:]
