@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Served", "bad_requests", "npugraph_frames", "started"]
+__all__ = ["Served", "bad_requests", "npugraph_raised", "started"]
 
 
 def _free_port() -> int:
@@ -181,9 +182,28 @@ def bad_requests(context: int, vocab: int, messages: dict[str, str]) -> list[tup
     return [(what, body, messages[what]) for what, body in bodies.items()]
 
 
-def npugraph_frames(text: str) -> list[str]:
-    """The traceback frames in ``text`` that run npugraph's code (its package's files)."""
+# What an engine's log puts before a line: its process ("(APIServer pid=12)") and a logger's
+# level, time and place ("ERROR 12-04 16:27:51 [core.py:1197]")
+_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?([A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]*\] )?")
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Fault|Warning)\b")
+
+
+def npugraph_raised(text: str) -> list[str]:
+    """The tracebacks in ``text`` raised in npugraph's code (their innermost frame in its
+    package), each as its exception line.  A traceback that only passes through one of
+    npugraph's wrappers is the engine's own, printed with or without npugraph."""
     import npugraph
 
     package = str(Path(npugraph.__file__).parent) + os.sep
-    return [line.strip() for line in text.splitlines() if 'File "' in line and package in line]
+    raised, innermost, inside = [], "", False
+    for raw in text.splitlines():
+        line = _PREFIX.sub("", raw, count=1)
+        if line.startswith("Traceback (most recent call last):"):
+            inside, innermost = True, ""
+        elif inside and line.lstrip().startswith('File "'):
+            innermost = line
+        elif inside and _EXCEPTION.match(line):
+            if package in innermost:
+                raised.append(line)
+            inside = False
+    return raised

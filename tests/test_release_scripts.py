@@ -201,3 +201,30 @@ def test_engine_counts_are_written_by_the_process_that_counts_and_read_back_one_
     with pytest.raises(RuntimeError, match="2 model processes counted in .*, not 1"):
         engine_counts.read(tmp_path)
     assert engine_counts.read(tmp_path, 2) == [{}, written]  # two ranks' workers (by name)
+
+
+def test_a_traceback_counts_as_npugraphs_only_where_npugraphs_code_raised_it():
+    """The server checks' rule: npugraph adds no traceback to a server's log.  One raised in
+    npugraph's code counts, whatever the log's prefixes; one that only passes through one of
+    npugraph's wrappers (the server's own refusal, or its shutdown) does not."""
+    import npugraph
+
+    npugraph_raised = _release_module("serving").npugraph_raised
+    ours = f'  File "{Path(npugraph.__file__).parent}/integrations/vllm/plugin.py", line 1, in wrapper'
+    theirs = '  File "/venv/site-packages/vllm/renderers/base.py", line 399, in render_prompts_async'
+    server = "(APIServer pid=12) "
+    core = "(EngineCore pid=13) ERROR 12-04 16:27:51 [core.py:1197] "
+
+    def log(prefix, *frames, exc="ValueError: You must pass at least one prompt"):
+        lines = ["INFO: served", "Traceback (most recent call last):", *frames, "    raise it", exc, "INFO: next"]
+        return "\n".join(prefix + line for line in lines)
+
+    assert npugraph_raised(log(server, theirs, ours)) == ["ValueError: You must pass at least one prompt"]
+    assert npugraph_raised(log(core, theirs, ours, exc="IndexError: index out of range")) == [
+        "IndexError: index out of range"
+    ]
+    assert npugraph_raised(log(server, ours, theirs)) == [], "passing through a wrapper is not raising"
+    assert npugraph_raised(log("", theirs, exc="KeyboardInterrupt")) == []
+    assert npugraph_raised(log(server, theirs) + "\n" + log(server, ours)) == [
+        "ValueError: You must pass at least one prompt"
+    ]
