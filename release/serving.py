@@ -127,7 +127,8 @@ class Served:
 @contextlib.contextmanager
 def started(args: list[str], log: Path, env: dict[str, str], start_s: float) -> Iterator[Served]:
     """Start the server ``args`` (``--host``/``--port`` added: 127.0.0.1 and a free port), its
-    output into ``log``, and wait until it answers /v1/models; killed on leaving if it still runs.
+    output into ``log``, and wait until it answers /v1/models; on leaving, every process of its
+    group is killed (its children may outlive it).
     A server that exits or stays silent for ``start_s`` raises ``RuntimeError`` with its log's end."""
     import openai
 
@@ -155,10 +156,11 @@ def started(args: list[str], log: Path, env: dict[str, str], start_s: float) -> 
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=300, max_retries=0)
         yield Served(proc=proc, log=log, base=base, model=client.models.list().data[0].id, client=client)
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        # the whole process group: a server's children (schedulers, engine cores, ranks) may
+        # outlive its main process, and must not linger into the next server's start
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def bad_requests(context: int, vocab: int, messages: dict[str, str]) -> list[tuple[str, dict[str, Any] | bytes, str]]:

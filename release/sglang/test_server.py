@@ -136,3 +136,32 @@ def test_sigint_ends_the_server_in_time_with_npugraphs_line_and_no_traceback(ser
     if "Traceback" in shutdown:
         assert shutdown.rstrip().endswith("KeyboardInterrupt"), shutdown[-6000:]
     assert not npugraph_raised(shutdown), shutdown[-6000:]
+
+
+@pytest.fixture(scope="module")
+def server_tp2(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    log = tmp_path_factory.mktemp("server-tp2-log") / "server.log"
+    env = {**os.environ, "NPUGRAPH_ENABLE": "1", "NPUGRAPH_SIM_TORCH_NPU": "1"}
+    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "npu"]
+    with started([*args, "--tp-size", "2"], log, env, START_S) as served:
+        yield served
+
+
+def test_tensor_parallel_2_runs_npugraph_in_each_rank_with_the_same_tokens(
+    server_tp2: Served, first: list[int], model_dir: Path
+):
+    """``--tp-size 2``: a scheduler process per rank, each with npugraph's plugin (its INFO line
+    per rank), the simulator's hccl between them; the greedy tokens are the single rank's and
+    Hugging Face's."""
+    tokens = server_tp2.complete(prompts()[0], NEW_TOKENS)
+    assert tokens == first, "tensor parallel 2 gives the single rank's tokens"
+    check_greedy_choices(model_dir, [prompts()[0]], [tokens], LOGIT_TOLERANCE)
+    log = server_tp2.log.read_text()
+    for rank in ("TP0", "TP1"):
+        assert any(rank in line and "npugraph: active in this engine process" in line for line in log.splitlines()), (
+            rank
+        )
+    assert "Traceback" not in log, log[-6000:]
+    ended, shutdown = server_tp2.interrupt(STOP_S)
+    assert ended, f"the tensor-parallel server did not stop within {STOP_S} s of SIGINT"
+    assert not npugraph_raised(shutdown), shutdown[-6000:]
