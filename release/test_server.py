@@ -42,6 +42,7 @@ NEW_TOKENS = 12
 # Triton's interpreter, then vLLM captures 70 sizes in two modes; about five minutes here
 START_S = 1200
 STOP_S = 90
+CONTEXT = 1024  # the tiny Llama's max_position_embeddings: vLLM's max_model_len (test_the_context_is_the_models)
 MESSAGES = {
     "a prompt longer than the context": "maximum context length is",
     "max_tokens past the context": "cannot be greater than max_model_len",
@@ -58,16 +59,15 @@ MESSAGES = {
 }
 
 
+REFUSED = bad_requests(CONTEXT, generate.MODELS[MODEL].vocab, MESSAGES)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/run.sh's generation folder
     out = Path(given) if given else tmp_path_factory.mktemp("server")
     generate.write_model(out / MODEL)
     return out / MODEL
-
-
-def _context(model_dir: Path) -> int:
-    return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +85,8 @@ def first(server: Served) -> list[int]:
     return server.complete(generate.prompts(MODEL)[0], NEW_TOKENS)
 
 
-def _refused() -> list[tuple[str, Any, str]]:
-    vocab = generate.MODELS[MODEL].vocab
-    context = 1024  # the tiny Llama's max_position_embeddings (test_the_context_is_the_models)
-    return bad_requests(context, vocab, MESSAGES)
-
-
 def test_the_context_is_the_models(model_dir: Path):
-    assert _context(model_dir) == 1024
+    assert json.loads((model_dir / "config.json").read_text())["max_position_embeddings"] == CONTEXT
 
 
 def test_greedy_completions_are_hugging_faces(server: Served, first: list[int], model_dir: Path):
@@ -102,7 +96,7 @@ def test_greedy_completions_are_hugging_faces(server: Served, first: list[int], 
     check_greedy_choices(model_dir, good, answers, LOGIT_TOLERANCE)
 
 
-@pytest.mark.parametrize("what,body,message", _refused(), ids=[r[0] for r in _refused()])
+@pytest.mark.parametrize("what,body,message", REFUSED, ids=[r[0] for r in REFUSED])
 def test_a_bad_request_gets_vllms_400_and_the_next_good_one_is_right(
     server: Served, first: list[int], what: str, body: Any, message: str
 ):

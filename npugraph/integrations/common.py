@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from npugraph.errors import ConfigError
@@ -25,9 +27,11 @@ __all__ = [
     "env_event_group",
     "report_path",
     "restore",
-    "vocabulary_refusal",
     "runtime_from_env",
     "say_captured",
+    "unwrap_method",
+    "vocabulary_refusal",
+    "wrap_method",
 ]
 
 ENV_ENABLE = "NPUGRAPH_ENABLE"
@@ -131,6 +135,30 @@ def restore(obj: Any, name: str) -> None:
     if obj is not None and hasattr(obj, marker):
         setattr(obj, name, getattr(obj, marker))
         delattr(obj, marker)
+
+
+def wrap_method(owner: tuple[str, str], name: str, wrap: Callable[[Any], Any]) -> bool | None:
+    """Replace method ``name`` of class ``owner`` (its module's name, its own) by
+    ``wrap(original)``, the original kept beside it for :func:`restore`; a class wrapped
+    already is left as it is.  Returns ``None`` if the module does not import, ``False`` if it
+    has no such class or method (nothing replaced), ``True`` otherwise."""
+    try:
+        module = __import__(owner[0], fromlist=["_"])
+    except Exception:  # the engine without that module (or broken): nothing to wrap
+        return None
+    cls = getattr(module, owner[1], None)
+    if cls is None or not hasattr(cls, name):
+        return False
+    if not hasattr(cls, f"_npugraph_original_{name}"):
+        original = getattr(cls, name)
+        setattr(cls, f"_npugraph_original_{name}", original)
+        setattr(cls, name, wrap(original))
+    return True
+
+
+def unwrap_method(owner: tuple[str, str], name: str) -> None:
+    """Undo :func:`wrap_method` (nothing if the module was never imported or not wrapped)."""
+    restore(getattr(sys.modules.get(owner[0]), owner[1], None), name)
 
 
 def vocabulary_refusal(ids: Any, vocab: Any, engine: str, where: str) -> str | None:

@@ -277,6 +277,9 @@ def install() -> bool:
     request guard is, where SGLang has its target)."""
     from sglang.srt.plugins import hook_registry as hr
 
+    for target, _, _ in _INTAKE:
+        if _resolve(target) is None:
+            logger.warning("npugraph: SGLang has no %s; prompt ids go unguarded", target)
     _register(hr, [h for h in _INTAKE if _resolve(h[0]) is not None])
     missing = [target for target, _, _ in _HOOKS if _resolve(target) is None]
     for target in missing:

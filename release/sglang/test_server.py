@@ -15,6 +15,7 @@ npugraph's code at shutdown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -68,12 +69,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def _launch(model_dir: Path, log: Path, *more: str) -> contextlib.AbstractContextManager[Served]:
+    """SGLang's server on ``model_dir`` with npugraph's plugin, as a user starts it (``more``: its flags)."""
+    env = {**os.environ, "NPUGRAPH_ENABLE": "1", "NPUGRAPH_SIM_TORCH_NPU": "1"}
+    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "npu", *more]
+    return started(args, log, env, START_S)
+
+
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
-    env = {**os.environ, "NPUGRAPH_ENABLE": "1", "NPUGRAPH_SIM_TORCH_NPU": "1"}
-    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "npu"]
-    with started(args, log, env, START_S) as served:
+    with _launch(model_dir, tmp_path_factory.mktemp("server-log") / "server.log") as served:
         yield served
 
 
@@ -140,10 +145,7 @@ def test_sigint_ends_the_server_in_time_with_npugraphs_line_and_no_traceback(ser
 
 @pytest.fixture(scope="module")
 def server_tp2(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log = tmp_path_factory.mktemp("server-tp2-log") / "server.log"
-    env = {**os.environ, "NPUGRAPH_ENABLE": "1", "NPUGRAPH_SIM_TORCH_NPU": "1"}
-    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "npu"]
-    with started([*args, "--tp-size", "2"], log, env, START_S) as served:
+    with _launch(model_dir, tmp_path_factory.mktemp("server-tp2-log") / "server.log", "--tp-size", "2") as served:
         yield served
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import torch
 
-from npugraph.integrations.common import restore
+from npugraph.integrations.common import unwrap_method
 from npugraph.integrations.vllm.wrapper import runtime_for
 
 __all__ = ["GraphMemoryEstimate", "estimate_graph_memory", "kv_budget_missing", "patch_kv_budget", "unpatch_kv_budget"]
@@ -208,4 +208,4 @@ def patch_kv_budget() -> None:
 
 
 def unpatch_kv_budget() -> None:
-    restore(getattr(sys.modules.get(_WORKER[0]), _WORKER[1], None), "determine_available_memory")
+    unwrap_method(_WORKER, "determine_available_memory")

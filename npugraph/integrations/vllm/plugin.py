@@ -13,7 +13,16 @@ from typing import Any
 
 from npugraph.errors import ConfigError
 from npugraph.integrations import vllm_ascend
-from npugraph.integrations.common import ENV_DEVICE, ENV_ENABLE, check_settings, enabled, restore, vocabulary_refusal
+from npugraph.integrations.common import (
+    ENV_DEVICE,
+    ENV_ENABLE,
+    check_settings,
+    enabled,
+    restore,
+    unwrap_method,
+    vocabulary_refusal,
+    wrap_method,
+)
 from npugraph.integrations.common import say_captured as _say_captured
 from npugraph.integrations.vllm.kv_budget import ESTIMATE_ATTR, MIB, RUNNER, patch_kv_budget, unpatch_kv_budget
 from npugraph.integrations.vllm.wrapper import (
@@ -93,15 +102,10 @@ def say_captured(runtime: Runtime) -> str:
 
 def _patch_capture_model() -> None:
     """After vLLM's ``capture_model`` returns, say what npugraph captured in this process."""
-    try:
-        module = __import__(RUNNER[0], fromlist=["_"])
-    except Exception:  # vLLM without its model runner (or broken): nothing to say after
-        return
-    cls = getattr(module, RUNNER[1], None)
-    if cls is None or hasattr(cls, "_npugraph_original_capture_model"):
-        return
-    original = cls.capture_model
+    wrap_method(RUNNER, "capture_model", _saying_captured)
 
+
+def _saying_captured(original: Any) -> Any:
     @functools.wraps(original)
     def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
@@ -121,8 +125,7 @@ def _patch_capture_model() -> None:
                 )
         return out
 
-    cls._npugraph_original_capture_model = original
-    cls.capture_model = capture_model
+    return capture_model
 
 
 # vLLM's input processor, whose _validate_model_input checks a prompt before it reaches the engine
@@ -139,18 +142,11 @@ def _patch_input_guard() -> None:
     a device it faults the NPU) and the server stops (``EngineDeadError``, HTTP 500 for every
     request after).  Multimodal prompts keep vLLM's rule: their placeholder ids may lie past
     the model's vocabulary and are replaced before the lookup."""
-    try:
-        module = __import__(_INPUTS[0], fromlist=["_"])
-    except Exception:  # vLLM without its input processor (or broken): nothing to guard
-        return
-    cls = getattr(module, _INPUTS[1], None)
-    if cls is None or not hasattr(cls, "_validate_model_input"):
+    if wrap_method(_INPUTS, "_validate_model_input", _guarded_validation) is False:
         logger.warning("npugraph: vLLM has no %s.%s._validate_model_input; prompt ids go unguarded", *_INPUTS)
-        return
-    if hasattr(cls, "_npugraph_original__validate_model_input"):
-        return
-    original = cls._validate_model_input
 
+
+def _guarded_validation(original: Any) -> Any:
     @functools.wraps(original)
     def _validate_model_input(self: Any, prompt_input: Any, *args: Any, **kwargs: Any) -> Any:
         refused = _token_refusal(prompt_input, self.model_config.get_vocab_size())
@@ -158,8 +154,7 @@ def _patch_input_guard() -> None:
             raise ValueError(refused)
         return original(self, prompt_input, *args, **kwargs)
 
-    cls._npugraph_original__validate_model_input = original
-    cls._validate_model_input = _validate_model_input
+    return _validate_model_input
 
 
 def _token_refusal(prompt_input: Any, vocab: int) -> str | None:
@@ -180,15 +175,11 @@ def _patch_render_guard() -> None:
     The input processor's guard alone would be logged by uvicorn with its stack ("Exception in
     ASGI application"), as vLLM's own out-of-vocabulary refusal is; this one is quiet, and the
     input processor's still covers every other way in (``vllm.LLM``, chat)."""
-    try:
-        module = __import__(_RENDER[0], fromlist=["_"])
-    except Exception:  # another vLLM: its input processor's guard covers the server too
-        return
-    cls = getattr(module, _RENDER[1], None)
-    if cls is None or not hasattr(cls, "render_completion") or hasattr(cls, "_npugraph_original_render_completion"):
-        return
-    original = cls.render_completion
+    # a vLLM without it (another version's server): the input processor's guard covers its requests
+    wrap_method(_RENDER, "render_completion", _guarded_render)
 
+
+def _guarded_render(original: Any) -> Any:
     @functools.wraps(original)
     async def render_completion(self: Any, *args: Any, **kwargs: Any) -> Any:
         inputs = await original(self, *args, **kwargs)
@@ -200,12 +191,11 @@ def _patch_render_guard() -> None:
                     return self.create_error_response(refused)
         return inputs
 
-    cls._npugraph_original_render_completion = original
-    cls.render_completion = render_completion
+    return render_completion
 
 
 def _unpatch_capture_model() -> None:
-    restore(getattr(sys.modules.get(RUNNER[0]), RUNNER[1], None), "capture_model")
+    unwrap_method(RUNNER, "capture_model")
 
 
 def _patch(module_name: str, names: tuple[str, ...], value: Any) -> None:
@@ -251,8 +241,8 @@ def uninstall(platform: Any = None) -> None:
     for module_name, names in _PATCHED + _PATCHED_DRAFT:
         _unpatch(module_name, names)
     _unpatch_capture_model()
-    restore(getattr(sys.modules.get(_INPUTS[0]), _INPUTS[1], None), "_validate_model_input")
-    restore(getattr(sys.modules.get(_RENDER[0]), _RENDER[1], None), "render_completion")
+    unwrap_method(_INPUTS, "_validate_model_input")
+    unwrap_method(_RENDER, "render_completion")
     unpatch_kv_budget()
     vllm_ascend.uninstall()
 
