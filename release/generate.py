@@ -78,6 +78,7 @@ import engine_counts  # this folder's
 import tiny_model  # this folder's
 from runs import (  # this folder's
     TIMED,
+    check_scope,
     clear_results,
     counts_folder,
     engine_env,
@@ -140,6 +141,17 @@ MODELS = {
 # runs its layer once per draft token, the later step re-tiled by vllm-ascend to one query
 # token per row at every update
 MODELS["mla-mtp2"] = attrs.evolve(MODELS["mla-mtp"], speculative={"method": "mtp", "num_speculative_tokens": 2})
+# CI's check (CHECK_SCOPE=ci) runs each kind once: PA and FIA, the Qwen3's fused Triton
+# kernel, n-gram speculation, tensor parallel 2, MLA, MTP; the full check adds MLA's
+# combinations with them (n-gram, tensor parallel 2, two MTP drafts)
+CI_MODELS = ("llama", "qwen3", "ngram", "tp2", "mla", "mla-mtp")
+
+
+def checked() -> dict[str, Model]:
+    """The models this check generates: every one, or CI_MODELS at ``CHECK_SCOPE=ci``."""
+    return {name: m for name, m in MODELS.items() if check_scope() == "full" or name in CI_MODELS}
+
+
 PA_SIZES = [1, 2]
 # per model, (arrives at engine step, prompt length, new tokens): arrivals while others
 # decode, and different lengths, so requests finish at different steps and the batch grows
@@ -269,9 +281,9 @@ def generate(out_dir: Path, runs: int = 1) -> None:
     the Llama (so that a drift of the machine over the minutes falls on both alike).  The
     untimed runs go two at a time; the timed ones (the Llama's and the n-gram Llama's graph
     modes) alone, last."""
-    shared, alone = side_by_side(order(tuple(MODELS), MODES[1:], runs, "llama"), TIMED)
+    shared, alone = side_by_side(order(tuple(checked()), MODES[1:], runs, "llama"), TIMED)
     clear_results(out_dir)
-    for arch in MODELS:
+    for arch in checked():
         write_model(out_dir / arch)
 
     def one(arch: str, mode: str, run: int) -> None:

@@ -10,7 +10,8 @@
 #      vllm-ascend's default configuration), on a Llama, a Qwen3, a Llama with n-gram
 #      speculative decoding, the Llama at tensor parallel 2, and DeepSeek's MLA (alone, with
 #      n-gram speculative decoding, at tensor parallel 2, and a DeepSeek-V3 with MTP, one and two
-#      draft tokens): eager,
+#      draft tokens; at CHECK_SCOPE=ci, as .ci/run runs it, MLA alone and with MTP's one draft
+#      token only: release/generate.py's CI_MODELS): eager,
 #      vllm-ascend's ACL graph mode and npugraph's plugin, each in its own process;
 #      release/test_generate.py checks that every run's tokens are identical and Hugging
 #      Face's, and that npugraph did every update; release/update_cost.py prints the
@@ -42,7 +43,17 @@ rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 export NPUGRAPH_SIM_TORCH_NPU=1 HF_HUB_OFFLINE=1 HF_HUB_CACHE="$ENV_DIR/hub" TRANSFORMERS_OFFLINE=1
 
 status=0
-echo "== the environment's self-check stops a broken environment in one line (the kernels case)"
+# each step's title with the minutes and seconds since the check began (CI's log shows where the time went)
+# (and into $CHECK_TIMES, where .ci/run collects every step's time for the end of its log)
+step() {
+    printf '== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"
+    if [ -n "${CHECK_TIMES:-}" ]; then
+        local title="$*"
+        printf '  %s check [%d:%02d] %s\n' "$(basename "$HERE")" $((SECONDS / 60)) $((SECONDS % 60)) "${title:0:70}" \
+            >>"$CHECK_TIMES"
+    fi
+}
+step "the environment's self-check stops a broken environment in one line (the kernels case)"
 (cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider release/test_env_check.py) || status=1
 
 cp "$HERE/conftest_ut.py" "$SRC/tests/ut/conftest.py"
@@ -53,19 +64,19 @@ FILES=(
 )
 for f in "${FILES[@]}"; do
     name="$(basename "$f" .py)"
-    echo "== vllm-ascend $f"
+    step "vllm-ascend $f"
     (cd "$SRC" && "$PYTHON" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
         --junitxml="$RESULTS/$name.xml" "$f" >"$RESULTS/$name.log" 2>&1) || status=1
     tail -n 1 "$RESULTS/$name.log"
 done
 "$PYTHON" "$HERE/table.py" "$RESULTS" "${FILES[@]}" | tee "$RESULTS/table.md"
 
-echo "== npugraph's plugin against vllm-ascend $(basename "$SRC")"
+step "npugraph's plugin against vllm-ascend $(basename "$SRC")"
 (cd "$REPO" && NPUGRAPH_REQUIRE_VLLM_ASCEND=1 NPUGRAPH_VLLM_ASCEND_SRC="$SRC" "$PYTHON" -m pytest -q \
     -p no:cacheprovider tests/test_vllm_ascend.py -k real_vllm_ascend) || status=1
-echo "== triton-ascend's language extension in Triton's interpreter (vllm-ascend's fused kernels use it)"
+step "triton-ascend's language extension in Triton's interpreter (vllm-ascend's fused kernels use it)"
 (cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider tests/sim/test_triton_ascend.py) || status=1
-echo "== vllm-ascend's own test of its fused q/k-norm + rope Triton kernel (its nightly's; 1 and 16 tokens)"
+step "vllm-ascend's own test of its fused q/k-norm + rope Triton kernel (its nightly's; 1 and 16 tokens)"
 OPS="$RESULTS/ops"
 mkdir -p "$OPS"
 cp "$SRC/tests/e2e/nightly/single_node/ops/singlecard_ops/triton/test_split_qkv_rmsnorm_rope.py" "$OPS/"
@@ -73,7 +84,7 @@ cp "$HERE/conftest_ops.py" "$OPS/conftest.py"
 # 1,024 and 10,240 tokens left out: Triton's interpreter runs them for hours
 (cd "$OPS" && "$PYTHON" -m pytest -q -p no:cacheprovider test_split_qkv_rmsnorm_rope.py -k "not 1024") || status=1
 
-echo "== a real generation on vllm-ascend's platform: eager, ACL graph, npugraph"
+step "a real generation on vllm-ascend's platform: eager, ACL graph, npugraph"
 GENERATED="$RESULTS/generate"
 mkdir -p "$GENERATED"
 # each model and mode once (a fresh engine of two to three minutes on the simulator): the
@@ -84,19 +95,20 @@ mkdir -p "$GENERATED"
     || status=1
 "$PYTHON" "$HERE/update_cost.py" "$GENERATED" || status=1
 
-echo "== faults in a real engine (npugraph's plugin): each ends the engine cleanly and says where"
+step "faults in a real engine (npugraph's plugin): each ends the engine cleanly and says where"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider release/test_faults.py) \
     || status=1
 
-echo "== graph memory and the KV-cache budget: vllm-ascend's own graph mode, npugraph's, side by side"
+step "graph memory and the KV-cache budget: vllm-ascend's own graph mode, npugraph's, side by side"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
     release/test_graph_memory.py) || status=1
 
-echo "== vLLM's default compilation config (FULL_AND_PIECEWISE), without and with npugraph's plugin"
+step "vLLM's default compilation config (FULL_AND_PIECEWISE), without and with npugraph's plugin"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
     release/test_default_mode.py) || status=1
 
-echo "== vllm serve with npugraph's plugin, driven by the openai client: bad requests, a burst, SIGINT"
+step "vllm serve with npugraph's plugin, driven by the openai client: bad requests, a burst, SIGINT"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
     release/test_server.py) || status=1
+step "done (status $status)"
 exit $status

@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "SCOPES",
     "TIMED",
+    "check_scope",
     "clear_results",
     "counts_folder",
     "engine_env",
@@ -26,6 +30,19 @@ __all__ = [
 # steps run a Triton kernel in the interpreter, and it serves fewer tokens)
 TIMED = ("llama", "ngram")
 
+# How much a release check runs (CHECK_SCOPE): "full" (make release-check, make sglang-check)
+# every model and repeat; "ci" (.ci/run) each kind of run once, inside CI's time limit: the
+# combinations and repeats it leaves out are named where each check chooses its runs
+SCOPES = ("full", "ci")
+
+
+def check_scope() -> str:
+    """``CHECK_SCOPE`` (default ``full``); any other value stops the check in one line."""
+    scope = os.environ.get("CHECK_SCOPE", "full")
+    if scope not in SCOPES:
+        raise SystemExit(f"CHECK_SCOPE must be one of {', '.join(SCOPES)}, not {scope!r}")
+    return scope
+
 
 def clear_results(out_dir: Path) -> None:
     """Make ``out_dir`` and drop its results: one of an earlier call must not count as this one's."""
@@ -39,8 +56,16 @@ def run_logged(args: list[str], out: Path, env: dict[str, str], what: str) -> No
     failure raises ``RuntimeError`` naming ``what`` and the log (not an assert: python -O
     would drop it, and the run would pass)."""
     log = out.with_suffix(".log")
+    t0 = time.monotonic()
     done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=out.parent, timeout=900)
     log.write_text(done.stdout + done.stderr)
+    # one line per engine as it ends: where a check's time went is in CI's log, even a cut
+    # one, and in .ci/run's list at its end ($CHECK_TIMES)
+    line = f"    {what}: {time.monotonic() - t0:.0f} s"
+    print(line, file=sys.stderr, flush=True)
+    if times := os.environ.get("CHECK_TIMES"):
+        with open(times, "a") as f:
+            print(line, file=f)
     if done.returncode != 0:
         raise RuntimeError(f"generate.py {what} failed (log: {log}):\n{done.stderr[-6000:]}")
 

@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("vllm_ascend", reason="needs the release environment (release/env.sh)")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from generate import MODELS, MODES, REQUESTS, generate
+from generate import MODELS, MODES, REQUESTS, checked, generate
 from hf_reference import check_greedy_choices
 from runs import results
 
@@ -57,7 +57,7 @@ def _run(out_dir: Path, model: str, mode: str) -> dict[str, Any]:
 FUSED_IN_GRAPH_MODES = {"qwen3"}
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", checked())
 def test_npugraph_gives_vllm_ascends_own_graph_tokens_in_every_run(out_dir: Path, model: str) -> None:
     """The same compiled model and kernels, captured and updated by vllm-ascend or by
     npugraph: identical tokens, in every run (each a fresh engine, captured anew)."""
@@ -70,7 +70,7 @@ def test_npugraph_gives_vllm_ascends_own_graph_tokens_in_every_run(out_dir: Path
             assert json.loads(path.read_text())["tokens"] == own["tokens"], f"{path.name} differs from aclgraph"
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", checked())
 def test_eager_gives_the_graph_modes_tokens(out_dir: Path, model: str) -> None:
     eager, graph = _run(out_dir, model, "eager"), _run(out_dir, model, "aclgraph")
     assert [len(t) for t in eager["tokens"]] == [new for *_, new in REQUESTS[model]], "every request got its tokens"
@@ -83,7 +83,7 @@ def test_eager_gives_the_graph_modes_tokens(out_dir: Path, model: str) -> None:
     assert same >= len(eager["tokens"]) - 2, f"{same} of {len(eager['tokens'])} requests as the graph modes"
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", checked())
 @pytest.mark.parametrize("mode", ["eager", "aclgraph"])  # npugraph's are aclgraph's (above)
 def test_the_tokens_are_hugging_faces_greedy_choices(out_dir: Path, model: str, mode: str) -> None:
     run = _run(out_dir, model, mode)
@@ -109,7 +109,7 @@ GRAPH_STEP_SHARE = {"llama": 2, "qwen3": 2, "ngram": 4, "tp2": 2, "mla": 2, "mla
 GRAPH_STEP_SHARE |= {"mla-mtp": 2, "mla-mtp2": 2}
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", checked())
 def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_plugin(
     out_dir: Path, model: str
 ) -> None:
@@ -154,7 +154,7 @@ def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_
 def test_no_run_printed_a_traceback_or_an_error(out_dir: Path) -> None:
     """As a user runs it, start-up, serving and shutdown (vLLM's engine process included)
     say no error: each run's whole output is kept beside its result."""
-    logs = sorted(p.with_suffix(".log") for model in MODELS for mode in MODES for p in results(out_dir, model, mode))
+    logs = sorted(p.with_suffix(".log") for model in checked() for mode in MODES for p in results(out_dir, model, mode))
     assert logs and all(log.is_file() for log in logs), logs
     for log in logs:
         text = log.read_text()

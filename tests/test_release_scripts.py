@@ -6,6 +6,7 @@ The check itself needs the release's environment (7 GB, minutes); these run with
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +18,37 @@ RELEASE = ROOT / "release"
 
 
 def test_the_scripts_parse_and_ci_runs_the_check():
-    for script in ("env.sh", "run.sh"):
+    for script in ("env.sh", "run.sh", "sglang/env.sh", "sglang/run.sh"):
         subprocess.run(["bash", "-n", str(RELEASE / script)], check=True)
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "make test" in ci and "make release-check" in ci
+    subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")], check=True)
+    assert "make test" in ci and "make release-check" in ci and "make sglang-check" in ci
+    assert "export CHECK_SCOPE=ci" in ci
+
+
+def test_a_checks_scope_is_full_unless_ci_and_a_wrong_one_stops_it_in_one_line(monkeypatch):
+    runs = _release_module("runs")
+    monkeypatch.delenv("CHECK_SCOPE", raising=False)
+    assert runs.check_scope() == "full"
+    monkeypatch.setenv("CHECK_SCOPE", "ci")
+    assert runs.check_scope() == "ci"
+    monkeypatch.setenv("CHECK_SCOPE", "quick")
+    with pytest.raises(SystemExit, match="CHECK_SCOPE must be one of full, ci, not 'quick'"):
+        runs.check_scope()
+
+
+def test_each_engine_run_says_how_long_it_took_in_the_log_and_in_cis_list(tmp_path, monkeypatch, capsys):
+    runs = _release_module("runs")
+    times = tmp_path / "times.txt"
+    monkeypatch.setenv("CHECK_TIMES", str(times))
+    out = tmp_path / "llama.eager.json"
+    runs.run_logged([sys.executable, "-c", "print('served')"], out, dict(os.environ), "llama eager (run 1)")
+    assert out.with_suffix(".log").read_text() == "served\n"
+    assert times.read_text().strip().startswith("llama eager (run 1): ")
+    assert "llama eager (run 1): " in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="generate.py llama npugraph .run 1. failed"):
+        runs.run_logged([sys.executable, "-c", "raise SystemExit(3)"], out, dict(os.environ), "llama npugraph (run 1)")
+    assert len(times.read_text().splitlines()) == 2  # a failed run's time is listed too
 
 
 def test_the_table_counts_what_junit_says(tmp_path):

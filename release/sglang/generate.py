@@ -3,7 +3,7 @@
     generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | sglang | npugraph
     generate.py OUT_DIR [RUNS]                 each model and mode in its own process, into
                                                OUT_DIR; the Llama's graph modes RUNS times
-                                               (default 1), in turn
+                                               (default 3, or 1 at CHECK_SCOPE=ci), in turn
 
 ``sglang.Engine(model_path=..., device="npu")`` with SGLang's NPU defaults and nothing else
 (its own engine: the scheduler in its own process), on tiny Llama and Qwen3 checkpoints
@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: tiny_model.py, runs.py, engine_counts.py
 import engine_counts
 import tiny_model
-from runs import clear_results, counts_folder, order, result_path, run_logged
+from runs import check_scope, clear_results, counts_folder, order, result_path, run_logged
 
 MODES = ("eager", "sglang", "npugraph")
 MODELS = ("llama", "qwen3")
@@ -121,6 +121,11 @@ def run(model: Path, mode: str) -> dict[str, Any]:
     }
 
 
+# the Llama's graph modes run three times in turn (the update cost's verdict takes every
+# run); CI's check (CHECK_SCOPE=ci) runs them once: its tokens are checked all the same
+RUNS = {"full": 3, "ci": 1}
+
+
 def generate(out_dir: Path, runs: int = 1) -> None:
     """Each model and mode in its own process, into ``out_dir``: eager once, SGLang's graphs
     and npugraph's once each for Qwen3 and ``runs`` times, in turn, for the Llama (the update
@@ -146,7 +151,7 @@ def main(argv: list[str]) -> int:
         out.write_text(json.dumps(run(model, mode)))
         return 0
     if len(argv) in (2, 3):
-        generate(Path(argv[1]), int(argv[2]) if len(argv) == 3 else 1)
+        generate(Path(argv[1]), int(argv[2]) if len(argv) == 3 else RUNS[check_scope()])
         return 0
     print(__doc__.splitlines()[2].strip() + "\n" + __doc__.splitlines()[3].strip(), file=sys.stderr)
     return 2

@@ -4,7 +4,8 @@
 #   2. npugraph's plugin test against SGLang's own classes (tests/test_sglang.py);
 #   3. a real generation (release/sglang/generate.py): a Llama and a Qwen3, each in eager mode,
 #      SGLang's own NPU graphs and npugraph's plugin, each in its own process (SGLang's engine,
-#      its scheduler in its own process), the Llama's graph modes three times, in turn;
+#      its scheduler in its own process), the Llama's graph modes three times, in turn
+#      (once at CHECK_SCOPE=ci, as .ci/run runs it);
 #      release/sglang/test_generate.py checks identical tokens, Hugging Face's choices, and that
 #      npugraph did every update; release/sglang/update_cost.py prints the per-step update cost
 #      of the two graph modes, per run, and what the runs support;
@@ -25,14 +26,25 @@ RESULTS="$ENV_DIR/results"
 rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 status=0
-echo "== npugraph's plugin against SGLang's classes and hook registry"
+# each step's title with the minutes and seconds since the check began (CI's log shows where the time went)
+# (and into $CHECK_TIMES, where .ci/run collects every step's time for the end of its log)
+step() {
+    printf '== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"
+    if [ -n "${CHECK_TIMES:-}" ]; then
+        local title="$*"
+        printf '  %s check [%d:%02d] %s\n' "$(basename "$HERE")" $((SECONDS / 60)) $((SECONDS % 60)) "${title:0:70}" \
+            >>"$CHECK_TIMES"
+    fi
+}
+step "npugraph's plugin against SGLang's classes and hook registry"
 (cd "$REPO" && NPUGRAPH_SIM_TORCH_NPU=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_sglang.py) || status=1
-echo "== a real generation with SGLang $("$PYTHON" -c 'import importlib.metadata as m; print(m.version("sglang"))'): eager, SGLang's NPU graphs, npugraph"
-"$PYTHON" "$HERE/generate.py" "$RESULTS" 3 || status=1
+step "a real generation with SGLang $("$PYTHON" -c 'import importlib.metadata as m; print(m.version("sglang"))'): eager, SGLang's NPU graphs, npugraph"
+"$PYTHON" "$HERE/generate.py" "$RESULTS" || status=1
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_generate.py) \
     || status=1
 "$PYTHON" "$HERE/update_cost.py" "$RESULTS" || status=1
-echo "== SGLang's server (launch_server) with npugraph's plugin, driven by the openai client"
+step "SGLang's server (launch_server) with npugraph's plugin, driven by the openai client"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_server.py) \
     || status=1
+step "done (status $status)"
 exit $status
