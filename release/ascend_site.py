@@ -26,6 +26,8 @@ Ascend host settles by being one, and, for release/generate.py only, its counts.
   vllm-ascend runs as a full graph (the target's, and an MTP draft's apart) and npugraph's
   steps, and keeps npugraph's capture report, into ``DIR/counts-<pid>.json``
   (release/engine_counts.py).
+* With ``NPUGRAPH_SOAK_SAMPLES=DIR`` (make soak), the engine process samples its memory,
+  graphs, events and forward passes into ``DIR`` (release/soak_probe.py).
 * With ``NPUGRAPH_VLLM_FAULT=host-copy`` (release/test_faults.py), each Llama MLP calls a
   custom op that reads a value to the host while a graph is being captured: a model whose
   layer copies to the host under capture (on a device, ``rtMemcpy`` fails with 107030).
@@ -134,5 +136,10 @@ def _host_copy_in_every_mlp(llama: Any) -> None:
 
 if os.environ.get("NPUGRAPH_VLLM_COUNTS"):
     _count(os.environ["NPUGRAPH_VLLM_COUNTS"])
+if os.environ.get("NPUGRAPH_SOAK_SAMPLES"):  # make soak (release/soak.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # release/: soak_probe.py
+    from soak_probe import install
+
+    install(os.environ["NPUGRAPH_SOAK_SAMPLES"], after_import, "vllm")
 if os.environ.get("NPUGRAPH_VLLM_FAULT") == "host-copy":
     after_import("vllm.model_executor.models.llama", _host_copy_in_every_mlp)

@@ -7,7 +7,9 @@ Greedy completions are Hugging Face's float32 choices.  Bad requests (a prompt p
 context, max_tokens past it, malformed JSON, bad sampling parameters, an empty prompt, an id
 outside the vocabulary) each get vLLM's own 400 with its reason; 200 concurrent connections
 are all answered, graphs replayed at batch sizes far past the release check's others; a client
-walks away mid-stream.  After each, the same greedy request gives the same tokens.  SIGINT ends
+walks away mid-stream; 16 streams for two minutes (release/soak.py) keep the tokens right and
+the engine's memory, graphs, events and streams flat.  After each, the same greedy request
+gives the same tokens.  SIGINT ends
 the server within 90 s.  npugraph's INFO line is in the log, and no traceback in it was raised in
 npugraph's code: vLLM 0.23 prints its own for two of the refusals ("Exception in ASGI
 application", then the 400) and one at shutdown (``EngineDeadError`` from its output handler),
@@ -29,6 +31,7 @@ pytest.importorskip("vllm_ascend", reason="needs the release environment (releas
 
 sys.path.insert(0, str(Path(__file__).parent))
 import generate
+import soak
 from hf_reference import check_greedy_choices
 from runs import engine_env
 from serving import Served, bad_requests, npugraph_raised, started
@@ -71,9 +74,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    folder = tmp_path_factory.mktemp("vllm-serve")
-    env = engine_env(folder / "vllm-cache", NPUGRAPH_ENABLE="1")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's log, compile cache and engine samples (release/soak_probe.py)."""
+    return tmp_path_factory.mktemp("vllm-serve")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, folder: Path) -> Iterator[Served]:
+    env = engine_env(folder / "vllm-cache", NPUGRAPH_ENABLE="1", NPUGRAPH_SOAK_SAMPLES=str(folder))
     args = [str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir), "--dtype", "bfloat16"]
     with started(args, folder / "server.log", env, START_S) as served:
         yield served
@@ -114,6 +122,21 @@ def test_a_burst_of_200_connections_is_served_and_the_server_serves_on(server: S
 
 def test_a_client_that_walks_away_mid_stream_leaves_the_server_serving(server: Served, first: list[int]):
     assert server.walk_away(generate.prompts(MODEL)[1], 3, 600) == 3
+    assert server.complete(generate.prompts(MODEL)[0], NEW_TOKENS) == first
+
+
+def test_sixteen_streams_for_minutes_keep_tokens_memory_and_graphs_right(
+    server: Served, first: list[int], model_dir: Path, folder: Path
+):
+    """The soak (release/soak.py) on this server, as CI runs it: 16 concurrent streams for
+    ``SOAK_S`` seconds (default 120; ``make soak`` runs longer, and every mode), prompts from 1
+    token to near the context, some clients walking away: every completed text Hugging Face's
+    choice, the engine's memory, graphs, ExternalEvents and streams flat over the second half."""
+    run = soak.under_load(server, soak.CHECK_SOAK_S, CONTEXT, generate.MODELS[MODEL].vocab, folder)
+    choices = soak.check_choices(model_dir, run["requests"])
+    print(f"soak: {run['summary']}, Hugging Face: {choices}, flat: {run['flat']}, forwards: {run['forwards']}")
+    why = soak.failures("vllm", run, choices)
+    assert not why, why
     assert server.complete(generate.prompts(MODEL)[0], NEW_TOKENS) == first
 
 

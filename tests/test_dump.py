@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pydot
 import pytest
@@ -177,3 +178,18 @@ def test_failed_update_writes_a_postmortem(tmp_path):
     with pytest.raises(MetadataError, match="post-mortem written to") as info:
         rt.update(2, {"default": bad})
     assert load_manifest(info.value.postmortem)["error"]["type"] == "MetadataError"
+
+
+def test_an_engines_runtime_writes_its_postmortems_beside_its_capture_report(tmp_path, monkeypatch):
+    """The plugins' runtimes (integrations/common.runtime_from_env) write a failed step's
+    post-mortem where the capture report goes: ``$NPUGRAPH_REPORT_DIR``, else the temporary
+    directory; one file per process and failure (docs/multi-host.md)."""
+    import tempfile
+
+    from npugraph.integrations.common import report_path, runtime_from_env
+
+    monkeypatch.setenv("NPUGRAPH_REPORT_DIR", str(tmp_path))
+    rt = runtime_from_env(512, "sim")
+    assert rt.postmortem.folder == str(tmp_path) == os.path.dirname(report_path())
+    monkeypatch.delenv("NPUGRAPH_REPORT_DIR")
+    assert runtime_from_env(512, "sim").postmortem.folder == tempfile.gettempdir()

@@ -332,6 +332,31 @@ def test_weak_ref_output_option_and_gc_disable():
     assert len(runner.wrapper._strong) == len(SIZES)
 
 
+def test_npugraphs_settings_reach_vllms_ray_workers(monkeypatch):
+    """vLLM's Ray executor copies only the variables it knows to its workers (``vllm.ray.ray_env``):
+    the plugin adds npugraph's through vLLM's own knob, keeping a user's prefixes, once."""
+    from vllm.ray.ray_env import get_env_vars_to_copy
+
+    monkeypatch.setenv(integ.ENV_ENABLE, "1")
+    monkeypatch.setenv(integ.ENV_EVENT_GROUP, "4")
+    monkeypatch.setenv(plugin.RAY_PREFIXES, "MY_")
+    monkeypatch.setenv("MY_SETTING", "x")
+    assert integ.ENV_ENABLE not in get_env_vars_to_copy(), "vLLM alone would not carry npugraph's settings"
+    plugin.carry_settings_to_ray_workers()
+    plugin.carry_settings_to_ray_workers()
+    assert os.environ[plugin.RAY_PREFIXES] == "MY_,NPUGRAPH_"
+    copied = get_env_vars_to_copy()
+    assert {integ.ENV_ENABLE, integ.ENV_EVENT_GROUP, "MY_SETTING"} <= copied
+    # the plugin's entry point does it when npugraph is on (before vLLM starts any executor)
+    monkeypatch.setenv(plugin.RAY_PREFIXES, "")
+    monkeypatch.setenv(integ.ENV_DEVICE, "sim")
+    try:
+        integ.register()
+        assert os.environ[plugin.RAY_PREFIXES] == "NPUGRAPH_"
+    finally:
+        integ.uninstall()
+
+
 def test_plugin_entry_point_is_discovered_and_installs_on_request(monkeypatch, caplog):
     from vllm.platforms import current_platform
     from vllm.plugins import load_plugins_by_group

@@ -25,6 +25,7 @@ __all__ = [
     "env_device",
     "env_device_lengths",
     "env_event_group",
+    "report_folder",
     "report_path",
     "restore",
     "runtime_from_env",
@@ -96,20 +97,28 @@ def check_settings() -> str | None:
 
 def runtime_from_env(max_model_len: int, default_device: str) -> Runtime:
     """An engine's runtime, as the settings ask: ``NPUGRAPH_DEVICE`` (else ``default_device``),
-    ``NPUGRAPH_EVENT_GROUP``, ``NPUGRAPH_DEVICE_LENGTHS``."""
+    ``NPUGRAPH_EVENT_GROUP``, ``NPUGRAPH_DEVICE_LENGTHS``; a step that fails writes its
+    post-mortem beside the capture report (:func:`report_folder`), one file per process and
+    failure, its path in the error's message."""
     return Runtime(
         env_device() or default_device,
         max_model_len=max_model_len,
         event_group=env_event_group(),
         device_lengths=env_device_lengths(),
+        postmortem_dir=report_folder(),
     )
 
 
+def report_folder() -> str:
+    """Where an engine process writes its capture report and post-mortems:
+    ``$NPUGRAPH_REPORT_DIR``, default the temporary directory."""
+    return os.environ.get(ENV_REPORT_DIR) or tempfile.gettempdir()
+
+
 def report_path(pid: int | None = None) -> str:
-    """Where an engine process writes its capture report: ``$NPUGRAPH_REPORT_DIR`` (default:
-    the temporary directory) / ``npugraph-capture-<pid>.json``."""
-    folder = os.environ.get(ENV_REPORT_DIR) or tempfile.gettempdir()
-    return os.path.join(folder, f"npugraph-capture-{os.getpid() if pid is None else pid}.json")
+    """Where an engine process writes its capture report:
+    :func:`report_folder` / ``npugraph-capture-<pid>.json``."""
+    return os.path.join(report_folder(), f"npugraph-capture-{os.getpid() if pid is None else pid}.json")
 
 
 def say_captured(runtime: Runtime, logger: logging.Logger, namespace: str | None = None) -> str:

@@ -13,6 +13,10 @@
 #      plugin), driven by the openai client (release/sglang/test_server.py): a prompt token id
 #      outside the vocabulary is a 400 (the plugin guards an SGLang defect that takes the server
 #      down), good requests before and after it are right, and SIGINT ends the server cleanly.
+#   5. three faults through that server (release/sglang/test_faults.py): a host copy inside a
+#      layer under capture, a kernel fault at replay, an event record the device loses; each
+#      ends the server within seconds (SGLang's own response to a scheduler failure), the
+#      scheduler's log naming npugraph's graph, the layer and the op, every streamed token right.
 # Fails if any of them fails.
 set -euo pipefail
 
@@ -45,6 +49,9 @@ step "a real generation with SGLang $("$PYTHON" -c 'import importlib.metadata as
 "$PYTHON" "$HERE/update_cost.py" "$RESULTS" || status=1
 step "SGLang's server (launch_server) with npugraph's plugin, driven by the openai client"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_server.py) \
+    || status=1
+step "faults through SGLang's server (npugraph's plugin): each ends the server in seconds and says where"
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_faults.py) \
     || status=1
 step "done (status $status)"
 exit $status

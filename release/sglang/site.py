@@ -10,6 +10,12 @@ replays graphs (SGLang's scheduler) times
 
 each less the simulated device's time, counts npugraph's steps, and rewrites
 ``DIR/counts-<pid>.json`` after each step's call (release/engine_counts.py).  Unset, it does nothing.
+
+With ``NPUGRAPH_SOAK_SAMPLES=DIR`` (make soak), the scheduler samples its memory, graphs,
+events and decode batches into ``DIR`` (release/soak_probe.py).  With
+``NPUGRAPH_SGLANG_FAULT=host-copy`` (release/sglang/test_faults.py), each Llama MLP reads
+a value to the host while a graph is being captured: a model whose layer copies to the host
+under capture (on a device, ``rtMemcpy`` fails with 107030).
 """
 
 from __future__ import annotations
@@ -54,5 +60,29 @@ def _install(folder: str) -> None:
     counts.npugraph(after_import, write_each_step=False)
 
 
+def _host_copy_in_every_mlp(llama: Any) -> None:
+    import torch
+
+    forward = llama.LlamaMLP.forward
+
+    def peeking(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch.npu.is_current_stream_capturing():
+            x.flatten()[0].item()  # a read to the host of a value only the replay will have
+        return forward(self, x, *args, **kwargs)
+
+    llama.LlamaMLP.forward = peeking
+
+
 if _DIR:
     _install(_DIR)
+if os.environ.get("NPUGRAPH_SOAK_SAMPLES"):  # make soak (release/soak.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: soak_probe.py
+    from soak_probe import install
+
+    from npusim_hook import after_import
+
+    install(os.environ["NPUGRAPH_SOAK_SAMPLES"], after_import, "sglang")
+if os.environ.get("NPUGRAPH_SGLANG_FAULT") == "host-copy":
+    from npusim_hook import after_import
+
+    after_import("sglang.srt.models.llama", _host_copy_in_every_mlp)

@@ -29,6 +29,7 @@ pytest.importorskip("sglang", reason="needs the SGLang environment (release/sgla
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent))  # release/: hf_reference.py, runs.py, serving.py
+import soak
 from generate import VOCAB, prompts, write_model
 from hf_reference import check_greedy_choices
 from runs import result_path
@@ -70,8 +71,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _launch(model_dir: Path, log: Path, *more: str) -> contextlib.AbstractContextManager[Served]:
-    """SGLang's server on ``model_dir`` with npugraph's plugin, as a user starts it (``more``: its flags)."""
-    env = {**os.environ, "NPUGRAPH_ENABLE": "1", "NPUGRAPH_SIM_TORCH_NPU": "1"}
+    """SGLang's server on ``model_dir`` with npugraph's plugin, as a user starts it (``more``:
+    its flags); its scheduler samples itself beside ``log`` (release/soak_probe.py)."""
+    env = {
+        **os.environ,
+        "NPUGRAPH_ENABLE": "1",
+        "NPUGRAPH_SIM_TORCH_NPU": "1",
+        "NPUGRAPH_SOAK_SAMPLES": str(log.parent),
+    }
     args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "npu", *more]
     return started(args, log, env, START_S)
 
@@ -126,6 +133,22 @@ def test_a_burst_of_200_connections_is_served_and_the_server_serves_on(server: S
 
 def test_a_client_that_walks_away_mid_stream_leaves_the_server_serving(server: Served, first: list[int]):
     assert server.walk_away(prompts()[1], 3, 600) == 3
+    assert server.complete(prompts()[0], NEW_TOKENS) == first
+
+
+def test_sixteen_streams_for_minutes_keep_tokens_memory_and_graphs_right(
+    server: Served, first: list[int], model_dir: Path
+):
+    """The soak (release/soak.py) on this server, as CI runs it: 16 concurrent streams for
+    ``SOAK_S`` seconds (default 120; ``make soak`` runs longer, and every mode), prompts from 1
+    token to near the context, crossing pages, some clients walking away: every completed text
+    Hugging Face's choice, the scheduler's memory, graphs, ExternalEvents and streams flat over
+    the second half."""
+    run = soak.under_load(server, soak.CHECK_SOAK_S, CONTEXT, VOCAB, server.log.parent)
+    choices = soak.check_choices(model_dir, run["requests"])
+    print(f"soak: {run['summary']}, Hugging Face: {choices}, flat: {run['flat']}, forwards: {run['forwards']}")
+    why = soak.failures("sglang", run, choices)
+    assert not why, why
     assert server.complete(prompts()[0], NEW_TOKENS) == first
 
 

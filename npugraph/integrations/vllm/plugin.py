@@ -247,6 +247,23 @@ def uninstall(platform: Any = None) -> None:
     vllm_ascend.uninstall()
 
 
+# vLLM's own knob for more variables to copy from the driver to its Ray workers
+RAY_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+
+
+def carry_settings_to_ray_workers() -> None:
+    """Add ``NPUGRAPH_`` to vLLM's ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY``.
+
+    vLLM's Ray executor starts each worker with only the variables it knows copied from the
+    driver (``VLLM_*``, ``HF_*``, ``NCCL_*``, ...: ``vllm.ray.ray_env``); without this, a
+    worker on another host would start without ``NPUGRAPH_ENABLE`` and serve with the
+    platform's own graphs, silently.  The multiprocessing executor's workers inherit the
+    environment and need nothing."""
+    prefixes = [p.strip() for p in os.environ.get(RAY_PREFIXES, "").split(",") if p.strip()]
+    if "NPUGRAPH_" not in prefixes:
+        os.environ[RAY_PREFIXES] = ",".join([*prefixes, "NPUGRAPH_"])
+
+
 def register() -> None:
     """vLLM general-plugin entry point: install npugraph when ``NPUGRAPH_ENABLE=1``.
 
@@ -260,6 +277,7 @@ def register() -> None:
     except ConfigError as exc:
         logger.error("npugraph: %s; vLLM left untouched", exc)
         return
+    carry_settings_to_ray_workers()  # before any executor starts: register runs at vLLM's start
     try:
         from vllm.platforms import current_platform
     except ImportError as exc:

@@ -1,0 +1,158 @@
+"""Faults through SGLang's server end in seconds and say where (release/sglang/run.sh runs
+this in the SGLang environment; elsewhere it skips).
+
+Each case starts ``python -m sglang.launch_server`` with npugraph's plugin on the check's
+tiny Llama, as a user starts it, with one fault injected into its scheduler:
+
+* ``host-copy-in-capture``: each Llama MLP reads a value to the host while a graph is
+  captured (release/sglang/site.py, ``NPUGRAPH_SGLANG_FAULT=host-copy``);
+* ``kernel-fault-at-replay``: an attention kernel inside a replay fails, as an AI core
+  exception does (``NPUGRAPH_SIM_FAULT=kernel=...``: npusim/npusim/runtime/faults.py);
+* ``lost-event-record``: an ExternalEvent record that npugraph issued never lands, so the
+  replay waiting on it would wait for ever (``NPUGRAPH_SIM_FAULT=lost-record@...``).
+
+SGLang does not carry on after its scheduler raises: the scheduler logs the exception and
+sends SIGQUIT to the server, which ends every process of it (``run_scheduler_process``; the
+same for any scheduler failure, with or without npugraph).  So each case must end the server
+within its limit (never a hang), with:
+
+* the caller getting SGLang's own ending: a server that does not start, or streams that
+  end without their tokens and a server that is gone;
+* the scheduler's log naming what failed: npugraph's graph (its namespace and key), the
+  layer and the op;
+* every token streamed before the fault being Hugging Face's choice (never a wrong token).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang", reason="needs the SGLang environment (release/sglang/env.sh)")
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent.parent))  # release/: hf_reference.py, serving.py
+from generate import prompts, write_model
+from hf_reference import check_greedy_choices
+from serving import Served, started
+
+pytest.importorskip("openai")
+
+START_S = 600  # a healthy server starts, and captures its graphs, in about a minute
+ERROR_WITHIN_S = 60  # from the first stream's end to the server's
+LOGIT_TOLERANCE = 0.15  # as release/sglang/test_generate.py
+STREAMS, NEW_TOKENS = 4, 64  # every stream still decoding when the fault comes
+
+GRAPH = r"sglang\.decode(#\d+)?/\d+"  # npugraph's namespace for SGLang's decode graphs, and its key
+LAYER = r"layer 'layers\.\d+'"
+CASES: dict[str, dict[str, str]] = {
+    "host-copy-in-capture": {"NPUGRAPH_SGLANG_FAULT": "host-copy"},
+    # the 9th replayed attention kernel: serving has begun (capture replays nothing)
+    "kernel-fault-at-replay": {"NPUGRAPH_SIM_FAULT": "kernel=_npu_paged_attention@9"},
+    # the 9th ExternalEvent record to land: a few decode steps into serving
+    "lost-event-record": {"NPUGRAPH_SIM_FAULT": "lost-record@9"},
+}
+SAYS = {
+    "host-copy-in-capture": [
+        r"CaptureFailed: capture of " + GRAPH + r" failed (in|after) " + LAYER,
+        r"to the host",
+        r"Scheduler hit an exception",
+    ],
+    "kernel-fault-at-replay": [
+        r"ReplayFault: replay of graph #\d+ \[" + GRAPH + r"\] failed at node \d+ \(_npu_paged_attention",
+        r"\[" + LAYER + r"\]\)\); the rest of the replay was cancelled: InjectedFault: AI core exception",
+        r"Scheduler hit an exception",
+    ],
+    "lost-event-record": [
+        r"DeadlockError: .*would block forever",
+        r"wait on <sim\.npu\.ExternalEvent #\d+> \[" + GRAPH + r"/layers\.\d+\], which is never recorded",
+        r"Scheduler hit an exception",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/sglang/run.sh wrote the models
+    if given and (Path(given) / "llama" / "config.json").is_file():
+        return Path(given) / "llama"
+    path = tmp_path_factory.mktemp("faults") / "llama"
+    write_model(path, "llama")
+    return path
+
+
+def _launch(model_dir: Path, log: Path, case: str) -> Any:
+    env = {**os.environ, "NPUGRAPH_ENABLE": "1", "NPUGRAPH_SIM_TORCH_NPU": "1", **CASES[case]}
+    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "npu"]
+    return started(args, log, env, START_S)
+
+
+def _stream_until_it_ends(served: Served, prompt: list[int], got: list[str], ended: list[str]) -> None:
+    """Stream a greedy completion into ``got`` (its text, chunk by chunk) until it ends:
+    ``ended`` gets ``finished`` or the error that ended it."""
+    try:
+        stream = served.client.completions.create(
+            model=served.model,
+            prompt=prompt,
+            max_tokens=NEW_TOKENS,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            got.append(chunk.choices[0].text)
+        ended.append("finished")
+    except Exception as exc:  # what the caller of SGLang's server gets
+        ended.append(type(exc).__name__)
+
+
+def _delivered_tokens(model_dir: Path, text: str) -> list[int]:
+    """The token ids of streamed ``text`` (the tiny model's word-level tokenizer: a word a token)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_fault_ends_sglangs_server_in_seconds_and_says_where(model_dir: Path, tmp_path: Path, case: str) -> None:
+    log = tmp_path / "server.log"
+    if case == "host-copy-in-capture":
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"the server exited .* while starting"), _launch(model_dir, log, case):
+            pass
+        assert time.monotonic() - t0 < START_S
+    else:
+        with _launch(model_dir, log, case) as served:
+            chosen = prompts()[:STREAMS]
+            got: list[list[str]] = [[] for _ in chosen]
+            ended: list[list[str]] = [[] for _ in chosen]
+            threads = [
+                threading.Thread(target=_stream_until_it_ends, args=(served, p, g, e), daemon=True)
+                for p, g, e in zip(chosen, got, ended)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=START_S)
+            assert not any(t.is_alive() for t in threads), f"{case}: a stream still waits (a hang)"
+            t_end = time.monotonic()
+            assert all(e and e[0] != "finished" for e in ended), f"{case}: a stream finished as if nothing happened"
+            served.proc.wait(timeout=ERROR_WITHIN_S)  # SGLang ends its server after a scheduler failure
+            assert time.monotonic() - t_end < ERROR_WITHIN_S
+            # what was delivered before the fault is Hugging Face's choice
+            texts = ["".join(g) for g in got]
+            delivered = [_delivered_tokens(model_dir, t) for t in texts]
+            assert any(delivered), f"{case}: the fault came before serving began"
+            kept = [(p, d) for p, d in zip(chosen, delivered) if d]
+            check_greedy_choices(model_dir, [p for p, _ in kept], [d for _, d in kept], LOGIT_TOLERANCE)
+    text = log.read_text()
+    for pattern in SAYS[case]:
+        assert re.search(pattern, text), f"{case}: the log does not say {pattern!r}\n{text[-6000:]}"

@@ -1,0 +1,500 @@
+"""A soak: a server as users start it, under sustained load for minutes (make soak).
+
+    soak.py vllm|sglang OUT_DIR [SECONDS] [MODES]   MODES: a comma list (default every mode)
+
+Each mode's server (eager, the engine's own graphs, npugraph's plugin) starts on 127.0.0.1
+(release/serving.py) and serves 16 concurrent ``openai``-client streams for SECONDS (default
+600): prompts of 1 token to near the context, crossing pages, streamed and not, some clients
+walking away mid-stream; requests arrive while others decode.  Every worker's requests come
+from its own seeded generator, so every mode is sent the same requests in the same order.
+The load loop is bounded in count and time and stops by itself.  The engine's process samples
+itself (release/soak_probe.py, ``NPUGRAPH_SOAK_SAMPLES``).
+
+It fails (exit 1, the reasons listed) unless, for npugraph's server:
+
+* every completed greedy text is Hugging Face's float32 choice, every token within 0.1 of the
+  best logit and 95% exactly it;
+* after warm-up (the run's second half), the engine process's resident memory and the
+  simulated device's allocated bytes grow by under 1%, and the captured graphs, the
+  ExternalEvents alive and the streams do not change (no re-capture, no leak);
+* SIGINT ends the server and its log holds no traceback raised in npugraph's code.
+
+It reports, per mode, into ``OUT_DIR/soak-ENGINE.json``: requests served and walked away,
+output tokens/s and time per output token (p50, p99) on the simulator, the memory and graph
+figures, the forward passes by graph mode and batch size (a decode batch run eagerly is a
+fallback, explained by its size), and how many texts differ from the eager server's and how
+many variants a request had (concurrent batches differ from run to run, and bfloat16 can
+break a near tie either way; a variant that is not a near tie fails the check above).  And a
+plot, ``OUT_DIR/soak-ENGINE.png``: memory and time per output token over the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_reference import greedy_choices  # this folder's
+from serving import Served, npugraph_raised, started  # this folder's
+from soak_probe import PERIOD_S  # this folder's
+
+HERE = Path(__file__).resolve().parent
+
+STREAMS = 16
+MAX_REQUESTS = 100_000  # the loop's bound in count, beside its time
+MAX_NEW = 48
+TOLERANCE, EXACT = 0.1, 0.95
+GROWTH = 0.01  # memory growth allowed over the second half
+START_S, STOP_S = 1200, 90
+# the soak inside the server checks (release/test_server.py, release/sglang/test_server.py):
+# CI's two-minute variant; SOAK_S sets it there too
+CHECK_SOAK_S = float(os.environ.get("SOAK_S", "120"))
+ENGINES = ("vllm", "sglang")
+MODES = {"vllm": ("eager", "vllm-ascend", "npugraph"), "sglang": ("eager", "sglang", "npugraph")}
+
+
+@dataclass
+class Request:
+    """One request of the load, and what came back."""
+
+    key: str  # "<worker>.<n>": the same request in every mode
+    prompt: list[int]
+    max_tokens: int
+    stream: bool
+    walk_after: int  # a streamed request's client leaves after this many chunks (0: it stays)
+    tokens: list[int] = field(default_factory=list)
+    sent: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    ended: str = ""  # "length", "walked away", or the error
+
+
+def plan(worker: int, n: int, context: int, vocab: int, seed: int = 0) -> Request:
+    """Request ``n`` of ``worker``: its prompt length from 1 to near ``context`` (most short,
+    some long enough to cross many pages), a streamed one in two, one stream in ten walked away from."""
+    rng = random.Random(seed * 1_000_003 + worker * 10_007 + n)
+    new = rng.randint(1, MAX_NEW)
+    top = context - new - 1
+    band = rng.random()
+    length = (
+        rng.randint(1, 16)
+        if band < 0.4
+        else rng.randint(17, 200)
+        if band < 0.7
+        else rng.randint(201, top // 2)
+        if band < 0.9
+        else rng.randint(top // 2, top)
+    )
+    stream = rng.random() < 0.5
+    walk = rng.randint(1, max(1, new - 1)) if stream and new > 4 and rng.random() < 0.1 else 0
+    prompt = [rng.randint(1, vocab - 1) for _ in range(length)]
+    return Request(key=f"{worker}.{n}", prompt=prompt, max_tokens=new, stream=stream, walk_after=walk)
+
+
+async def _one(client: Any, model: str, r: Request) -> None:
+    r.sent = time.monotonic()
+    body = {"ignore_eos": True, "return_token_ids": True}
+    try:
+        if not r.stream:
+            c = await client.completions.create(
+                model=model, prompt=r.prompt, max_tokens=r.max_tokens, temperature=0.0, extra_body=body
+            )
+            (choice,) = c.choices
+            r.tokens = list(choice.model_extra["token_ids"])
+            r.chunk_times.append(time.monotonic())
+            r.ended = str(choice.finish_reason)
+            return
+        stream = await client.completions.create(
+            model=model, prompt=r.prompt, max_tokens=r.max_tokens, temperature=0.0, stream=True, extra_body=body
+        )
+        chunks, text = 0, ""
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            ids = (choice.model_extra or {}).get("token_ids") or []
+            r.tokens.extend(ids)
+            text += choice.text or ""
+            if ids:
+                r.chunk_times.append(time.monotonic())
+            if choice.finish_reason:
+                r.ended = str(choice.finish_reason)
+            chunks += 1
+            if r.walk_after and chunks >= r.walk_after:
+                r.ended = "walked away"
+                await stream.close()
+                return
+        if text and not r.tokens:  # a text the check could not judge must not pass unjudged
+            r.ended = "error: the stream gave text without its token ids (return_token_ids)"
+    except Exception as exc:  # a request that fails is reported (and fails the soak), the load goes on
+        r.ended = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def drive(served: Served, seconds: float, context: int, vocab: int, streams: int = STREAMS) -> list[Request]:
+    """``streams`` workers, each sending its planned requests one after another until
+    ``seconds`` have passed (or ``MAX_REQUESTS`` were sent): every request sent, in order."""
+    import openai
+
+    sent: list[Request] = []
+    deadline = time.monotonic() + seconds
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=f"{served.base}/v1", api_key="none", timeout=600, max_retries=0)
+
+        async def worker(w: int) -> None:
+            n = 0
+            while time.monotonic() < deadline and len(sent) < MAX_REQUESTS:
+                r = plan(w, n, context, vocab)
+                n += 1
+                sent.append(r)
+                await _one(client, served.model, r)
+
+        try:
+            await asyncio.gather(*(worker(w) for w in range(streams)))
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    return sent
+
+
+class GroupMemory:
+    """The resident memory of every process of a server's group, sampled each second on a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.samples, self._stop = pid, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(1.0):
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True)]
+                self.samples.append((time.time(), sum(p.memory_info().rss for p in procs)))
+            except psutil.Error:
+                pass
+
+    def __enter__(self) -> GroupMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def engine_samples(folder: Path) -> list[dict[str, Any]]:
+    """The samples of the process that ran the model (the one with the most forward passes)."""
+    best: list[dict[str, Any]] = []
+    for path in folder.glob("samples-*.jsonl"):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if "error" not in r]
+        if rows and sum(rows[-1]["forwards"].values()) > (sum(best[-1]["forwards"].values()) if best else -1):
+            best = rows
+    return best
+
+
+def flatness(samples: list[dict[str, Any]], since: float) -> dict[str, Any]:
+    """Over the samples after ``since`` (the run's second half): each memory figure's growth
+    (the last tenth's median over the first tenth's), and the counts' distinct values."""
+    late = [s for s in samples if s["t"] >= since]
+    if len(late) < 10:
+        return {"error": f"{len(late)} samples in the second half: too few to judge"}
+    tenth = max(1, len(late) // 10)
+    out: dict[str, Any] = {"samples": len(late)}
+    for name in ("rss", "device_bytes"):
+        first = statistics.median(s[name] for s in late[:tenth])
+        last = statistics.median(s[name] for s in late[-tenth:])
+        out[name] = {"first": first, "last": last, "growth": (last - first) / first if first else 0.0}
+    for name in ("graphs", "npugraph_graphs", "external_events", "streams"):
+        out[name] = sorted({s[name] for s in late})
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(requests: list[Request], seconds: float) -> dict[str, Any]:
+    """Throughput and time per output token (streamed requests with two tokens or more)."""
+    done = [r for r in requests if r.ended == "length"]
+    tpot = [
+        (r.chunk_times[-1] - r.chunk_times[0]) / (len(r.tokens) - 1)
+        for r in done
+        if r.stream and len(r.tokens) > 1 and len(r.chunk_times) > 1
+    ]
+    return {
+        "requests": len(requests),
+        "completed": len(done),
+        "walked_away": sum(r.ended == "walked away" for r in requests),
+        "failed": [f"{r.key}: {r.ended}" for r in requests if r.ended not in ("length", "walked away")][:20],
+        "output_tokens_per_s": sum(len(r.tokens) for r in requests) / seconds,
+        "tpot_ms": {"p50": _ms(_percentile(tpot, 0.5)), "p99": _ms(_percentile(tpot, 0.99)), "n": len(tpot)},
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def check_choices(model_dir: Path, requests: list[Request]) -> dict[str, Any]:
+    """Hugging Face's float32 forward on every completed text: the worst gap and the exact share."""
+    done = [r for r in requests if r.ended == "length" and r.tokens]
+    choices = greedy_choices(model_dir, [r.prompt for r in done], [r.tokens for r in done])
+    gaps = [g for g, _ in choices]
+    exact = sum(n for _, n in choices)
+    total = sum(len(r.tokens) for r in done)
+    far = [f"{r.key}: {g:.3f}" for r, (g, _) in zip(done, choices) if g > TOLERANCE]
+    return {
+        "texts": len(done),
+        "tokens": total,
+        "worst_gap": max(gaps, default=0.0),
+        "exact_share": exact / total if total else 1.0,
+        "beyond_tolerance": far[:20],
+    }
+
+
+def variants(by_mode: dict[str, list[Request]]) -> dict[str, Any]:
+    """Per request completed in eager mode and another: how many texts differ from eager's,
+    and the most distinct texts any request had across the modes."""
+    done = {m: {r.key: tuple(r.tokens) for r in rs if r.ended == "length"} for m, rs in by_mode.items()}
+    eager = done.get("eager", {})
+    out: dict[str, Any] = {}
+    for mode, texts in done.items():
+        if mode == "eager":
+            continue
+        common = [k for k in texts if k in eager]
+        out[mode] = {"compared": len(common), "differ_from_eager": sum(texts[k] != eager[k] for k in common)}
+    keys = set().union(*(t.keys() for t in done.values())) if done else set()
+    counts = [len({t[k] for t in done.values() if k in t}) for k in keys]
+    out["most_variants_of_one_request"] = max(counts, default=0)
+    return out
+
+
+def plot(path: Path, runs: dict[str, dict[str, Any]]) -> None:
+    """Memory (the engine process's resident and the device's allocated, MiB) and time per
+    output token (ms, each completed stream at its end) over the run, one panel each, per mode."""
+    from PIL import Image, ImageDraw
+
+    width, height, pad = 1000, 640, 60
+    img = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(img)
+    colors = {"eager": (120, 120, 120), "npugraph": (200, 40, 40)}
+    other = (40, 90, 200)
+    panels = [
+        ("engine resident memory, MiB", "rss", 0),
+        ("device bytes allocated, MiB", "device_bytes", 1),
+        ("time per output token, ms", "tpot", 2),
+    ]
+    panel_h = (height - pad) // len(panels)
+    for title, name, i in panels:
+        top, bottom = pad // 2 + i * panel_h, pad // 2 + (i + 1) * panel_h - 24
+        draw.rectangle([pad, top, width - 20, bottom], outline=(0, 0, 0))
+        draw.text((pad + 6, top + 4), title, fill=(0, 0, 0))
+        series = {mode: run["series"][name] for mode, run in runs.items() if run["series"][name]}
+        if not series:
+            continue
+        t_max = max(t for pts in series.values() for t, _ in pts) or 1.0
+        v_min = min(v for pts in series.values() for _, v in pts)
+        v_max = max(v for pts in series.values() for _, v in pts)
+        span = (v_max - v_min) or 1.0
+        draw.text((6, top), f"{v_max:.1f}", fill=(0, 0, 0))
+        draw.text((6, bottom - 12), f"{v_min:.1f}", fill=(0, 0, 0))
+        for k, (mode, pts) in enumerate(series.items()):
+            color = colors.get(mode, other)
+            xy = [
+                (pad + (width - 20 - pad) * t / t_max, bottom - (bottom - top - 20) * (v - v_min) / span)
+                for t, v in pts
+            ]
+            if name == "tpot":
+                for x, y in xy:
+                    draw.ellipse([x - 1.5, y - 1.5, x + 1.5, y + 1.5], fill=color)
+            elif len(xy) > 1:
+                draw.line(xy, fill=color, width=2)
+            draw.text((width - 200, top + 4 + 12 * k), mode, fill=color)
+    draw.text((pad, height - 18), "seconds since the load began (each mode its own run)", fill=(0, 0, 0))
+    img.save(path)
+
+
+def _server(engine: str, mode: str, model_dir: Path, folder: Path) -> tuple[list[str], dict[str, str]]:
+    env = {
+        **os.environ,
+        "NPUGRAPH_SIM_TORCH_NPU": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "NPUGRAPH_SOAK_SAMPLES": str(folder),
+        "NPUGRAPH_ENABLE": "1" if mode == "npugraph" else "0",
+    }
+    if engine == "vllm":
+        env["VLLM_CACHE_ROOT"] = str(folder / "vllm-cache")
+        args = [str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir), "--dtype", "bfloat16"]
+        return args + (["--enforce-eager"] if mode == "eager" else []), env
+    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "npu"]
+    return args + (["--disable-cuda-graph"] if mode == "eager" else []), env
+
+
+def _model(engine: str, out: Path) -> tuple[Path, int, int]:
+    """The engine's check model (its tiny Llama with a real tokenizer): path, context, vocabulary."""
+    if engine == "vllm":
+        import generate  # release/'s
+
+        path = out / "llama"
+        generate.write_model(path)
+        return path, 1024, generate.MODELS["llama"].vocab
+    sys.path.insert(0, str(HERE / "sglang"))
+    from generate import VOCAB, write_model  # release/sglang/'s
+
+    path = out / "llama"
+    write_model(path, "llama")
+    return path, 1024, VOCAB
+
+
+def under_load(served: Served, seconds: float, context: int, vocab: int, samples_folder: Path) -> dict[str, Any]:
+    """Drive a started server (its engine sampling into ``samples_folder``) for ``seconds``:
+    what it served, how flat it stayed, its forward passes and the series to plot."""
+    with GroupMemory(served.proc.pid) as group:
+        t0 = time.time()
+        requests = drive(served, seconds, context, vocab)
+        elapsed = time.time() - t0
+    time.sleep(2 * PERIOD_S)  # the engine's sample after the last request
+    samples = engine_samples(samples_folder)
+    starts = min((r.sent for r in requests), default=0.0)
+    return {
+        "requests": requests,
+        "elapsed": elapsed,
+        "summary": summarize(requests, elapsed),
+        "flat": flatness(samples, t0 + elapsed / 2),
+        "forwards": samples[-1]["forwards"] if samples else {},
+        "series": {
+            "rss": [(s["t"] - t0, s["rss"] / 2**20) for s in samples if s["t"] >= t0],
+            "device_bytes": [(s["t"] - t0, s["device_bytes"] / 2**20) for s in samples if s["t"] >= t0],
+            "tpot": [
+                (r.chunk_times[-1] - starts, 1000 * (r.chunk_times[-1] - r.chunk_times[0]) / (len(r.tokens) - 1))
+                for r in requests
+                if r.ended == "length" and r.stream and len(r.tokens) > 1 and len(r.chunk_times) > 1
+            ],
+        },
+        "group_rss": [(t - t0, v / 2**20) for t, v in group.samples],
+    }
+
+
+def soak_one(
+    engine: str, mode: str, model_dir: Path, context: int, vocab: int, seconds: float, out: Path
+) -> dict[str, Any]:
+    """One mode's server started, under the load, and stopped by SIGINT."""
+    folder = out / f"{engine}-{mode}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("samples-*.jsonl"):
+        stale.unlink()
+    args, env = _server(engine, mode, model_dir, folder)
+    with started(args, folder / "server.log", env, START_S) as served:
+        run = under_load(served, seconds, context, vocab, folder)
+        ended, shutdown = served.interrupt(STOP_S)
+    run["stopped_by_sigint"] = ended
+    run["npugraph_raised"] = npugraph_raised(served.log.read_text())
+    run["shutdown_tail"] = shutdown[-2000:]
+    return run
+
+
+def failures(engine: str, run: dict[str, Any], choices: dict[str, Any]) -> list[str]:
+    """Why npugraph's run fails the soak (nothing: it passes)."""
+    why = []
+    s, flat = run["summary"], run["flat"]
+    if s["failed"]:
+        why.append(f"{engine}: requests failed: {s['failed'][:5]}")
+    if not s["completed"]:
+        why.append(f"{engine}: no request completed")
+    if choices["beyond_tolerance"]:
+        why.append(f"{engine}: tokens beyond {TOLERANCE} of Hugging Face's best: {choices['beyond_tolerance'][:5]}")
+    if choices["exact_share"] < EXACT:
+        why.append(f"{engine}: {choices['exact_share']:.3f} of tokens are Hugging Face's choice, under {EXACT}")
+    if "error" in flat:
+        why.append(f"{engine}: {flat['error']}")
+    else:
+        for name in ("rss", "device_bytes"):
+            if flat[name]["growth"] >= GROWTH:
+                why.append(f"{engine}: {name} grew {flat[name]['growth']:.2%} over the second half")
+        for name in ("graphs", "npugraph_graphs", "external_events", "streams"):
+            if len(flat[name]) != 1:
+                why.append(f"{engine}: {name} changed over the second half: {flat[name]}")
+    if not run.get("stopped_by_sigint", True):  # (a soak inside a server check stops it later)
+        why.append(f"{engine}: SIGINT did not end the server within {STOP_S} s")
+    if run.get("npugraph_raised"):
+        why.append(f"{engine}: tracebacks raised in npugraph's code: {run['npugraph_raised'][:3]}")
+    return why
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) not in (3, 4, 5) or argv[1] not in ENGINES:
+        print(__doc__.splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    engine, out = argv[1], Path(argv[2])
+    seconds = float(argv[3]) if len(argv) > 3 else 600.0
+    modes = argv[4].split(",") if len(argv) > 4 else list(MODES[engine])
+    if "npugraph" not in modes or not set(modes) <= set(MODES[engine]):
+        print(f"soak.py: MODES from {', '.join(MODES[engine])}, npugraph among them", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir, context, vocab = _model(engine, out)
+    runs = {}
+    for mode in modes:
+        print(f"soak {engine} {mode}: {seconds:.0f} s of load", file=sys.stderr, flush=True)
+        runs[mode] = soak_one(engine, mode, model_dir, context, vocab, seconds, out)
+        print(f"  {json.dumps(runs[mode]['summary'])}", file=sys.stderr, flush=True)
+    choices = {mode: check_choices(model_dir, run["requests"]) for mode, run in runs.items()}
+    why = failures(engine, runs["npugraph"], choices["npugraph"])
+    report = {
+        "engine": engine,
+        "date": time.strftime("%Y-%m-%d"),
+        "seconds": seconds,
+        "streams": STREAMS,
+        "passed": not why,
+        "failures": why,
+        "variants": variants({m: r["requests"] for m, r in runs.items()}),
+        "modes": {
+            mode: {
+                **run["summary"],
+                "hugging_face": choices[mode],
+                "flat": run["flat"],
+                "forwards": run["forwards"],
+                "stopped_by_sigint": run["stopped_by_sigint"],
+            }
+            for mode, run in runs.items()
+        },
+        "relative_to_eager": {
+            mode: {
+                "output_tokens_per_s": run["summary"]["output_tokens_per_s"]
+                / runs["eager"]["summary"]["output_tokens_per_s"]
+            }
+            for mode, run in runs.items()
+            if "eager" in runs and mode != "eager" and runs["eager"]["summary"]["output_tokens_per_s"]
+        },
+    }
+    (out / f"soak-{engine}.json").write_text(json.dumps(report, indent=1))
+    (out / f"soak-{engine}.requests.json").write_text(
+        json.dumps({m: [asdict(r) for r in run["requests"]] for m, run in runs.items()})
+    )
+    plot(out / f"soak-{engine}.png", runs)
+    for line in why:
+        print(line, file=sys.stderr)
+    print(f"soak {engine}: {'passed' if not why else 'FAILED'} ({out / f'soak-{engine}.json'})", file=sys.stderr)
+    return 0 if not why else 1
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a killed soak still stops its server
+    sys.exit(main(sys.argv))

@@ -1,0 +1,178 @@
+"""The soak's own logic (release/soak.py, release/soak_probe.py), without a server: the
+requests it plans, the flatness and variant judgements it makes, and the probe's counting.
+The soak itself runs servers (make soak)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+RELEASE = Path(__file__).parent.parent / "release"
+
+
+@pytest.fixture(scope="module")
+def soak():
+    sys.path.insert(0, str(RELEASE))
+    try:
+        import soak
+
+        yield soak
+    finally:
+        sys.path.remove(str(RELEASE))
+
+
+@settings(max_examples=200, deadline=None)
+@given(worker=st.integers(0, 15), n=st.integers(0, 10_000))
+def test_a_planned_request_fits_the_context_and_is_the_same_in_every_mode(soak, worker, n):
+    r = soak.plan(worker, n, context=1024, vocab=1024)
+    assert r == soak.plan(worker, n, context=1024, vocab=1024)  # every mode is sent the same request
+    assert len(r.prompt) >= 1 and len(r.prompt) + r.max_tokens < 1024
+    assert 1 <= r.max_tokens <= soak.MAX_NEW
+    assert all(1 <= t < 1024 for t in r.prompt)
+    assert r.walk_after == 0 or (r.stream and r.walk_after < r.max_tokens)
+
+
+def test_the_plan_runs_from_one_token_to_near_the_context_across_pages(soak):
+    lengths = [len(soak.plan(w, n, 1024, 1024).prompt) for w in range(16) for n in range(100)]
+    assert min(lengths) == 1 and max(lengths) > 900
+    assert sum(length > 128 for length in lengths) > 200  # crossing SGLang's 128-token page
+    requests = [soak.plan(w, n, 1024, 1024) for w in range(16) for n in range(100)]
+    streamed = sum(r.stream for r in requests)
+    assert 0.4 < streamed / len(requests) < 0.6
+    assert 0 < sum(bool(r.walk_after) for r in requests) < streamed / 5
+
+
+def _samples(n, rss=lambda i: 1000, device=lambda i: 500, graphs=lambda i: 4):
+    return [
+        {
+            "t": float(i),
+            "rss": rss(i),
+            "device_bytes": device(i),
+            "graphs": graphs(i),
+            "npugraph_graphs": graphs(i),
+            "external_events": 8,
+            "streams": 3,
+            "forwards": {"FULL:4": i},
+        }
+        for i in range(n)
+    ]
+
+
+def test_flat_memory_and_counts_pass_and_growth_or_a_recapture_fails(soak):
+    def judged(samples):
+        run = {
+            "summary": {"failed": [], "completed": 5},
+            "flat": soak.flatness(samples, since=50.0),
+            "stopped_by_sigint": True,
+            "npugraph_raised": [],
+        }
+        choices = {"beyond_tolerance": [], "exact_share": 1.0}
+        return soak.failures("vllm", run, choices)
+
+    assert judged(_samples(100)) == []
+    # growing 2% over the second half: a leak
+    leak = judged(_samples(100, rss=lambda i: 1000 + max(0, i - 50) * 0.4))
+    assert leak == ["vllm: rss grew 1.80% over the second half"]
+    # warm-up growth in the first half does not count
+    assert judged(_samples(100, device=lambda i: 100 + min(i, 40) * 10)) == []
+    recapture = judged(_samples(100, graphs=lambda i: 4 if i < 80 else 5))
+    assert recapture == [
+        "vllm: graphs changed over the second half: [4, 5]",
+        "vllm: npugraph_graphs changed over the second half: [4, 5]",
+    ]
+    assert judged(_samples(12)) == ["vllm: 0 samples in the second half: too few to judge"]
+
+
+def test_a_wrong_token_or_a_failed_request_fails_the_soak(soak):
+    run = {
+        "summary": {"failed": ["3.4: error: APIConnectionError: x"], "completed": 5},
+        "flat": soak.flatness(_samples(100), since=50.0),
+        "stopped_by_sigint": False,
+        "npugraph_raised": ["npugraph.errors.ReplayFault: x"],
+    }
+    why = soak.failures("sglang", run, {"beyond_tolerance": ["1.2: 0.400"], "exact_share": 0.9})
+    assert len(why) == 5
+    assert "requests failed" in why[0] and "0.1 of Hugging Face's best" in why[1] and "under 0.95" in why[2]
+    assert "SIGINT" in why[3] and "npugraph's code" in why[4]
+
+
+def test_variants_count_texts_that_differ_from_eagers_and_the_most_of_one_request(soak):
+    def req(key, tokens, ended="length"):
+        return soak.Request(key=key, prompt=[1], max_tokens=2, stream=False, walk_after=0, tokens=tokens, ended=ended)
+
+    by_mode = {
+        "eager": [req("0.0", [1, 2]), req("0.1", [3, 4]), req("0.2", [5, 6])],
+        "sglang": [req("0.0", [1, 2]), req("0.1", [3, 9]), req("0.2", [5], ended="walked away")],
+        "npugraph": [req("0.0", [1, 7]), req("0.1", [3, 4])],
+    }
+    out = soak.variants(by_mode)
+    assert out["sglang"] == {"compared": 2, "differ_from_eager": 1}
+    assert out["npugraph"] == {"compared": 2, "differ_from_eager": 1}
+    assert out["most_variants_of_one_request"] == 2
+
+
+def test_throughput_and_time_per_output_token_come_from_completed_streams(soak):
+    streamed = soak.Request(key="0.0", prompt=[1], max_tokens=3, stream=True, walk_after=0)
+    streamed.tokens, streamed.chunk_times, streamed.ended = [1, 2, 3], [10.0, 10.1, 10.3], "length"
+    whole = soak.Request(key="0.1", prompt=[1], max_tokens=2, stream=False, walk_after=0)
+    whole.tokens, whole.chunk_times, whole.ended = [4, 5], [11.0], "length"
+    left = soak.Request(key="0.2", prompt=[1], max_tokens=9, stream=True, walk_after=2)
+    left.tokens, left.ended = [6], "walked away"
+    s = soak.summarize([streamed, whole, left], seconds=2.0)
+    assert s["completed"] == 2 and s["walked_away"] == 1 and s["failed"] == []
+    assert s["output_tokens_per_s"] == 3.0
+    assert s["tpot_ms"] == {"p50": 150.0, "p99": 150.0, "n": 1}
+
+
+def test_the_engine_process_is_the_one_with_the_most_forward_passes(soak, tmp_path):
+    (tmp_path / "samples-1.jsonl").write_text(json.dumps({"t": 1.0, "forwards": {}}) + "\n")
+    rows = _samples(3)
+    (tmp_path / "samples-2.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in rows) + "\n" + json.dumps({"t": 9.0, "error": "x"}) + "\n"
+    )
+    assert soak.engine_samples(tmp_path) == rows
+
+
+def test_the_plot_is_a_png_of_three_panels(soak, tmp_path):
+    series = {"rss": [(0.0, 10.0), (1.0, 11.0)], "device_bytes": [(0.0, 5.0), (1.0, 5.0)], "tpot": [(0.5, 20.0)]}
+    soak.plot(tmp_path / "s.png", {"eager": {"series": series}, "npugraph": {"series": series}})
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_probe_counts_what_is_alive_and_writes_a_line_a_period(tmp_path, monkeypatch):
+    sys.path.insert(0, str(RELEASE))
+    try:
+        import soak_probe
+    finally:
+        sys.path.remove(str(RELEASE))
+
+    class Thing:
+        def __init__(self) -> None:
+            self.alive = True
+
+    probe = soak_probe._Probe(tmp_path)
+    soak_probe._tracked(Thing, "__init__", probe.events.add)
+    kept = [Thing() for _ in range(3)]
+    Thing()  # dropped at once: not alive
+    assert len(probe.events) == 3 and kept
+    monkeypatch.setattr(soak_probe, "PERIOD_S", 0.05)
+    monkeypatch.setattr(probe, "_sample", lambda: {"t": time.time(), "events": len(probe.events)})
+    probe.forward("FULL", 4)  # the first forward pass starts the sampler, once
+    probe.forward("FULL", 4)
+    probe.forward("NONE", 300)
+    assert probe.forwards == {"FULL:4": 2, "NONE:300": 1}
+    deadline = time.time() + 10
+    path = next(iter(tmp_path.glob("samples-*.jsonl")), None)
+    while (path is None or len(path.read_text().splitlines()) < 2) and time.time() < deadline:
+        time.sleep(0.05)
+        path = next(iter(tmp_path.glob("samples-*.jsonl")), None)
+    probe.stopped.set()
+    assert path is not None
+    assert json.loads(path.read_text().splitlines()[0])["events"] == 3
+    assert [t.name for t in __import__("threading").enumerate()].count("npugraph-soak-probe") <= 1
