@@ -26,7 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Served", "bad_requests", "npugraph_raised", "started"]
+__all__ = ["SGLANG_READY", "Served", "bad_requests", "npugraph_raised", "started"]
+
+# What SGLang's server logs once its own warm-up request is done.  A SIGINT before it waits
+# on that warm-up thread, whose retries on a closed server take minutes: SGLang's, with or
+# without npugraph (its http_server's lifespan joins the thread)
+SGLANG_READY = "The server is fired up and ready to roll!"
 
 
 def _free_port() -> int:
@@ -125,10 +130,13 @@ class Served:
 
 
 @contextlib.contextmanager
-def started(args: list[str], log: Path, env: dict[str, str], start_s: float) -> Iterator[Served]:
+def started(
+    args: list[str], log: Path, env: dict[str, str], start_s: float, ready: str | None = None
+) -> Iterator[Served]:
     """Start the server ``args`` (``--host``/``--port`` added: 127.0.0.1 and a free port), its
-    output into ``log``, and wait until it answers /v1/models; on leaving, every process of its
-    group is killed (its children may outlive it).
+    output into ``log``, and wait until it answers /v1/models and, if given, its log holds the
+    line ``ready`` (SGLang's: its own warm-up request is done); on leaving, every process of
+    its group is killed (its children may outlive it).
     A server that exits or stays silent for ``start_s`` raises ``RuntimeError`` with its log's end."""
     import openai
 
@@ -148,7 +156,7 @@ def started(args: list[str], log: Path, env: dict[str, str], start_s: float) -> 
             if proc.poll() is not None:
                 raise RuntimeError(f"the server exited {proc.returncode} while starting:\n{log.read_text()[-6000:]}")
             with contextlib.suppress(OSError), urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
-                if r.status == 200:
+                if r.status == 200 and (ready is None or ready in log.read_text()):
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not answer within {start_s} s:\n{log.read_text()[-6000:]}")

@@ -6,8 +6,11 @@ The process that runs the model (vLLM's EngineCore, SGLang's scheduler) starts a
 thread at its first forward pass or graph, and appends one JSON line a second to
 ``DIR/samples-<pid>.jsonl``:
 
-* ``rss``: the process's resident memory; ``device_bytes``: the simulated device's bytes
-  allocated (``torch.npu.memory_allocated``);
+* ``rss``: the process's resident memory; ``host_rss``: the part of it outside the simulated
+  card's large blocks (its own anonymous mappings of 64 MiB and more: the KV caches, whose
+  pages the host backs only as the engine first writes them, so that ``rss`` climbs as a soak
+  reaches new cache blocks, a device's memory a card would hold); ``device_bytes``: the
+  simulated device's bytes allocated (``torch.npu.memory_allocated``);
 * ``graphs``: the captured graphs alive (the simulator's ``NPUGraph`` objects: npugraph's and
   the engine's own alike); ``npugraph_graphs``: npugraph's entries, over its runtimes;
 * ``external_events``: the ExternalEvents alive; ``streams``: the device streams created so far;
@@ -64,9 +67,11 @@ class _Probe:
         import psutil
         import torch
 
+        rss = psutil.Process().memory_info().rss
         return {
             "t": time.time(),
-            "rss": psutil.Process().memory_info().rss,
+            "rss": rss,
+            "host_rss": rss - _large_anonymous_resident(),
             "device_bytes": int(torch.npu.memory_allocated()),
             "graphs": len(self.graphs),
             "npugraph_graphs": sum(len(r.entries()) for r in list(self.runtimes)),
@@ -84,6 +89,23 @@ class _Probe:
                 line = json.dumps({"t": time.time(), "error": f"{type(exc).__name__}: {exc}"})
             with path.open("a") as f:
                 f.write(line + "\n")
+
+
+LARGE = 64 << 20  # the simulator's large blocks (npusim/npusim/device/csrc/npu_device.cpp: kLargeFrom)
+
+
+def _large_anonymous_resident(smaps: str = "/proc/self/smaps") -> int:
+    """Resident bytes of this process's anonymous mappings of ``LARGE`` bytes and more."""
+    total, large = 0, False
+    with open(smaps) as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:  # a mapping: "start-end perms offset dev inode [path]"
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                large = end - start >= LARGE and len(head) < 6
+            elif large and head and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
 
 
 def _tracked(cls: Any, name: str, on_new: Callable[[Any], None]) -> None:

@@ -53,6 +53,7 @@ def _samples(n, rss=lambda i: 1000, device=lambda i: 500, graphs=lambda i: 4):
         {
             "t": float(i),
             "rss": rss(i),
+            "host_rss": rss(i),
             "device_bytes": device(i),
             "graphs": graphs(i),
             "npugraph_graphs": graphs(i),
@@ -78,7 +79,7 @@ def test_flat_memory_and_counts_pass_and_growth_or_a_recapture_fails(soak):
     assert judged(_samples(100)) == []
     # growing 2% over the second half: a leak
     leak = judged(_samples(100, rss=lambda i: 1000 + max(0, i - 50) * 0.4))
-    assert leak == ["vllm: rss grew 1.80% over the second half"]
+    assert leak == ["vllm: host_rss grew 1.80% over the second half"]
     # warm-up growth in the first half does not count
     assert judged(_samples(100, device=lambda i: 100 + min(i, 40) * 10)) == []
     recapture = judged(_samples(100, graphs=lambda i: 4 if i < 80 else 5))
@@ -176,3 +177,23 @@ def test_the_probe_counts_what_is_alive_and_writes_a_line_a_period(tmp_path, mon
     assert path is not None
     assert json.loads(path.read_text().splitlines()[0])["events"] == 3
     assert [t.name for t in __import__("threading").enumerate()].count("npugraph-soak-probe") <= 1
+
+
+def test_the_cards_large_blocks_are_told_from_the_hosts_memory(tmp_path):
+    sys.path.insert(0, str(RELEASE))
+    try:
+        import soak_probe
+    finally:
+        sys.path.remove(str(RELEASE))
+    big = 0x7F0000000000
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        f"{big:x}-{big + (128 << 20):x} rw-p 00000000 00:00 0 \n"
+        "Size:             131072 kB\nRss:               40960 kB\n"
+        "55d0c0000000-55d0c0100000 rw-p 00000000 00:00 0          [heap]\nRss:                1024 kB\n"
+        "7f1000000000-7f1005000000 r--p 00000000 08:01 1234       /usr/lib/libbig.so\nRss:                2048 kB\n"
+        "7f2000000000-7f2000200000 rw-p 00000000 00:00 0 \nRss:                 512 kB\n"
+    )
+    # only the anonymous mapping of 128 MiB counts: not the heap, a file, or a small mapping
+    assert soak_probe._large_anonymous_resident(str(smaps)) == 40960 * 1024
+    assert soak_probe._large_anonymous_resident() >= 0  # this process's own

@@ -33,7 +33,7 @@ import soak
 from generate import VOCAB, prompts, write_model
 from hf_reference import check_greedy_choices
 from runs import result_path
-from serving import Served, bad_requests, npugraph_raised, started
+from serving import SGLANG_READY, Served, bad_requests, npugraph_raised, started
 
 pytest.importorskip("openai")
 
@@ -80,7 +80,7 @@ def _launch(model_dir: Path, log: Path, *more: str) -> contextlib.AbstractContex
         "NPUGRAPH_SOAK_SAMPLES": str(log.parent),
     }
     args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "npu", *more]
-    return started(args, log, env, START_S)
+    return started(args, log, env, START_S, ready=SGLANG_READY)
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,23 @@ def test_host_reads_wait_for_npu_memory_only():
     assert torch.equal(copy.cpu(), out.cpu()), "the clone ran after the replay, in stream order"
 
 
+def test_an_in_place_op_that_returns_nothing_is_queued_behind_a_replay_as_aten_runs_it():
+    """``aten::_foreach_copy_`` (SGLang's graph runner fills its buffers with it before a
+    replay) returns nothing, and torch's binding then hands back its first argument; queued
+    on a stream behind a replay that waits, it must do the same and copy once the stream runs
+    (found through SGLang: the simulator's dispatch returned an empty tuple where aten returns
+    None, and torch raised)."""
+    q, kc, vc, bt, out = _pa_setup()
+    g, ev, h = _capture_pa(q, kc, vc, bt, torch.tensor([3, 5], dtype=torch.int32), out)
+    dsts = [torch.zeros(3, device="npu"), torch.zeros(2, device="npu")]
+    srcs = [torch.arange(3.0).npu(), torch.arange(2.0).npu() + 5]
+    g.replay()  # waits for ev: what follows on the stream is queued
+    assert torch._foreach_copy_(dsts, srcs) == dsts
+    ev.record(npu.Stream())
+    npu.synchronize()
+    assert [d.cpu().tolist() for d in dsts] == [[0.0, 1.0, 2.0], [5.0, 6.0]]
+
+
 def test_a_graph_keeps_npu_memory_not_objects_and_reports_use_after_free():
     q, kc, vc, bt, out = _pa_setup()
     lens = torch.tensor([3, 5], dtype=torch.int32)

@@ -164,7 +164,9 @@ def plan_outputs(
         if arg.alias_info is not None and arg.alias_info.is_write:
             v = named.get(arg.name)
             written.extend(t for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor))
-    return PlannedOp(outs[0] if len(returns) == 1 else tuple(outs), fresh, written)
+    # an op that returns nothing (``_foreach_copy_(...) -> ()``) returns None, as aten's does
+    result = None if not returns else outs[0] if len(returns) == 1 else tuple(outs)
+    return PlannedOp(result, fresh, written)
 
 
 def op_device(args: Any, kwargs: dict[str, Any]) -> torch.device:
