@@ -3,7 +3,7 @@ by release/ascend_site.py (vLLM) and release/sglang/site.py (SGLang) when
 ``NPUGRAPH_SOAK_SAMPLES=DIR`` is set.
 
 The process that runs the model (vLLM's EngineCore, SGLang's scheduler) starts a sampler
-thread at its first forward pass or graph, and appends one JSON line a second to
+thread at its first forward pass or graph (SGLang's: when it builds its model runner), and appends one JSON line a second to
 ``DIR/samples-<pid>.jsonl``:
 
 * ``rss``: the process's resident memory; ``host_rss``: the part of it outside the simulated
@@ -145,6 +145,12 @@ def install(folder: str, after_import: Callable[[str, Callable[[Any], None]], No
         after_import("vllm.forward_context", lambda m: _count_vllm(m, probe))
     else:
         after_import("sglang.srt.model_executor.runner.decode_cuda_graph_runner", lambda m: _count_sglang(m, probe))
+        # the scheduler builds its model runner at start: it samples from then on, in every
+        # mode (eager counts no decode batch: it has no graph runner to ask)
+        after_import(
+            "sglang.srt.model_executor.model_runner",
+            lambda m: _tracked(m.ModelRunner, "__init__", lambda _runner: probe.start()),
+        )
 
 
 def _count_vllm(module: Any, probe: _Probe) -> None:

@@ -38,10 +38,12 @@ def test_a_planned_request_fits_the_context_and_is_the_same_in_every_mode(soak, 
     assert r.walk_after == 0 or (r.stream and r.walk_after < r.max_tokens)
 
 
-def test_the_plan_runs_from_one_token_to_near_the_context_across_pages(soak):
-    lengths = [len(soak.plan(w, n, 1024, 1024).prompt) for w in range(16) for n in range(100)]
-    assert min(lengths) == 1 and max(lengths) > 900
-    assert sum(length > 128 for length in lengths) > 200  # crossing SGLang's 128-token page
+def test_the_plan_runs_from_one_token_to_near_the_context_across_pages_from_a_pool(soak):
+    lengths = [len(soak.pooled_prompt(i, 1024, 1024)[0]) for i in range(soak.POOL)]
+    assert min(lengths) <= 4 and max(lengths) > 800
+    assert sum(length > 128 for length in lengths) > soak.POOL // 5  # crossing SGLang's 128-token page
+    drawn = {soak.plan(w, n, 1024, 1024).prompt_index for w in range(16) for n in range(20)}
+    assert drawn == set(range(soak.POOL)), "steady traffic: every prompt of the pool, again and again"
     requests = [soak.plan(w, n, 1024, 1024) for w in range(16) for n in range(100)]
     streamed = sum(r.stream for r in requests)
     assert 0.4 < streamed / len(requests) < 0.6
@@ -103,19 +105,43 @@ def test_a_wrong_token_or_a_failed_request_fails_the_soak(soak):
     assert "SIGINT" in why[3] and "npugraph's code" in why[4]
 
 
-def test_variants_count_texts_that_differ_from_eagers_and_the_most_of_one_request(soak):
-    def req(key, tokens, ended="length"):
-        return soak.Request(key=key, prompt=[1], max_tokens=2, stream=False, walk_after=0, tokens=tokens, ended=ended)
+def test_variants_count_texts_that_differ_from_eagers_and_the_most_of_one_prompt(soak):
+    def req(index, tokens, ended="length"):
+        return soak.Request(
+            key="k",
+            prompt=[1],
+            max_tokens=2,
+            stream=False,
+            walk_after=0,
+            tokens=tokens,
+            ended=ended,
+            prompt_index=index,
+        )
 
     by_mode = {
-        "eager": [req("0.0", [1, 2]), req("0.1", [3, 4]), req("0.2", [5, 6])],
-        "sglang": [req("0.0", [1, 2]), req("0.1", [3, 9]), req("0.2", [5], ended="walked away")],
-        "npugraph": [req("0.0", [1, 7]), req("0.1", [3, 4])],
+        "eager": [req(0, [1, 2]), req(1, [3, 4]), req(0, [1, 2])],
+        "sglang": [req(0, [1, 2]), req(1, [3, 9]), req(1, [3, 4]), req(2, [5], ended="walked away")],
+        "npugraph": [req(0, [1, 7]), req(1, [3, 4]), req(3, [8, 8])],
     }
     out = soak.variants(by_mode)
-    assert out["sglang"] == {"compared": 2, "differ_from_eager": 1}
-    assert out["npugraph"] == {"compared": 2, "differ_from_eager": 1}
-    assert out["most_variants_of_one_request"] == 2
+    assert out["eager"] == {
+        "prompts": 2,
+        "most_variants_of_one_prompt": 1,
+        "compared_with_eager": 3,
+        "differ_from_eager": 0,
+    }
+    assert out["sglang"] == {
+        "prompts": 2,
+        "most_variants_of_one_prompt": 2,
+        "compared_with_eager": 3,
+        "differ_from_eager": 1,
+    }
+    assert out["npugraph"] == {
+        "prompts": 3,
+        "most_variants_of_one_prompt": 1,
+        "compared_with_eager": 2,
+        "differ_from_eager": 1,
+    }
 
 
 def test_throughput_and_time_per_output_token_come_from_completed_streams(soak):
