@@ -43,16 +43,8 @@ rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 export NPUGRAPH_SIM_TORCH_NPU=1 HF_HUB_OFFLINE=1 HF_HUB_CACHE="$ENV_DIR/hub" TRANSFORMERS_OFFLINE=1
 
 status=0
-# each step's title with the minutes and seconds since the check began (CI's log shows where the time went)
-# (and into $CHECK_TIMES, where .ci/run collects every step's time for the end of its log)
-step() {
-    printf '== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"
-    if [ -n "${CHECK_TIMES:-}" ]; then
-        local title="$*"
-        printf '  %s check [%d:%02d] %s\n' "$(basename "$HERE")" $((SECONDS / 60)) $((SECONDS % 60)) "${title:0:70}" \
-            >>"$CHECK_TIMES"
-    fi
-}
+# shellcheck source=release/step.sh
+source "$HERE/step.sh"
 step "the environment's self-check stops a broken environment in one line (the kernels case)"
 (cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider release/test_env_check.py) || status=1
 

@@ -30,16 +30,8 @@ RESULTS="$ENV_DIR/results"
 rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 status=0
-# each step's title with the minutes and seconds since the check began (CI's log shows where the time went)
-# (and into $CHECK_TIMES, where .ci/run collects every step's time for the end of its log)
-step() {
-    printf '== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"
-    if [ -n "${CHECK_TIMES:-}" ]; then
-        local title="$*"
-        printf '  %s check [%d:%02d] %s\n' "$(basename "$HERE")" $((SECONDS / 60)) $((SECONDS % 60)) "${title:0:70}" \
-            >>"$CHECK_TIMES"
-    fi
-}
+# shellcheck source=release/step.sh
+source "$(dirname "$HERE")/step.sh"
 step "npugraph's plugin against SGLang's classes and hook registry"
 (cd "$REPO" && NPUGRAPH_SIM_TORCH_NPU=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_sglang.py) || status=1
 step "a real generation with SGLang $("$PYTHON" -c 'import importlib.metadata as m; print(m.version("sglang"))'): eager, SGLang's NPU graphs, npugraph"

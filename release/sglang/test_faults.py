@@ -25,13 +25,11 @@ within its limit (never a hang), with:
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -39,13 +37,13 @@ pytest.importorskip("sglang", reason="needs the SGLang environment (release/sgla
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent))  # release/: hf_reference.py, serving.py
-from generate import prompts, write_model
+from generate import prompts
 from hf_reference import check_greedy_choices
-from serving import SGLANG_READY, Served, started
+from launch import START_S, check_model, launch
+from serving import Served
 
 pytest.importorskip("openai")
 
-START_S = 600  # a healthy server starts, and captures its graphs, in about a minute
 ERROR_WITHIN_S = 60  # from the first stream's end to the server's
 LOGIT_TOLERANCE = 0.15  # as release/sglang/test_generate.py
 STREAMS, NEW_TOKENS = 4, 64  # every stream still decoding when the fault comes
@@ -81,18 +79,7 @@ SAYS = {
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/sglang/run.sh wrote the models
-    if given and (Path(given) / "llama" / "config.json").is_file():
-        return Path(given) / "llama"
-    path = tmp_path_factory.mktemp("faults") / "llama"
-    write_model(path, "llama")
-    return path
-
-
-def _launch(model_dir: Path, log: Path, case: str) -> Any:
-    env = {**os.environ, "NPUGRAPH_ENABLE": "1", "NPUGRAPH_SIM_TORCH_NPU": "1", **CASES[case]}
-    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "npu"]
-    return started(args, log, env, START_S, ready=SGLANG_READY)
+    return check_model(tmp_path_factory.mktemp("faults"))
 
 
 def _stream_until_it_ends(served: Served, prompt: list[int], got: list[int], ended: list[str]) -> None:
@@ -120,11 +107,14 @@ def test_a_fault_ends_sglangs_server_in_seconds_and_says_where(model_dir: Path, 
     log = tmp_path / "server.log"
     if case == "host-copy-in-capture":
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"the server exited .* while starting"), _launch(model_dir, log, case):
+        with (
+            pytest.raises(RuntimeError, match=r"the server exited .* while starting"),
+            launch(model_dir, log, **CASES[case]),
+        ):
             pass
         assert time.monotonic() - t0 < START_S
     else:
-        with _launch(model_dir, log, case) as served:
+        with launch(model_dir, log, **CASES[case]) as served:
             chosen = prompts()[:STREAMS]
             got: list[list[int]] = [[] for _ in chosen]
             ended: list[list[str]] = [[] for _ in chosen]

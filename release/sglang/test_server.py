@@ -15,9 +15,7 @@ npugraph's code at shutdown.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,16 +28,16 @@ pytest.importorskip("sglang", reason="needs the SGLang environment (release/sgla
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent))  # release/: hf_reference.py, runs.py, serving.py
 import soak
-from generate import VOCAB, prompts, write_model
+from generate import VOCAB, prompts
 from hf_reference import check_greedy_choices
+from launch import check_model, launch
 from runs import result_path
-from serving import SGLANG_READY, Served, bad_requests, npugraph_raised, started
+from serving import Served, bad_requests, npugraph_raised
 
 pytest.importorskip("openai")
 
 LOGIT_TOLERANCE = 0.15  # as release/sglang/test_generate.py: bfloat16 kernels against float32
 NEW_TOKENS = 12
-START_S = 900  # the simulator starts SGLang's server, and captures its graphs, in about a minute
 STOP_S = 90
 CONTEXT = 1024  # the tiny Llama's max_position_embeddings: SGLang's context length
 REFUSED = bad_requests(
@@ -62,30 +60,12 @@ REFUSED = bad_requests(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/sglang/run.sh wrote the models
-    if given and (Path(given) / "llama" / "config.json").is_file():
-        return Path(given) / "llama"
-    path = tmp_path_factory.mktemp("server") / "llama"
-    write_model(path, "llama")
-    return path
-
-
-def _launch(model_dir: Path, log: Path, *more: str) -> contextlib.AbstractContextManager[Served]:
-    """SGLang's server on ``model_dir`` with npugraph's plugin, as a user starts it (``more``:
-    its flags); its scheduler samples itself beside ``log`` (release/soak_probe.py)."""
-    env = {
-        **os.environ,
-        "NPUGRAPH_ENABLE": "1",
-        "NPUGRAPH_SIM_TORCH_NPU": "1",
-        "NPUGRAPH_SOAK_SAMPLES": str(log.parent),
-    }
-    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "npu", *more]
-    return started(args, log, env, START_S, ready=SGLANG_READY)
+    return check_model(tmp_path_factory.mktemp("server"))
 
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with _launch(model_dir, tmp_path_factory.mktemp("server-log") / "server.log") as served:
+    with launch(model_dir, tmp_path_factory.mktemp("server-log") / "server.log") as served:
         yield served
 
 
@@ -168,7 +148,7 @@ def test_sigint_ends_the_server_in_time_with_npugraphs_line_and_no_traceback(ser
 
 @pytest.fixture(scope="module")
 def server_tp2(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with _launch(model_dir, tmp_path_factory.mktemp("server-tp2-log") / "server.log", "--tp-size", "2") as served:
+    with launch(model_dir, tmp_path_factory.mktemp("server-tp2-log") / "server.log", "--tp-size", "2") as served:
         yield served
 
 
