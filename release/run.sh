@@ -10,15 +10,16 @@
 #      vllm-ascend's default configuration), on a Llama, a Qwen3, a Llama with n-gram
 #      speculative decoding, the Llama at tensor parallel 2, and DeepSeek's MLA (alone, with
 #      n-gram speculative decoding, at tensor parallel 2, and a DeepSeek-V3 with MTP, one and two
-#      draft tokens; at CHECK_SCOPE=ci, as .ci/run runs it, MLA alone and with MTP's one draft
-#      token only: release/generate.py's CI_MODELS): eager,
+#      draft tokens; at CHECK_SCOPE=ci, as .ci/run runs it, no Qwen3, and MLA alone and with
+#      MTP's one draft token only: release/generate.py's CI_MODELS): eager,
 #      vllm-ascend's ACL graph mode and npugraph's plugin, each in its own process;
 #      release/test_generate.py checks that every run's tokens are identical and Hugging
 #      Face's, and that npugraph did every update; release/update_cost.py prints the
 #      per-step update cost of the two graph modes, per run, and what the runs support;
 #   5. three faults in a real engine (release/test_faults.py): a host copy inside a layer
 #      under capture, a kernel fault at replay, an event record the device loses;
-#   6. graph memory and the KV-cache budget, side by side (release/test_graph_memory.py): on
+#   6. graph memory and the KV-cache budget, side by side (release/test_graph_memory.py; not at
+#      CHECK_SCOPE=ci): on
 #      MLA with DeepSeek-V3's heads and context, vllm-ascend's own graph mode runs out of
 #      device memory at capture, and so does npugraph's with that KV cache; npugraph's plugin
 #      as a user starts it counts its graphs in the budget and serves;

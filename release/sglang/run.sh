@@ -12,7 +12,8 @@
 #   4. SGLang's server as users start it (python -m sglang.launch_server, the Llama, npugraph's
 #      plugin), driven by the openai client (release/sglang/test_server.py): a prompt token id
 #      outside the vocabulary is a 400 (the plugin guards an SGLang defect that takes the server
-#      down), good requests before and after it are right, and SIGINT ends the server cleanly.
+#      down), good requests before and after it are right, a two-minute soak, SIGINT ends the
+#      server cleanly; then at --tp-size 2 (not at CHECK_SCOPE=ci).
 #   5. three faults through that server (release/sglang/test_faults.py): a host copy inside a
 #      layer under capture, a kernel fault at replay, an event record the device loses; each
 #      ends the server within seconds (SGLang's own response to a scheduler failure), the

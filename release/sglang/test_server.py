@@ -31,7 +31,7 @@ import soak
 from generate import VOCAB, prompts
 from hf_reference import check_greedy_choices
 from launch import check_model, launch
-from runs import result_path
+from runs import check_scope, result_path
 from serving import Served, bad_requests, npugraph_raised
 
 pytest.importorskip("openai")
@@ -152,6 +152,8 @@ def server_tp2(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield served
 
 
+# a second server of two ranks: the full check's (make sglang-check), not CI's
+@pytest.mark.skipif(check_scope() == "ci", reason="CHECK_SCOPE=ci: make sglang-check runs it")
 def test_tensor_parallel_2_runs_npugraph_in_each_rank_with_the_same_tokens(
     server_tp2: Served, first: list[int], model_dir: Path
 ):
