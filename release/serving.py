@@ -99,24 +99,32 @@ class Served:
 
         return asyncio.run(burst())
 
-    def walk_away(self, prompt: list[int], after_chunks: int, new_tokens: int) -> int:
-        """Stream a completion of ``new_tokens`` and close the connection after ``after_chunks``
-        chunks, most of it still to come: how many chunks came."""
+    def stream(self, prompt: list[int], new_tokens: int, got: list[int], after_chunks: int | None = None) -> int:
+        """Stream a greedy completion of ``new_tokens`` (end of sequence ignored), its token ids
+        appended to ``got`` as they come, closing the connection after ``after_chunks`` chunks
+        if given: how many chunks came.  What ends the stream early (a server gone) raises."""
         stream = self.client.completions.create(
             model=self.model,
             prompt=prompt,
             max_tokens=new_tokens,
             temperature=0.0,
             stream=True,
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": True, "return_token_ids": True},
         )
         received = 0
-        for _chunk in stream:
+        for chunk in stream:
             received += 1
+            if chunk.choices:
+                got.extend((chunk.choices[0].model_extra or {}).get("token_ids") or [])
             if received == after_chunks:
                 break
         stream.close()
         return received
+
+    def walk_away(self, prompt: list[int], after_chunks: int, new_tokens: int) -> int:
+        """Stream a completion of ``new_tokens`` and close the connection after ``after_chunks``
+        chunks, most of it still to come: how many chunks came."""
+        return self.stream(prompt, new_tokens, [], after_chunks)
 
     def interrupt(self, stop_s: float) -> tuple[bool, str]:
         """SIGINT, as Ctrl-C: whether the server ended within ``stop_s``, and what it logged since."""

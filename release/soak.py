@@ -38,7 +38,6 @@ import random
 import signal
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -187,33 +186,6 @@ def drive(served: Served, seconds: float, context: int, vocab: int, streams: int
     return sent
 
 
-class GroupMemory:
-    """The resident memory of every process of a server's group, sampled each second on a thread."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.samples, self._stop = pid, [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import psutil
-
-        while not self._stop.wait(1.0):
-            try:
-                root = psutil.Process(self.pid)
-                procs = [root, *root.children(recursive=True)]
-                self.samples.append((time.time(), sum(p.memory_info().rss for p in procs)))
-            except psutil.Error:
-                pass
-
-    def __enter__(self) -> GroupMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def engine_samples(folder: Path) -> list[dict[str, Any]]:
     """The samples of the process that ran the model (the one with the most forward passes)."""
     best: list[dict[str, Any]] = []
@@ -249,21 +221,29 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def tpot(r: Request) -> float | None:
+    """A completed stream's time per output token after its first (seconds), or None where
+    there is none: not streamed, not completed, or fewer than two tokens."""
+    if r.ended != "length" or not r.stream or len(r.tokens) < 2 or len(r.chunk_times) < 2:
+        return None
+    return (r.chunk_times[-1] - r.chunk_times[0]) / (len(r.tokens) - 1)
+
+
 def summarize(requests: list[Request], seconds: float) -> dict[str, Any]:
     """Throughput and time per output token (streamed requests with two tokens or more)."""
     done = [r for r in requests if r.ended == "length"]
-    tpot = [
-        (r.chunk_times[-1] - r.chunk_times[0]) / (len(r.tokens) - 1)
-        for r in done
-        if r.stream and len(r.tokens) > 1 and len(r.chunk_times) > 1
-    ]
+    per_token = [t for t in map(tpot, done) if t is not None]
     return {
         "requests": len(requests),
         "completed": len(done),
         "walked_away": sum(r.ended == "walked away" for r in requests),
         "failed": [f"{r.key}: {r.ended}" for r in requests if r.ended not in ("length", "walked away")][:20],
         "output_tokens_per_s": sum(len(r.tokens) for r in requests) / seconds,
-        "tpot_ms": {"p50": _ms(_percentile(tpot, 0.5)), "p99": _ms(_percentile(tpot, 0.99)), "n": len(tpot)},
+        "tpot_ms": {
+            "p50": _ms(_percentile(per_token, 0.5)),
+            "p99": _ms(_percentile(per_token, 0.99)),
+            "n": len(per_token),
+        },
     }
 
 
@@ -322,7 +302,7 @@ def plot(path: Path, runs: dict[str, dict[str, Any]]) -> None:
     colors = {"eager": (120, 120, 120), "npugraph": (200, 40, 40)}
     other = (40, 90, 200)
     panels = [
-        ("engine resident memory outside the card's KV blocks, MiB", "rss", 0),
+        ("engine resident memory outside the card's KV blocks, MiB", "host_rss", 0),
         ("device bytes allocated, MiB", "device_bytes", 1),
         ("time per output token, ms", "tpot", 2),
     ]
@@ -392,10 +372,9 @@ def _model(engine: str, out: Path) -> tuple[Path, int, int]:
 def under_load(served: Served, seconds: float, context: int, vocab: int, samples_folder: Path) -> dict[str, Any]:
     """Drive a started server (its engine sampling into ``samples_folder``) for ``seconds``:
     what it served, how flat it stayed, its forward passes and the series to plot."""
-    with GroupMemory(served.proc.pid) as group:
-        t0 = time.time()
-        requests = drive(served, seconds, context, vocab)
-        elapsed = time.time() - t0
+    t0 = time.time()
+    requests = drive(served, seconds, context, vocab)
+    elapsed = time.time() - t0
     time.sleep(2 * PERIOD_S)  # the engine's sample after the last request
     samples = engine_samples(samples_folder)
     starts = min((r.sent for r in requests), default=0.0)
@@ -406,15 +385,10 @@ def under_load(served: Served, seconds: float, context: int, vocab: int, samples
         "flat": flatness(samples, t0 + elapsed / 2),
         "forwards": samples[-1]["forwards"] if samples else {},
         "series": {
-            "rss": [(s["t"] - t0, s["host_rss"] / 2**20) for s in samples if s["t"] >= t0],
+            "host_rss": [(s["t"] - t0, s["host_rss"] / 2**20) for s in samples if s["t"] >= t0],
             "device_bytes": [(s["t"] - t0, s["device_bytes"] / 2**20) for s in samples if s["t"] >= t0],
-            "tpot": [
-                (r.chunk_times[-1] - starts, 1000 * (r.chunk_times[-1] - r.chunk_times[0]) / (len(r.tokens) - 1))
-                for r in requests
-                if r.ended == "length" and r.stream and len(r.tokens) > 1 and len(r.chunk_times) > 1
-            ],
+            "tpot": [(r.chunk_times[-1] - starts, 1000 * t) for r in requests if (t := tpot(r)) is not None],
         },
-        "group_rss": [(t - t0, v / 2**20) for t, v in group.samples],
     }
 
 

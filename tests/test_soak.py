@@ -167,7 +167,7 @@ def test_the_engine_process_is_the_one_with_the_most_forward_passes(soak, tmp_pa
 
 
 def test_the_plot_is_a_png_of_three_panels(soak, tmp_path):
-    series = {"rss": [(0.0, 10.0), (1.0, 11.0)], "device_bytes": [(0.0, 5.0), (1.0, 5.0)], "tpot": [(0.5, 20.0)]}
+    series = {"host_rss": [(0.0, 10.0), (1.0, 11.0)], "device_bytes": [(0.0, 5.0), (1.0, 5.0)], "tpot": [(0.5, 20.0)]}
     soak.plot(tmp_path / "s.png", {"eager": {"series": series}, "npugraph": {"series": series}})
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -86,17 +86,7 @@ def _stream_until_it_ends(served: Served, prompt: list[int], got: list[int], end
     """Stream a greedy completion into ``got`` (its token ids, chunk by chunk) until it ends:
     ``ended`` gets ``finished`` or the error that ended it."""
     try:
-        stream = served.client.completions.create(
-            model=served.model,
-            prompt=prompt,
-            max_tokens=NEW_TOKENS,
-            temperature=0.0,
-            stream=True,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
-        for chunk in stream:
-            if chunk.choices:
-                got.extend((chunk.choices[0].model_extra or {}).get("token_ids") or [])
+        served.stream(prompt, NEW_TOKENS, got)
         ended.append("finished")
     except Exception as exc:  # what the caller of SGLang's server gets
         ended.append(type(exc).__name__)
