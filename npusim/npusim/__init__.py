@@ -32,7 +32,8 @@ from npusim.errors import (
     UseAfterFree,
     WorkspaceTooSmall,
 )
-from npusim.kernels.cache import PAD_SLOT_ID, _npu_reshape_and_cache, npu_scatter_pa_kv_cache
+from npusim.kernels.attention_update import npu_attention_update
+from npusim.kernels.cache import PAD_SLOT_ID, _npu_reshape_and_cache, npu_gather_pa_kv_cache, npu_scatter_pa_kv_cache
 from npusim.kernels.dense import (
     _npu_matmul_add_fp32,
     _npu_rotary_embedding,
@@ -89,7 +90,9 @@ __all__ = [
     "_npu_fused_infer_attention_score_v2_sink_metadata",
     "StaleTilingError",
     "npu_fusion_attention",
+    "npu_attention_update",
     "npu_scatter_pa_kv_cache",
+    "npu_gather_pa_kv_cache",
     "_npu_reshape_and_cache",
     "_npu_rotary_embedding",
     "_npu_matmul_add_fp32",
@@ -105,6 +108,9 @@ __all__ = [
     "_npu_flash_attention_qlens",
     "npu_swiglu",
     "PAD_SLOT_ID",
+    "hifloat8",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
     "HostCostModel",
     "SimConfig",
     "configure",
@@ -219,6 +225,14 @@ def device_seconds() -> float:
     return get_state().busy_s
 
 
+# torch_npu's dtypes beyond torch's own: not torch.dtype objects but the ints of torch_npu's
+# dtype enum, passed where an op takes a dtype (npu_quant_matmul's x1_dtype, ...); the values
+# torch_npu has (vllm-ascend 0.30's test set-up records them as the real ones).  Kernels that
+# take them are not simulated; code that only names them (vllm-ascend's QUANT_DTYPES) imports.
+hifloat8 = 290
+float8_e8m0fnu = 293
+float4_e2m1fn_x2 = 296
+
 # what code that records torch_npu's version reads (vllm-ascend's compile cache key)
 __version__ = f"{torch.__version__.split('+')[0]}+npusim"
 
@@ -227,6 +241,8 @@ _MISSING = object()
 _INSTALLED: dict[str, Any] = {}
 # SGLang's Ascend kernels, which no package index has: ``import sgl_kernel_npu...`` gets the stand-in
 _SGL_KERNEL_NPU = PackageAlias("sgl_kernel_npu", "npusim.surfaces.sgl_kernel_npu")
+# vllm-ascend 0.30's linear-attention kernels, a wheel on GitHub only: the stand-in, unless installed
+_FLA_NPU = PackageAlias("fla_npu", "npusim.surfaces.fla_npu")
 # torch_npu.contrib: imported on demand (transfer_to_npu patches torch when it is imported)
 _CONTRIB = PackageAlias("torch_npu.contrib", "npusim.surfaces.contrib")
 
@@ -269,6 +285,8 @@ def install_torch_npu(*, device: bool = False) -> None:
     torch.npu = npu  # type: ignore[attr-defined]
     if importlib.machinery.PathFinder.find_spec("sgl_kernel_npu") is None:  # a real one, where installed, wins
         _SGL_KERNEL_NPU.install()
+    if importlib.machinery.PathFinder.find_spec("fla_npu") is None:
+        _FLA_NPU.install()
     _CONTRIB.install()
 
 
@@ -299,6 +317,7 @@ def uninstall_torch_npu() -> None:
             sys.modules[name] = old
     _INSTALLED.clear()
     _SGL_KERNEL_NPU.uninstall()
+    _FLA_NPU.uninstall()
     _CONTRIB.uninstall()
 
 

@@ -1,21 +1,29 @@
-"""KV-cache writes: ``npu_scatter_pa_kv_cache`` and ``_npu_reshape_and_cache``.
+"""KV-cache writes, ``npu_scatter_pa_kv_cache`` and ``_npu_reshape_and_cache``, and the
+read back into contiguous rows, ``npu_gather_pa_kv_cache``.
 
 Both write token ``i``'s key and value at slot ``slot_mapping[i]`` of a paged cache
 (``slot = block * block_size + offset``).  A negative slot is skipped: vLLM pads a step
 with ``PAD_SLOT_ID = -1`` so that padding tokens write nowhere (vLLM's CUDA
 ``reshape_and_cache`` returns early for it; vllm-ascend pads ``slot_mapping`` with -1 for
 these kernels).  A slot past the cache is the kernel's error (a device fault).
+
+``npu_gather_pa_kv_cache`` (CANN's ``aclnnGatherPaKvCache``; vllm-ascend 0.30's MLA reads a
+prefill's context with it) copies request ``i``'s ``seq_lens[i]`` tokens out of the paged
+caches, from block ``seq_offset[i] // block_size`` of its row of ``block_tables`` on, into
+consecutive rows of ``key``/``value``, request after request; rows past ``key``'s end are
+not written (op-plugin's own reference stops there).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 
 from npusim.runtime.launch import SimOp, fail, launch, need_tensor
 
-__all__ = ["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache", "alloc_extend", "PAD_SLOT_ID"]
+__all__ = ["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache", "npu_gather_pa_kv_cache", "alloc_extend", "PAD_SLOT_ID"]
 
 PAD_SLOT_ID = -1  # vLLM's padding slot: skipped
 
@@ -131,6 +139,101 @@ def _npu_reshape_and_cache(
     launch(
         _RESHAPE,
         {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache, "slot_indices": slot_indices},
+    )
+
+
+def _gather_lengths(p: dict[str, Any]) -> list[int]:
+    lens = [int(x) for x in p["seq_lens"].tolist()]
+    if p["is_seq_lens_cumsum"]:
+        return [b - a for a, b in itertools.pairwise(lens)]
+    return lens
+
+
+def _gather(p: dict[str, Any]) -> None:
+    op = "npu_gather_pa_kv_cache"
+    key_cache, value_cache, tables = p["key_cache"], p["value_cache"], p["block_tables"]
+    blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    offsets = p["seq_offset"].tolist() if p["seq_offset"] is not None else None
+    room, row = p["key"].shape[0], 0
+    for i, n in enumerate(_gather_lengths(p)):
+        if n < 0:
+            raise fail(op, "seq_lens", f"request {i} has a negative length {n}")
+        if row >= room:
+            return
+        first = int(offsets[i]) // block_size if offsets is not None else 0
+        take = min(n, room - row)
+        if take == 0:
+            continue
+        needed = first + -(-take // block_size)
+        if needed > tables.shape[1]:
+            raise fail(op, "block_tables", f"request {i} reads block {needed - 1} of a table {tables.shape[1]} wide")
+        ids = tables[i, first:needed].long()
+        if int(ids.min()) < 0 or int(ids.max()) >= blocks:
+            raise fail(op, "block_tables", f"request {i} names a block outside the cache's {blocks}")
+        for cache, out in ((key_cache, p["key"]), (value_cache, p["value"])):
+            out[row : row + take] = cache[ids].flatten(0, 1)[:take].to(out.dtype)
+        row += take
+
+
+_GATHER = SimOp(
+    "npu_gather_pa_kv_cache",
+    "default",
+    host_args=(),
+    output_args=("key", "value"),
+    check=lambda p: {},
+    compute=lambda p, info: _gather(p),
+    workspace=lambda p, info: 0,
+    anchor="key_cache",
+)
+
+
+def npu_gather_pa_kv_cache(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    seq_offset: torch.Tensor | None = None,
+    is_seq_lens_cumsum: bool = False,
+) -> None:
+    """Each request's tokens out of paged ``key_cache``/``value_cache`` ``[blocks, block_size,
+    N, D]`` into the rows of ``key``/``value`` ``[tokens, N, D]``, in place (``cache_mode``
+    Norm, the ND cache vllm-ascend allocates)."""
+    op = "npu_gather_pa_kv_cache"
+    for name, cache, out in (("key", key_cache, key), ("value", value_cache, value)):
+        need_tensor(op, f"{name}_cache", cache, 4)
+        need_tensor(op, name, out, 3)
+        if tuple(out.shape[1:]) != tuple(cache.shape[2:]):
+            raise fail(op, name, f"rows are {list(out.shape[1:])}, the cache's tokens {list(cache.shape[2:])}")
+        if out.dtype != cache.dtype:
+            raise fail(op, name, f"is {out.dtype} but its cache is {cache.dtype}")
+    if tuple(key_cache.shape[:2]) != tuple(value_cache.shape[:2]):
+        raise fail(op, "value_cache", f"blocks {list(value_cache.shape[:2])} differ from key_cache's")
+    if key.shape[0] != value.shape[0]:
+        raise fail(op, "value", f"has {value.shape[0]} rows, key {key.shape[0]}")
+    need_tensor(op, "block_tables", block_tables, 2)
+    need_tensor(op, "seq_lens", seq_lens, 1)
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("seq_offset", seq_offset)):
+        if t is not None and t.dtype not in (torch.int32, torch.int64):
+            raise fail(op, name, f"must be int32 or int64, got {t.dtype}")
+    requests = seq_lens.shape[0] - (1 if is_seq_lens_cumsum else 0)
+    if block_tables.shape[0] < requests:
+        raise fail(op, "block_tables", f"has {block_tables.shape[0]} rows for {requests} requests")
+    if seq_offset is not None and seq_offset.shape[0] < requests:
+        raise fail(op, "seq_offset", f"has {seq_offset.shape[0]} entries for {requests} requests")
+    launch(
+        _GATHER,
+        {
+            "key_cache": key_cache,
+            "value_cache": value_cache,
+            "block_tables": block_tables,
+            "seq_lens": seq_lens,
+            "seq_offset": seq_offset,
+            "is_seq_lens_cumsum": is_seq_lens_cumsum,
+            "key": key,
+            "value": value,
+        },
     )
 
 

@@ -1,0 +1,1 @@
+"""``fla_npu.ops``: the kernels, under ``fla_npu.ops.ascendc``."""
