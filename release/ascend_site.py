@@ -8,6 +8,10 @@ Ascend host settles by being one, and, for release/generate.py only, its counts.
   where an import that fails stops the compilation.  On an Ascend host the import succeeds;
   here it cannot, so the answer ("disabled", logged once) is settled as soon as
   ``vllm_ascend.utils`` is imported, outside any trace.
+  From 0.30 on, vllm-ascend's RMSNorm with a residual imports ``vllm_ascend_C`` with no
+  fallback (every decoder layer): there, the simulator's stand-in for the extension
+  (``npusim.surfaces.vllm_ascend_c``, the ``_C_ascend`` ops the models here reach) is what
+  the import finds, and vllm-ascend runs with its custom ops enabled, as on a host.
 * torch reads a set ``CI`` variable as "this is torch's own CI" and then turns its
   deprecation of custom ops that return an input (vllm-ascend 0.23.0.post1's
   ``maybe_pad_and_reduce`` at TP 1) from a warning into an error.  A user's host (or a CI
@@ -44,6 +48,23 @@ from typing import Any
 from npusim_hook import after_import
 
 os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "0")
+
+
+def _needs_custom_ops() -> bool:
+    """Whether this release's layers import ``vllm_ascend_C`` with no fallback (0.30 on)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("vllm_ascend").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (0, 30)
+
+
+if _needs_custom_ops():
+    from npusim.surfaces import vllm_ascend_c
+
+    vllm_ascend_c.install()
 after_import("vllm_ascend.utils", lambda utils: utils.enable_custom_op())
 
 

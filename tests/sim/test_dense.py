@@ -190,3 +190,75 @@ def test_vllm_ascends_fusion_pattern_traces_on_npu_tensors_as_it_registers():
     gm = fwd_only(pattern, [*args, torch.randn(4, device=DEVICE, dtype=torch.bfloat16)])
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert {"npu.npu_add_rms_norm.default", "npu.npu_dynamic_quant.default"} <= targets
+
+
+def _static_ref(x, scales, zeros, div):
+    """round(x / s + z) (or x * s + z) into int8's range, element by element in float64 (the
+    scales one per column, the last axis)."""
+    x = x.double()
+    y = torch.empty(x.shape, dtype=torch.float64)
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            s = float(scales[j if scales.numel() > 1 else 0])
+            v = float(x[i, j]) / s if div else float(x[i, j]) * s
+            v += float(zeros[j if zeros.numel() > 1 else 0]) if zeros is not None else 0.0
+            y[i, j] = max(-128.0, min(127.0, round(v)))
+    return y
+
+
+@settings(max_examples=10)
+@given(
+    rows=st.integers(1, 4),
+    hidden=st.sampled_from([8, 32]),
+    per_column=st.booleans(),
+    div=st.booleans(),
+    zero=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_quantize_is_static_int8_by_scales_along_the_axis(rows, hidden, per_column, div, zero, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g) * 4
+    scales = torch.rand(hidden if per_column else 1, generator=g) * 0.2 + 0.02
+    zeros = torch.randint(-3, 4, (hidden if per_column else 1,), generator=g).float() if zero else None
+    y = torch.ops.npu.npu_quantize(
+        x.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE) if zeros is not None else None, torch.qint8, -1, div
+    )
+    assert y.dtype == torch.int8
+    want = _static_ref(x, scales, zeros, div)
+    assert (y.cpu().double() - want).abs().max() <= 1  # float32 and float64 either side of a .5
+
+
+@settings(max_examples=10)
+@given(rows=st.integers(1, 4), hidden=st.sampled_from([8, 32]), seed=st.integers(0, 99))
+def test_add_rms_norm_quant_is_the_add_the_norm_and_the_static_quant(rows, hidden, seed):
+    g = torch.Generator().manual_seed(seed)
+    x1, x2 = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g)
+    gamma = torch.rand(hidden, generator=g) + 0.5
+    scales = torch.rand(hidden, generator=g) * 0.05 + 0.01
+    y1, y2, s = torch.ops.npu.npu_add_rms_norm_quant(
+        x1.to(DEVICE), x2.to(DEVICE), gamma.to(DEVICE), scales.to(DEVICE), None, epsilon=1e-6
+    )
+    total = x1.double() + x2.double()
+    assert torch.allclose(s.cpu().double(), total, atol=1e-6)
+    want = _static_ref(_rms_ref(total, gamma, 1e-6), scales, None, True)
+    assert (y1.cpu().double() - want).abs().max() <= 1 and y2.numel() == 0
+
+
+@settings(max_examples=10)
+@given(rows=st.integers(1, 4), hidden=st.sampled_from([8, 32]), bias=st.booleans(), seed=st.integers(0, 99))
+def test_add_rms_norm_bias_is_the_add_the_norm_and_the_bias(rows, hidden, bias, seed):
+    """vllm-ascend 0.30's own kernel (its RMSNorm with a residual), as ``torch.ops._C_ascend``."""
+    from npusim.surfaces import vllm_ascend_c  # noqa: F401  (registers the _C_ascend ops)
+
+    g = torch.Generator().manual_seed(seed)
+    x1, x2 = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g)
+    gamma = torch.rand(hidden, generator=g) + 0.5
+    beta = torch.randn(hidden, generator=g) if bias else None
+    y, rstd, s = torch.ops._C_ascend.npu_add_rms_norm_bias(
+        x1.to(DEVICE), x2.to(DEVICE), gamma.to(DEVICE), beta.to(DEVICE) if bias else None, 1e-6
+    )
+    total = x1.double() + x2.double()
+    want = _rms_ref(total, gamma, 1e-6) + (beta.double() if bias else 0.0)
+    assert torch.allclose(s.cpu().double(), total, atol=1e-6)
+    assert (y.cpu().double() - want).abs().max() < 1e-5
+    assert rstd.shape == (rows, 1) and rstd.dtype == torch.float32

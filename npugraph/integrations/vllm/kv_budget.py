@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import logging
 import sys
 from collections.abc import Mapping
@@ -73,6 +74,22 @@ class GraphMemoryEstimate:
         )
 
 
+def _take_capture_context(module: Any) -> None:
+    """vLLM 0.30's profiler calls ``graph_capture(device=, graph_capture_context=)``, the
+    context ``None`` off ROCm; the ``graph_capture`` vllm-ascend 0.30 puts in its place takes
+    the device only.  The same capture, taking (and needing) no context of its caller's."""
+    capture = module.graph_capture
+    if "graph_capture_context" in inspect.signature(capture).parameters:
+        return  # vllm-ascend 0.23's vLLM passes none; a later vllm-ascend may take it
+
+    def graph_capture(device: Any, graph_capture_context: Any = None) -> Any:
+        if graph_capture_context is not None:
+            raise RuntimeError("npugraph: vllm-ascend's graph_capture takes no capture context (ROCm's)")
+        return capture(device)
+
+    module.graph_capture = graph_capture
+
+
 def estimate_graph_memory(runner: Any) -> GraphMemoryEstimate:
     """Measure the device memory the runner's graphs will hold, before the KV cache exists.
 
@@ -111,6 +128,7 @@ def estimate_graph_memory(runner: Any) -> GraphMemoryEstimate:
     try:
         module = ascend._get_gpu_model_runner_module_name(runner)
         with ascend._torch_cuda_wrapper(), ascend._replace_gpu_model_runner_function_wrapper(module):
+            _take_capture_context(sys.modules[module])
             vllm_bytes = int(GPUModelRunner.profile_cudagraph_memory(runner))
         took: dict[int, int] = {}  # per token count: what its captures took (every namespace)
         for entry in runtime.entries():

@@ -64,8 +64,11 @@ def _compute(op: str, p: dict[str, Any], info: dict[str, Any]) -> None:
     keep = slots >= 0
     at = slots[keep]
     key, value, kc, vc = p["key"], p["value"], p["key_cache"], p["value_cache"]
-    kc.view(-1, *kc.shape[2:])[at] = key[keep]
-    vc.view(-1, *vc.shape[2:])[at] = value[keep]
+    # by block and offset, through the caches' strides: vllm-ascend 0.30 interleaves each
+    # block's keys and values in one allocation (key_cache = kv[0] strides over blocks by two)
+    block, offset = at // kc.shape[1], at % kc.shape[1]
+    kc[block, offset] = key[keep]
+    vc[block, offset] = value[keep]
 
 
 def _op(name: str, slot_arg: str) -> SimOp:

@@ -21,6 +21,7 @@ __all__ = [
     "npu_rms_norm",
     "npu_gemma_rms_norm",
     "npu_add_rms_norm",
+    "npu_add_rms_norm_bias",
     "npu_swiglu",
     "npu_rotary_mul",
     "npu_mrope",
@@ -77,6 +78,14 @@ def _add_rms_norm(p: dict[str, Any]) -> None:
     _rms(s, p["gamma"], float(p["epsilon"]), p["y"], p["rstd"])
 
 
+def _add_rms_norm_bias(p: dict[str, Any]) -> None:
+    s = p["x1"].float() + p["x2"].float()
+    p["x"].copy_(s)
+    n, r = rms_normalize(s, p["gamma"], float(p["epsilon"]))
+    p["rstd"].copy_(r)
+    p["y"].copy_(n + p["beta"].float() if p["beta"] is not None else n)
+
+
 def _swiglu(p: dict[str, Any]) -> None:
     a, b = p["x"].float().chunk(2, dim=int(p["dim"]))
     p["out"].copy_(torch.nn.functional.silu(a) * b)
@@ -123,6 +132,7 @@ def _matmul_add(p: dict[str, Any]) -> None:
 _RMS_NORM = _kernel("npu_rms_norm", "x", ("y", "rstd"), _rms_norm)
 _GEMMA_RMS_NORM = _kernel("npu_gemma_rms_norm", "x", ("y", "rstd"), _gemma_rms_norm)
 _ADD_RMS_NORM = _kernel("npu_add_rms_norm", "x1", ("y", "rstd", "x"), _add_rms_norm)
+_ADD_RMS_NORM_BIAS = _kernel("npu_add_rms_norm_bias", "x1", ("y", "rstd", "x"), _add_rms_norm_bias)
 _SWIGLU = _kernel("npu_swiglu", "x", ("out",), _swiglu)
 _ROTARY = _kernel("_npu_rotary_embedding", "query", ("query", "key"), _rotary)
 _ROTARY_MUL = _kernel("npu_rotary_mul", "input", ("out",), _rotary_mul)
@@ -165,6 +175,26 @@ def npu_add_rms_norm(
     rstd = torch.empty(_rstd_shape(x1, gamma), dtype=torch.float32, device=x1.device)
     params = {"x1": x1, "x2": x2, "gamma": gamma, "epsilon": epsilon, "y": y, "rstd": rstd, "x": x}
     launch(_ADD_RMS_NORM, params)
+    return y, rstd, x
+
+
+def npu_add_rms_norm_bias(
+    x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None = None, epsilon: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vllm-ascend's own kernel (its ``_C_ascend`` ops): :func:`npu_add_rms_norm` then ``+ beta``
+    (the norm's bias, where the layer has one): ``(rms_norm(x1 + x2) + beta, rstd, x1 + x2)``."""
+    op = "npu_add_rms_norm_bias"
+    if x1.shape != x2.shape:
+        raise fail(op, "x2", f"shape {list(x2.shape)} differs from x1 {list(x1.shape)}")
+    _check_gamma(op, x1, gamma)
+    if beta is not None and (beta.shape != gamma.shape or beta.dtype != gamma.dtype):
+        raise fail(
+            op, "beta", f"must be {gamma.dtype} {list(gamma.shape)} like gamma, got {beta.dtype} {list(beta.shape)}"
+        )
+    y, x = torch.empty_like(x1), torch.empty_like(x1)
+    rstd = torch.empty(_rstd_shape(x1, gamma), dtype=torch.float32, device=x1.device)
+    params = {"x1": x1, "x2": x2, "gamma": gamma, "beta": beta, "epsilon": epsilon, "y": y, "rstd": rstd, "x": x}
+    launch(_ADD_RMS_NORM_BIAS, params)
     return y, rstd, x
 
 

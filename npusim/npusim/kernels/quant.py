@@ -10,6 +10,12 @@ as int8 (an optional ``smooth_scales`` multiplies ``x`` first); the fused op add
 residual, RMS-normalises with ``gamma`` (and ``beta``), then quantises, and returns
 ``(y1, y2, x1 + x2, scale1, scale2)``, the second quantisation (``smooth_scale2``) only where
 ``output_mask`` asks for it.
+
+Static quantisation, whose patterns the same pass registers once vllm-ascend's own custom ops
+are there (0.30): ``npu_quantize`` (CANN's AscendQuantV3: ``y = round(x / scales +
+zero_points)``, or ``x * scales`` with ``div_mode=False``, the scales broadcast along
+``axis``) and the fused ``npu_add_rms_norm_quant`` (residual add, RMSNorm, then that
+quantisation: ``(y1, y2, x1 + x2)``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from npusim.kernels.dense import _check_gamma, _kernel, rms_normalize
 from npusim.runtime.launch import fail, launch
 
-__all__ = ["SCHEMAS", "npu_add_rms_norm_dynamic_quant", "npu_dynamic_quant"]
+__all__ = ["SCHEMAS", "npu_add_rms_norm_dynamic_quant", "npu_add_rms_norm_quant", "npu_dynamic_quant", "npu_quantize"]
 
 # torch_npu's schemas (op-plugin's): keyword-only tensors, which torch.library.custom_op
 # cannot infer, so they are declared as torch_npu declares them
@@ -35,7 +41,18 @@ SCHEMAS = {
         "Tensor? smooth_scale2=None, Tensor? beta=None, float epsilon=1e-06, bool[]? output_mask=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
     ),
+    "npu_quantize": (
+        "npu_quantize(Tensor self, Tensor scales, Tensor? zero_points, ScalarType dtype, int axis=1, "
+        "bool div_mode=True) -> Tensor"
+    ),
+    "npu_add_rms_norm_quant": (
+        "npu_add_rms_norm_quant(Tensor x1, Tensor x2, Tensor gamma, Tensor scales1, Tensor? zero_points1=None, "
+        "Tensor? scales2=None, Tensor? zero_points2=None, int axis=-1, float epsilon=1e-06, bool div_mode=True) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
 }
+# torch_npu's quantised dtypes: the int8 (or uint8) tensor the kernel writes
+_QUANT_TYPES = {torch.qint8: torch.int8, torch.int8: torch.int8, torch.quint8: torch.uint8, torch.uint8: torch.uint8}
 
 
 def _quantize(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> None:
@@ -67,6 +84,46 @@ def _add_rms_norm_dynamic_quant(p: dict[str, Any]) -> None:
         _quantize(n * smooth.float() if smooth is not None else n, y, scale)
 
 
+def _along(t: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
+    """``t`` (one value, or one per index of ``x``'s ``axis``) shaped to broadcast over ``x``."""
+    if t.numel() == 1:
+        return t.float().reshape(())
+    shape = [1] * x.dim()
+    shape[axis] = t.numel()
+    return t.float().reshape(shape)
+
+
+def _static(
+    x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, axis: int, div: bool, y: torch.Tensor
+) -> None:
+    s = _along(scales, x, axis)
+    q = x / s if div else x * s
+    if zeros is not None:
+        q = q + _along(zeros, x, axis)
+    info = torch.iinfo(y.dtype)
+    y.copy_(q.round().clamp(info.min, info.max))
+
+
+def _quantize_static(p: dict[str, Any]) -> None:
+    _static(p["input"].float(), p["scales"], p["zero_points"], int(p["axis"]), bool(p["div_mode"]), p["y"])
+
+
+def _add_rms_norm_quant(p: dict[str, Any]) -> None:
+    s = p["x1"].float() + p["x2"].float()
+    p["x"].copy_(s)
+    n, _ = rms_normalize(s, p["gamma"], float(p["epsilon"]))
+    for scales, zeros, y in ((p["scales1"], p["zero_points1"], p["y1"]), (p["scales2"], p["zero_points2"], p["y2"])):
+        if scales is not None:
+            _static(n, scales, zeros, int(p["axis"]), bool(p["div_mode"]), y)
+
+
+def _check_scales(op: str, name: str, t: torch.Tensor | None, x: torch.Tensor, axis: int) -> None:
+    if t is not None and t.numel() not in (1, x.shape[axis]):
+        raise fail(op, name, f"has {t.numel()} values; it takes 1 or one per index of axis {axis} ({x.shape[axis]})")
+
+
+_QUANTIZE = _kernel("npu_quantize", "input", ("y",), _quantize_static)
+_ADD_RMS_NORM_QUANT = _kernel("npu_add_rms_norm_quant", "x1", ("y1", "y2", "x"), _add_rms_norm_quant)
 _DYNAMIC_QUANT = _kernel("npu_dynamic_quant", "input", ("y", "scale"), _dynamic_quant)
 _ADD_RMS_NORM_DQ = _kernel(
     "npu_add_rms_norm_dynamic_quant", "x1", ("y1", "y2", "x", "scale1", "scale2"), _add_rms_norm_dynamic_quant
@@ -127,3 +184,60 @@ def npu_add_rms_norm_dynamic_quant(
     params.update(scale1=scale1, scale2=scale2)
     launch(_ADD_RMS_NORM_DQ, params)
     return y1, y2, x, scale1, scale2
+
+
+def npu_quantize(
+    self: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    dtype: torch.dtype,
+    axis: int = 1,
+    div_mode: bool = True,
+) -> torch.Tensor:
+    """Static quantisation: ``round(self / scales + zero_points)`` (``div_mode=False``:
+    ``self * scales``) as int8 (``torch.qint8``) or uint8 (``torch.quint8``), the scales
+    one value or one per index of ``axis``."""
+    op = "npu_quantize"
+    if dtype not in _QUANT_TYPES:
+        raise NotImplementedError(f"{op}: dtype {dtype} is not simulated (qint8 and quint8 are)")
+    _check_scales(op, "scales", scales, self, axis)
+    _check_scales(op, "zero_points", zero_points, self, axis)
+    y = torch.empty(self.shape, dtype=_QUANT_TYPES[dtype], device=self.device)
+    params = {"input": self, "scales": scales, "zero_points": zero_points, "axis": axis, "div_mode": div_mode, "y": y}
+    launch(_QUANTIZE, params)
+    return y
+
+
+def npu_add_rms_norm_quant(
+    x1: torch.Tensor,
+    x2: torch.Tensor,
+    gamma: torch.Tensor,
+    scales1: torch.Tensor,
+    zero_points1: torch.Tensor | None = None,
+    scales2: torch.Tensor | None = None,
+    zero_points2: torch.Tensor | None = None,
+    axis: int = -1,
+    epsilon: float = 1e-6,
+    div_mode: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Residual add, RMSNorm, then static int8 quantisation by ``scales1`` (and ``scales2``):
+    ``(y1, y2, x1 + x2)``; ``y2`` is empty without ``scales2``."""
+    op = "npu_add_rms_norm_quant"
+    if x1.shape != x2.shape:
+        raise fail(op, "x2", f"shape {list(x2.shape)} differs from x1 {list(x1.shape)}")
+    _check_gamma(op, x1, gamma)
+    for name, t in (
+        ("scales1", scales1),
+        ("zero_points1", zero_points1),
+        ("scales2", scales2),
+        ("zero_points2", zero_points2),
+    ):
+        _check_scales(op, name, t, x1, axis)
+    y1 = torch.empty(x1.shape, dtype=torch.int8, device=x1.device)
+    y2 = torch.empty(x1.shape if scales2 is not None else (0,), dtype=torch.int8, device=x1.device)
+    x = torch.empty_like(x1)
+    params = {"x1": x1, "x2": x2, "gamma": gamma, "epsilon": epsilon, "axis": axis, "div_mode": div_mode}
+    params.update(scales1=scales1, zero_points1=zero_points1, scales2=scales2, zero_points2=zero_points2)
+    params.update(y1=y1, y2=y2, x=x)
+    launch(_ADD_RMS_NORM_QUANT, params)
+    return y1, y2, x

@@ -34,6 +34,9 @@ TORCH_OPS: dict[str, tuple[types.ModuleType, tuple[str, ...]]] = {
     # vllm-ascend's default fusion pass traces them on npu tensors when it registers
     "npu_dynamic_quant": (quant, ()),
     "npu_add_rms_norm_dynamic_quant": (quant, ()),
+    # and, with vllm-ascend 0.30's own custom ops, its static-quantisation patterns
+    "npu_quantize": (quant, ()),
+    "npu_add_rms_norm_quant": (quant, ()),
 }
 
 
