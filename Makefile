@@ -65,11 +65,14 @@ mutation: $(STAMP)
 	# the score: killed (and timed out) / all; each survivor is killed or explained in docs/mutation.md
 	$(BIN)/mutmut results --all true | awk -F': ' '{print $$2}' | sort | uniq -c
 
-# vLLM-on-Ascend as users install it (vllm-ascend 0.23.0.post1, vLLM 0.23.0) on the simulator:
-# its own NPU tests, and npugraph's plugin against it (release/run.sh; docs/vllm-ascend-release.md).
-# Builds its own environment in .release-env from envs/release.lock (about 7 GB, 1 minute the first time).
+# vLLM-on-Ascend as users install it, on the simulator, each release in turn: vllm-ascend
+# 0.23.0.post1 (vLLM 0.23.0) and 0.30.0rc2 (vLLM 0.30.0), or the one RELEASE names: its own
+# tests, and npugraph's plugin against it (release/run.sh; docs/vllm-ascend-release.md).  Each
+# builds its own environment (.release-env, .release-env-0.30.0rc2) from its lock in envs/ (about
+# 7 GB, 1 minute the first time).
+RELEASE ?= 0.23.0.post1 0.30.0rc2
 release-check:
-	release/run.sh
+	@status=0; for r in $(RELEASE); do VLLM_ASCEND_VERSION=$$r release/run.sh || status=1; done; exit $$status
 
 # SGLang 0.5.23 as users install it, on the simulator (release/sglang/; docs/sglang.md):
 # its environment in $SGLANG_ENV (default .sglang-env), then a real generation in three modes.

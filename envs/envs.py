@@ -334,7 +334,8 @@ def diff(old: Path, new: Path) -> list[str]:
 # locks in $NPUGRAPH_LOCKS and the environment in a scratch folder ({dir}).
 REFRESH_CHECKS = {
     "npugraph": ["make", "test", "VENV={dir}"],
-    "release": ["env", "RELEASE_ENV={dir}", "make", "release-check"],
+    "release": ["env", "RELEASE_ENV={dir}", "make", "release-check", "RELEASE=0.23.0.post1"],
+    "release-0.30.0rc2": ["env", "RELEASE_ENV={dir}", "make", "release-check", "RELEASE=0.30.0rc2"],
     "sglang": ["env", "SGLANG_ENV={dir}", "make", "sglang-check"],
 }
 

@@ -39,6 +39,7 @@ Ascend host settles by being one, and, for release/generate.py only, its counts.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import sys
@@ -93,7 +94,45 @@ def _count(folder: str) -> None:
     def acl_graph(module: Any) -> None:
         # replaced as the module finishes loading: every vllm-ascend module that imports the
         # name by value (``from ...acl_graph import update_full_graph_params``) gets this one
-        module.update_full_graph_params = counts.time(module, "update_full_graph_params", "vllm_ascend_update")
+        whole = module.update_full_graph_params
+        counted = counts.time(module, "update_full_graph_params", "vllm_ascend_update")
+        uses_updatable = getattr(module, "use_updatable_graph", None)
+        if uses_updatable is None:  # 0.23: every layer's update is there
+            module.update_full_graph_params = counted
+        else:
+            # 0.30: MLA's update is still there; a backend on UpdatableGraph (FIA, PA) returns
+            # at once, its update timed around its replay instead (below)
+            def update_full_graph_params(attn_backend: Any, *args: Any, **kwargs: Any) -> Any:
+                run = whole if uses_updatable(attn_backend) else counted
+                return run(attn_backend, *args, **kwargs)
+
+            module.update_full_graph_params = update_full_graph_params
+            _time_updatable_graph(module)
+
+    def _time_updatable_graph(module: Any) -> None:
+        # vllm-ascend 0.30's update of FIA and PA: the graph's tasks resolved from the step's
+        # metadata before its replay, and re-issued after it (ACLGraphWrapper's
+        # _updatable_graph_replay); the two parts' host seconds are one step's update
+        from timing import timed
+
+        graph_cls, wrapper_cls = module.UpdatableGraph, module.ACLGraphWrapper
+        parts: list[float] = []
+        calls: collections.Counter[str] = collections.Counter()
+        graph_cls.resolve_tasks = timed(graph_cls, "resolve_tasks", parts, calls)
+        graph_cls.update = timed(graph_cls, "update", parts, calls)
+        replay = wrapper_cls._updatable_graph_replay
+
+        def _updatable_graph_replay(self: Any, *args: Any, **kwargs: Any) -> Any:
+            parts.clear()
+            calls.clear()
+            try:
+                return replay(self, *args, **kwargs)
+            finally:
+                counts.values.setdefault("vllm_ascend_update_seconds", []).append(sum(parts))
+                counts.values.setdefault("vllm_ascend_update_device_calls", collections.Counter()).update(calls)
+                counts.write()
+
+        wrapper_cls._updatable_graph_replay = _updatable_graph_replay
 
     def graph_steps(cls: type, key: str) -> None:
         # vllm-ascend's own decision that a step replays a full graph (in both graph modes:

@@ -8,6 +8,7 @@ set-up: vllm-ascend's patches and custom-op registrations, as its conftest makes
 """
 
 import os
+import sys
 
 import pytest
 import torch_npu
@@ -25,3 +26,23 @@ register_ascend_customop()
 def _clear_enable_sp_before_test():
     clear_enable_sp()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _reset_stream_globals_before_test():
+    """0.30's own set-up: the streams ``vllm_ascend.utils.current_stream()`` caches, dropped
+    around each test (its tests patch streams).  0.23 caches none of them."""
+    import vllm_ascend.utils as utils
+
+    names = ("_CURRENT_STREAM", "_GLOBAL_STREAM", "_SHARED_EXPERTS_CALCULATION_STREAM")
+    kept = [n for n in names if hasattr(utils, n)]
+    moe = sys.modules.get("vllm_ascend.ops.fused_moe.moe_utils")
+    for n in kept:
+        setattr(utils, n, None)
+    if moe is not None and hasattr(moe, "COMM_STREAM"):
+        moe.COMM_STREAM = None
+    yield
+    for n in kept:
+        setattr(utils, n, None)
+    if moe is not None and hasattr(moe, "COMM_STREAM"):
+        moe.COMM_STREAM = None

@@ -36,14 +36,9 @@ REPO="$(dirname "$HERE")"
 export PY="${PY:-python3}"
 
 ASCEND_VERSION="${VLLM_ASCEND_VERSION:-0.23.0.post1}"
-case "$ASCEND_VERSION" in  # each release's sdist and hash: its envs/NAME.toml; vLLM's and the rest: its lock
-    0.23.0.post1) VLLM_VERSION=0.23.0; LOCK=release; ENV_DIR="${RELEASE_ENV:-$REPO/.release-env}" ;;
-    0.30.0rc2) VLLM_VERSION=0.30.0; LOCK=release-0.30.0rc2; ENV_DIR="${RELEASE_ENV:-$REPO/.release-env-0.30.0rc2}" ;;
-    *)
-        echo "release env: VLLM_ASCEND_VERSION=$ASCEND_VERSION is not a release this check knows: use 0.23.0.post1 or 0.30.0rc2" >&2
-        exit 1
-        ;;
-esac
+# shellcheck source=release/versions.sh
+source "$HERE/versions.sh"
+release_of "$ASCEND_VERSION"  # VLLM_VERSION, LOCK, ENV_DIR
 ENV_REVISION=5  # bump when what this script adds to the lock changes: a cached environment is rebuilt
 SOC_VERSION_FOR_SDIST=ascend910b1  # an Atlas A2: vllm-ascend's "A2" device type
 

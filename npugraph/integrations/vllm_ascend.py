@@ -143,9 +143,12 @@ def install() -> Replaced | None:
             replaced,
             missing,
         )
-    if generation == "aug-2026":
+    acl_graph = _module(_ACL_GRAPH)
+    if generation == "aug-2026" or hasattr(acl_graph, "update_full_graph_params"):
+        # 0.30 still updates its MLA (and SFA, DSA) layers there, from GraphParams that
+        # npugraph's capture leaves empty: npugraph updates every layer itself
         _replace_everywhere("update_full_graph_params", _noop, _ACL_GRAPH, replaced, missing)
-    else:
+    if generation != "aug-2026":
         for module_name in _UPDATABLE:
             if _module(module_name) is None:
                 continue
@@ -429,7 +432,33 @@ def _mla_refusal(impl: Any, dequant_scale: Any) -> str | None:
         return "its KV cache is in the NZ format (enable_kv_nz)"
     if getattr(impl, "head_padding", 0):
         return f"its {impl.num_heads} heads are padded to a power of two"
+    if getattr(impl, "qk_rope_head_dim", 64) == 0:
+        return "it has no rope part (MLA-NoPE)"
     return None
+
+
+def _mla_decode_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """``_forward_decode``'s arguments as ``(q_nope, q_pe, k_nope, k_pe, block_size,
+    attn_metadata, dequant_scale_q_nope)``, from either of vllm-ascend's signatures: 0.23's
+    seven, or 0.30's ``(decode_preprocess_res, block_size, attn_metadata)``, whose first is
+    its ``DecodeMLAPreprocessResult`` (``ql_nope``, ``q_pe``, ``k_nope``, ``k_pe``, ...)."""
+    names = ("decode_preprocess_res", "block_size", "attn_metadata")
+    first = args[0] if args else kwargs.get(names[0])
+    if hasattr(first, "ql_nope"):
+        bound = dict(zip(names, args)) | kwargs
+        res = bound[names[0]]
+        return (
+            res.ql_nope,
+            res.q_pe,
+            res.k_nope,
+            res.k_pe,
+            bound["block_size"],
+            bound["attn_metadata"],
+            (res.dequant_scale_q_nope),
+        )
+    names = ("q_nope", "q_pe", "k_nope", "k_pe", "block_size", "attn_metadata", "dequant_scale_q_nope")
+    bound = dict(zip(names, args)) | kwargs
+    return tuple(bound.get(n) for n in names)
 
 
 def _mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -445,19 +474,11 @@ def _mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     @functools.wraps(original)
-    def _forward_decode(
-        self: Any,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        k_nope: torch.Tensor,
-        k_pe: torch.Tensor,
-        block_size: int,
-        attn_metadata: Any,
-        dequant_scale_q_nope: Any = None,
-    ) -> Any:
+    def _forward_decode(self: Any, *args: Any, **kwargs: Any) -> Any:
         cap = _CAPTURING.get()
         if cap is None:
-            return original(self, q_nope, q_pe, k_nope, k_pe, block_size, attn_metadata, dequant_scale_q_nope)
+            return original(self, *args, **kwargs)
+        q_nope, q_pe, k_nope, k_pe, block_size, attn_metadata, dequant_scale_q_nope = _mla_decode_args(args, kwargs)
         layer = _layer(self)
         why = _mla_refusal(self, dequant_scale_q_nope)
         if why is not None:

@@ -142,6 +142,19 @@ class NpuGraphWrapper:
         self._kept: dict[Any, list[Any]] = {}  # per key: device memory a recorder made for its graph
         self._eager_keys: set[Any] = set()  # keys that ran a batch eagerly (warned once each)
 
+    # vllm-ascend 0.30's ACLGraphWrapper interface, which its runners and proposers call: the
+    # update stream, attention backend and a draft's metadata feed its own UpdatableGraph
+    # update.  npugraph updates from the forward context on its runtime's own stream, so
+    # they are kept for whoever reads them, and used for nothing.
+    def set_update_stream(self, update_stream: Any) -> None:
+        self.update_stream = update_stream
+
+    def set_attn_backend(self, attn_backend: Any) -> None:
+        self.attn_backend = attn_backend
+
+    def update_draft_model_metadata(self, draft_model_metadata: list[dict[str, Any]]) -> None:
+        self.draft_model_metadata = draft_model_metadata
+
     def __getattr__(self, key: str) -> Any:
         runnable = self.__dict__.get("runnable")
         if runnable is not None and hasattr(runnable, key):
