@@ -442,11 +442,10 @@ def _mla_decode_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
     attn_metadata, dequant_scale_q_nope)``, from either of vllm-ascend's signatures: 0.23's
     seven, or 0.30's ``(decode_preprocess_res, block_size, attn_metadata)``, whose first is
     its ``DecodeMLAPreprocessResult`` (``ql_nope``, ``q_pe``, ``k_nope``, ``k_pe``, ...)."""
-    names = ("decode_preprocess_res", "block_size", "attn_metadata")
-    first = args[0] if args else kwargs.get(names[0])
+    first = args[0] if args else kwargs.get("decode_preprocess_res")
     if hasattr(first, "ql_nope"):
-        bound = dict(zip(names, args)) | kwargs
-        res = bound[names[0]]
+        bound = dict(zip(("decode_preprocess_res", "block_size", "attn_metadata"), args)) | kwargs
+        res = bound["decode_preprocess_res"]
         return (
             res.ql_nope,
             res.q_pe,
@@ -454,7 +453,7 @@ def _mla_decode_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
             res.k_pe,
             bound["block_size"],
             bound["attn_metadata"],
-            (res.dequant_scale_q_nope),
+            res.dequant_scale_q_nope,
         )
     names = ("q_nope", "q_pe", "k_nope", "k_pe", "block_size", "attn_metadata", "dequant_scale_q_nope")
     bound = dict(zip(names, args)) | kwargs
