@@ -1,8 +1,9 @@
 """Writes the Hugging Face configs vllm-ascend's tests read into a local hub cache.
 
-The precision tests build a ``ModelConfig`` for ``Qwen/Qwen3-8B``; with ``HF_HUB_OFFLINE=1``
-vLLM reads its ``config.json`` from the hub cache laid out as ``huggingface_hub`` lays it out.
-The values are Qwen3-8B's published architecture (only the shapes matter to attention).
+The precision tests build a ``ModelConfig`` for ``Qwen/Qwen3-8B`` (and, from vllm-ascend 0.30,
+its MLA test for ``deepseek-ai/DeepSeek-V2``); with ``HF_HUB_OFFLINE=1`` vLLM reads each
+``config.json`` from the hub cache laid out as ``huggingface_hub`` lays it out.  The values are
+the models' published architectures (only the shapes matter to attention).
 
     python release/hf_cache.py HUB_CACHE_DIR
 """
@@ -44,7 +45,59 @@ QWEN3_8B = {
     "vocab_size": 151936,
 }
 
-MODELS = {"Qwen/Qwen3-8B": QWEN3_8B}
+DEEPSEEK_V2 = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v2",
+    "moe_intermediate_size": 1536,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 160,
+    "n_shared_experts": 2,
+    "norm_topk_prob": False,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 60,
+    "num_key_value_heads": 128,
+    "pretraining_tp": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 16.0,
+    "scoring_func": "softmax",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 3,
+    "topk_method": "group_limited_greedy",
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 102400,
+}
+
+MODELS = {"Qwen/Qwen3-8B": QWEN3_8B, "deepseek-ai/DeepSeek-V2": DEEPSEEK_V2}
 
 
 def write(hub: Path) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 
 def main(results: Path, files: list[str]) -> None:
-    print(f"| vllm-ascend 0.23.0.post1 test file ({datetime.date.today()}) | collected | passed | failed | skipped |")
+    version = os.environ.get("VLLM_ASCEND_VERSION", "0.23.0.post1")
+    print(f"| vllm-ascend {version} test file ({datetime.date.today()}) | collected | passed | failed | skipped |")
     print("|---|---|---|---|---|")
     for f in files:
         xml = results / (Path(f).stem + ".xml")
