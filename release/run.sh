@@ -77,11 +77,19 @@ case "$VLLM_ASCEND_VERSION" in
         )
         ;;
 esac
+# what a file runs less, where this machine cannot hold it (pytest -k), and why
+declare -A DESELECT=(
+    # 8 requests of 4,096 context tokens at DeepSeek-V2's 128 heads: its context's up-projected
+    # keys and values take more device memory than the simulated card (half this host's 23 GB)
+    [tests/e2e/pull_request/one_card/test_mla_precision.py]="not large_prefill"
+)
 for f in "${FILES[@]}"; do
     name="$(basename "$f" .py)"
-    step "vllm-ascend $f"
+    step "vllm-ascend $f${DESELECT[$f]:+ (-k '${DESELECT[$f]}')}"
+    only=()
+    [ -n "${DESELECT[$f]:-}" ] && only=(-k "${DESELECT[$f]}")
     (cd "$SRC" && "$PYTHON" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-        --junitxml="$RESULTS/$name.xml" "$f" >"$RESULTS/$name.log" 2>&1) || status=1
+        --junitxml="$RESULTS/$name.xml" "${only[@]}" "$f" >"$RESULTS/$name.log" 2>&1) || status=1
     tail -n 1 "$RESULTS/$name.log"
 done
 "$PYTHON" "$HERE/table.py" "$RESULTS" "${FILES[@]}" | tee "$RESULTS/table.md"
