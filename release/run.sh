@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# vLLM-on-Ascend as users install it, on npugraph's simulator (make release-check):
-#   1. builds (or reuses and checks) the environment of release/env.sh, from envs/release.lock, and
-#      shows that its self-check stops a broken one in one line (release/test_env_check.py);
-#   2. runs vllm-ascend 0.23.0.post1's own NPU tests from its sdist, with only its
+# vLLM-on-Ascend as users install it, on npugraph's simulator (make release-check), for the
+# release VLLM_ASCEND_VERSION names (0.23.0.post1 by default, or 0.30.0rc2: release/versions.sh):
+#   1. builds (or reuses and checks) the environment of release/env.sh, from that release's lock
+#      in envs/, and (0.23.0.post1) shows that its self-check stops a broken one in one line
+#      (release/test_env_check.py);
+#   2. runs that release's own tests from its sdist (0.23.0.post1's NPU tests; 0.30.0rc2's
+#      attention, graph and MRV2 graph tests and its kernels' precision tests), with only its
 #      tests/ut/conftest.py replaced by release/conftest_ut.py (no torch_npu mock: the
 #      simulator is torch_npu), and prints collected / passed / failed per file;
 #   3. runs npugraph's plugin test against the release (every name it replaces is found);
@@ -17,7 +20,8 @@
 #      Face's, and that npugraph did every update; release/update_cost.py prints the
 #      per-step update cost of the two graph modes, per run, and what the runs support;
 #   5. three faults in a real engine (release/test_faults.py): a host copy inside a layer
-#      under capture, a kernel fault at replay, an event record the device loses;
+#      under capture, a kernel fault at replay, an event record the device loses (at
+#      CHECK_SCOPE=ci on 0.23.0.post1 only);
 #   6. graph memory and the KV-cache budget, side by side (release/test_graph_memory.py; not at
 #      CHECK_SCOPE=ci): on
 #      MLA with DeepSeek-V3's heads and context, vllm-ascend's own graph mode runs out of
@@ -118,9 +122,15 @@ mkdir -p "$GENERATED"
     || status=1
 "$PYTHON" "$HERE/update_cost.py" "$GENERATED" || status=1
 
-step "faults in a real engine (npugraph's plugin): each ends the engine cleanly and says where"
-(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider release/test_faults.py) \
-    || status=1
+if [ "${CHECK_SCOPE:-full}" = ci ] && [ "$VLLM_ASCEND_VERSION" != 0.23.0.post1 ]; then
+    # the faults are npugraph's and the simulator's behaviour in an engine: CI checks them on the
+    # first release, inside its time limit; make release-check checks them on both
+    step "faults in a real engine: on 0.23.0.post1 only at CHECK_SCOPE=ci"
+else
+    step "faults in a real engine (npugraph's plugin): each ends the engine cleanly and says where"
+    (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
+        release/test_faults.py) || status=1
+fi
 
 step "graph memory and the KV-cache budget: vllm-ascend's own graph mode, npugraph's, side by side"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \

@@ -710,6 +710,22 @@ def test_plugin_without_vllm_logs_one_line_and_device_is_validated(monkeypatch, 
     assert len(lines) == 1 and "vLLM cannot be imported" in lines[0]
 
 
+def test_plugin_leaves_the_model_runner_v2_untouched_saying_why(monkeypatch, caplog):
+    """vllm-ascend 0.30's model runner v2 captures through its own graph manager: the plugin
+    says so in one error line and installs nothing (its recorders would leave stale lengths)."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setenv(integ.ENV_ENABLE, "1")
+    monkeypatch.setenv(integ.ENV_DEVICE, "sim")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    before = current_platform.get_static_graph_wrapper_cls()
+    with caplog.at_level(logging.INFO, logger="vllm.npugraph"):
+        integ.register()
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in line and "vLLM left untouched" in line
+    assert current_platform.get_static_graph_wrapper_cls() == before
+
+
 def test_mla_metadata_is_read_from_its_decode_part():
     table = torch.zeros(2, 4, dtype=torch.int32)
     decode = types.SimpleNamespace(seq_lens_list=[5, 9], block_table=table, actual_seq_lengths_q=[2, 4])

@@ -264,6 +264,22 @@ def carry_settings_to_ray_workers() -> None:
         os.environ[RAY_PREFIXES] = ",".join([*prefixes, "NPUGRAPH_"])
 
 
+def check_model_runner() -> None:
+    """Refuse vLLM's model runner v2 (``VLLM_USE_V2_MODEL_RUNNER=1``; vllm-ascend's
+    ``worker/v2``): it captures through its own graph manager (vllm-ascend's
+    ``ModelAclGraphManager``), not the static graph wrapper npugraph replaces, and updates
+    its graphs there.  With npugraph's recorders installed its captures would record the
+    attention with no task group to update: stale lengths, silently.  Left untouched, the
+    engine serves with its own graphs."""
+    flag = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if flag in ("1", "true"):
+        raise ConfigError(
+            f"VLLM_USE_V2_MODEL_RUNNER={flag}: vLLM's model runner v2 captures its graphs through its own "
+            "graph manager, which npugraph's plugin does not serve yet; unset it to serve with npugraph "
+            "(the v1 runner, vllm-ascend's default), or set NPUGRAPH_ENABLE=0"
+        )
+
+
 def register() -> None:
     """vLLM general-plugin entry point: install npugraph when ``NPUGRAPH_ENABLE=1``.
 
@@ -274,6 +290,7 @@ def register() -> None:
         return
     try:
         device = check_settings()
+        check_model_runner()
     except ConfigError as exc:
         logger.error("npugraph: %s; vLLM left untouched", exc)
         return
