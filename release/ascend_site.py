@@ -48,8 +48,6 @@ from typing import Any
 
 from npusim_hook import after_import
 
-os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "0")
-
 
 def _needs_custom_ops() -> bool:
     """Whether this release's layers import ``vllm_ascend_C`` with no fallback (0.30 on)."""
@@ -62,11 +60,16 @@ def _needs_custom_ops() -> bool:
     return (major, minor) >= (0, 30)
 
 
-if _needs_custom_ops():
-    from npusim.surfaces import vllm_ascend_c
+def _settle_custom_ops(utils: Any) -> None:
+    """Settle whether vllm-ascend's custom ops exist as ``vllm_ascend.utils`` finishes loading,
+    outside any trace: 0.30 on finds the simulator's stand-in for ``vllm_ascend_C`` (installed
+    here, not at interpreter start: a process that never imports vllm-ascend never imports
+    the simulator for it), 0.23 finds none."""
+    if _needs_custom_ops():
+        from npusim.surfaces import vllm_ascend_c
 
-    vllm_ascend_c.install()
-after_import("vllm_ascend.utils", lambda utils: utils.enable_custom_op())
+        vllm_ascend_c.install()
+    utils.enable_custom_op()
 
 
 def _unbundled_fusion_pass_compile(module: Any) -> None:
@@ -80,9 +83,6 @@ def _unbundled_fusion_pass_compile(module: Any) -> None:
             return compile_fn(*args, **kwargs)
 
     module.fusion_pass_compile = fusion_pass_compile
-
-
-after_import("vllm_ascend.compilation.compiler_interface", _unbundled_fusion_pass_compile)
 
 
 def _count(folder: str) -> None:
@@ -194,12 +194,24 @@ def _host_copy_in_every_mlp(llama: Any) -> None:
     llama.LlamaMLP.forward = peeking
 
 
-if os.environ.get("NPUGRAPH_VLLM_COUNTS"):
-    _count(os.environ["NPUGRAPH_VLLM_COUNTS"])
-if os.environ.get("NPUGRAPH_SOAK_SAMPLES"):  # make soak (release/soak.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # release/: soak_probe.py
-    from soak_probe import install
+def _start() -> None:
+    os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "0")
+    after_import("vllm_ascend.utils", _settle_custom_ops)
+    after_import("vllm_ascend.compilation.compiler_interface", _unbundled_fusion_pass_compile)
+    if os.environ.get("NPUGRAPH_VLLM_COUNTS"):
+        _count(os.environ["NPUGRAPH_VLLM_COUNTS"])
+    if os.environ.get("NPUGRAPH_SOAK_SAMPLES"):  # make soak (release/soak.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # release/: soak_probe.py
+        from soak_probe import install
 
-    install(os.environ["NPUGRAPH_SOAK_SAMPLES"], after_import, "vllm")
-if os.environ.get("NPUGRAPH_VLLM_FAULT") == "host-copy":
-    after_import("vllm.model_executor.models.llama", _host_copy_in_every_mlp)
+        install(os.environ["NPUGRAPH_SOAK_SAMPLES"], after_import, "vllm")
+    if os.environ.get("NPUGRAPH_VLLM_FAULT") == "host-copy":
+        after_import("vllm.model_executor.models.llama", _host_copy_in_every_mlp)
+
+
+# Once per process: site runs this venv's .pth files twice at start (its venv() and then its
+# main() each add site-packages), and a second run would hook everything twice (the soak's
+# samples came from two probes in one process, one of which missed the graphs).
+if not getattr(sys, "_npugraph_release_site", False):
+    sys._npugraph_release_site = True  # type: ignore[attr-defined]
+    _start()

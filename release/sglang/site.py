@@ -73,16 +73,22 @@ def _host_copy_in_every_mlp(llama: Any) -> None:
     llama.LlamaMLP.forward = peeking
 
 
-if _DIR:
-    _install(_DIR)
-if os.environ.get("NPUGRAPH_SOAK_SAMPLES"):  # make soak (release/soak.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: soak_probe.py
-    from soak_probe import install
-
+def _start() -> None:
     from npusim_hook import after_import
 
-    install(os.environ["NPUGRAPH_SOAK_SAMPLES"], after_import, "sglang")
-if os.environ.get("NPUGRAPH_SGLANG_FAULT") == "host-copy":
-    from npusim_hook import after_import
+    if _DIR:
+        _install(_DIR)
+    if os.environ.get("NPUGRAPH_SOAK_SAMPLES"):  # make soak (release/soak.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: soak_probe.py
+        from soak_probe import install
 
-    after_import("sglang.srt.models.llama", _host_copy_in_every_mlp)
+        install(os.environ["NPUGRAPH_SOAK_SAMPLES"], after_import, "sglang")
+    if os.environ.get("NPUGRAPH_SGLANG_FAULT") == "host-copy":
+        after_import("sglang.srt.models.llama", _host_copy_in_every_mlp)
+
+
+# Once per process: site runs a venv's .pth files twice at start (its venv() and then its
+# main() each add site-packages), and a second run would hook everything twice.
+if not getattr(sys, "_npugraph_release_site", False):
+    sys._npugraph_release_site = True  # type: ignore[attr-defined]
+    _start()

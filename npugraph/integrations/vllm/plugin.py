@@ -151,10 +151,21 @@ def _guarded_validation(original: Any) -> Any:
     def _validate_model_input(self: Any, prompt_input: Any, *args: Any, **kwargs: Any) -> Any:
         refused = _token_refusal(prompt_input, self.model_config.get_vocab_size())
         if refused is not None:
-            raise ValueError(refused)
+            raise _request_error(refused)
         return original(self, prompt_input, *args, **kwargs)
 
     return _validate_model_input
+
+
+def _request_error(message: str) -> Exception:
+    """vLLM's own error for a bad request (``VLLMValidationError``), which its server answers
+    with a 400: a ``ValueError`` in vLLM 0.23; from 0.30 a ``VLLMClientError``, and a plain
+    ``ValueError`` there is a 500."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # a vLLM before it: its server answers a ValueError with a 400
+        return ValueError(message)
+    return VLLMValidationError(message)
 
 
 def _token_refusal(prompt_input: Any, vocab: int) -> str | None:
