@@ -18,7 +18,6 @@ import functools
 from typing import Any
 
 import torch
-from torch._functorch.aot_autograd import aot_module_simplified
 
 from npusim.surfaces.graphs import NPUGraph, graph
 from npusim.surfaces.npugraph_ex.configs.compiler_config import CompilerConfig, _process_kwargs_options
@@ -135,6 +134,10 @@ def _npu_backend(
     # torch's AOT-autograd cache holds inductor's compiled code only; a graph compiled here is
     # not that, so it is not cached (vLLM turns the bundled cache on around its compiles,
     # and torch 2.14 then asserts "expected OutputCode")
+    # imported here, not at load: the simulator loads inside `import torch`, and AOT autograd
+    # imports dynamo, which imports Triton (whose own import may have started torch's)
+    from torch._functorch.aot_autograd import aot_module_simplified
+
     with torch._functorch.config.patch(bundled_autograd_cache=False, force_autograd_cache=False):
         return aot_module_simplified(
             gm,
