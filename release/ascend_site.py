@@ -95,7 +95,15 @@ def _count(folder: str) -> None:
         # replaced as the module finishes loading: every vllm-ascend module that imports the
         # name by value (``from ...acl_graph import update_full_graph_params``) gets this one
         whole = module.update_full_graph_params
-        counted = counts.time(module, "update_full_graph_params", "vllm_ascend_update")
+        timed_call = counts.time(module, "update_full_graph_params", "vllm_ascend_update")
+        tokens = counts.values.setdefault("vllm_ascend_update_tokens", [])
+
+        def counted(
+            attn_backend: Any, update_stream: Any, forward_context: Any, num_tokens: int, *a: Any, **k: Any
+        ) -> Any:
+            tokens.append(int(num_tokens))  # the step's padded size, beside its seconds
+            return timed_call(attn_backend, update_stream, forward_context, num_tokens, *a, **k)
+
         uses_updatable = getattr(module, "use_updatable_graph", None)
         if uses_updatable is None:  # 0.23: every layer's update is there
             module.update_full_graph_params = counted
@@ -122,13 +130,16 @@ def _count(folder: str) -> None:
         graph_cls.update = timed(graph_cls, "update", parts, calls)
         replay = wrapper_cls._updatable_graph_replay
 
-        def _updatable_graph_replay(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def _updatable_graph_replay(self: Any, forward_context: Any, *args: Any, **kwargs: Any) -> Any:
             parts.clear()
             calls.clear()
             try:
-                return replay(self, *args, **kwargs)
+                return replay(self, forward_context, *args, **kwargs)
             finally:
                 counts.values.setdefault("vllm_ascend_update_seconds", []).append(sum(parts))
+                batch = getattr(forward_context, "batch_descriptor", None)
+                step_tokens = counts.values.setdefault("vllm_ascend_update_tokens", [])
+                step_tokens.append(int(getattr(batch, "num_tokens", 0) or 0))
                 counts.values.setdefault("vllm_ascend_update_device_calls", collections.Counter()).update(calls)
                 counts.write()
 

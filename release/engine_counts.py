@@ -28,6 +28,7 @@ class EngineCounts:
             "npugraph_update_seconds": [],
             "npugraph_update_device_calls": collections.Counter(),
             "npugraph_steps": 0,
+            "npugraph_update_tokens": [],
             "npugraph_capture_report": [],
         }
         self.folder = Path(folder)
@@ -68,6 +69,9 @@ class EngineCounts:
                     return step(runtime, *args, **kwargs)
                 finally:
                     self.values["npugraph_steps"] += 1
+                    # the step's padded size (vLLM's batch descriptor), beside its update's seconds
+                    key = args[0] if args else kwargs.get("key")
+                    self.values["npugraph_update_tokens"].append(int(getattr(key, "num_tokens", 0) or 0))
                     if write_each_step:
                         self.write()
 

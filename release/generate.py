@@ -106,6 +106,9 @@ class Model:
     # PA at the smallest captured sizes (vllm-ascend's pa_shape_list); an MLA model has no
     # PA (its decode is FIA with rope arguments), and its user sets no PA sizes
     paged_attention: bool = True
+    max_num_seqs: int = 8
+    # only where CHECK_SCOPE=full asks (make release-check): a benchmark, not a check of CI's
+    full_scope_only: bool = False
 
 
 MODELS = {
@@ -137,6 +140,10 @@ MODELS = {
         paged_attention=False,
     ),
 }
+# the side-by-side update benchmark (release/update_cost.py): the Llama's architecture 32
+# layers deep at its tiny width, so that the per-layer update dominates a decode step, served
+# at decode batches of 1 (PA), then 4 and 16 (FIA) for about twenty steps each
+MODELS["deep"] = Model(arch="llama_deep", head_dim=64, max_num_seqs=16, full_scope_only=True)
 # MTP with two draft tokens (the one MTP layer run twice, as vLLM does): the draft's graph
 # runs its layer once per draft token, the later step re-tiled by vllm-ascend to one query
 # token per row at every update
@@ -150,7 +157,11 @@ CI_MODELS = ("llama", "ngram", "tp2", "mla", "mla-mtp")
 
 def checked() -> dict[str, Model]:
     """The models this check generates: every one, or CI_MODELS at ``CHECK_SCOPE=ci``."""
-    return {name: m for name, m in MODELS.items() if check_scope() == "full" or name in CI_MODELS}
+    return {
+        name: m
+        for name, m in MODELS.items()
+        if (check_scope() == "full" or name in CI_MODELS) and (not m.full_scope_only or check_scope() == "full")
+    }
 
 
 PA_SIZES = [1, 2]
@@ -177,6 +188,9 @@ REQUESTS = {
     "mla-mtp": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
 }
 REQUESTS["mla-mtp2"] = REQUESTS["mla-mtp"]
+# one request alone, three more from step 20, twelve more from step 40: decode batches of 1,
+# 4 and 16 (each a captured size), about twenty steps each, all ending together
+REQUESTS["deep"] = [(0, 6, 62), *[(20, 5 + i, 42) for i in range(3)], *[(40, 4 + i, 22) for i in range(12)]]
 
 
 def write_model(path: Path) -> None:
@@ -200,7 +214,7 @@ def engine_args(model: Path, mode: str) -> dict[str, Any]:
         "dtype": "bfloat16",
         "max_model_len": 256,
         "block_size": 128,
-        "max_num_seqs": 8,
+        "max_num_seqs": MODELS[model.name].max_num_seqs,
         # the most tokens a step schedules: vLLM's default (2,048) sizes the profile run at
         # start-up, whose rope runs as vllm-ascend's Triton kernel in Triton's interpreter
         # here (a minute and more per engine); these requests never schedule 100 in one step
@@ -264,6 +278,9 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         "seconds": seconds,
         "vllm_ascend_update_seconds": counts.get("vllm_ascend_update_seconds", []),
         "npugraph_update_seconds": counts.get("npugraph_update_seconds", []),
+        # each update's step size (padded tokens), beside its seconds: the per-batch breakdown
+        "vllm_ascend_update_tokens": counts.get("vllm_ascend_update_tokens", []),
+        "npugraph_update_tokens": counts.get("npugraph_update_tokens", []),
         "vllm_ascend_update_device_calls": counts.get("vllm_ascend_update_device_calls", {}),
         "npugraph_update_device_calls": counts.get("npugraph_update_device_calls", {}),
         "npugraph_steps": counts.get("npugraph_steps", 0),

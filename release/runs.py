@@ -27,8 +27,9 @@ __all__ = [
 ]
 
 # the models whose graph steps release/update_cost.py times (the Qwen3's are few: its graph
-# steps run a Triton kernel in the interpreter, and it serves fewer tokens)
-TIMED = ("llama", "ngram")
+# steps run a Triton kernel in the interpreter, and it serves fewer tokens); "deep" (32
+# layers, make release-check's full scope only) is the side-by-side benchmark
+TIMED = ("llama", "ngram", "deep")
 
 # How much a release check runs (CHECK_SCOPE): "full" (make release-check, make sglang-check)
 # every model and repeat; "ci" (.ci/run) each kind of run once, inside CI's time limit: the

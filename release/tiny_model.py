@@ -11,7 +11,7 @@ __all__ = ["checkpoint", "write", "write_tokenizer"]
 
 
 def checkpoint(path: Path, arch: str, vocab: int, head_dim: int = 64) -> None:
-    """A tiny ``arch`` (``llama``, ``qwen3``: q/k norms, ``deepseek_v2``: MLA,
+    """A tiny ``arch`` (``llama``, ``llama_deep``: 32 layers, ``qwen3``: q/k norms, ``deepseek_v2``: MLA,
     ``deepseek_v2_wide``: MLA with DeepSeek-V3's heads and context, or ``deepseek_v3_mtp``:
     MLA and an MTP layer) in bfloat16 with its tokenizer at ``path``."""
     import torch
@@ -30,11 +30,15 @@ def checkpoint(path: Path, arch: str, vocab: int, head_dim: int = 64) -> None:
 
         write(path, DeepseekV3Config, DeepseekV3ForCausalLM, torch.bfloat16, vocab, head_dim, **MTP)
         write_mtp_layer(path)
+    elif arch == "llama_deep":  # 32 layers of the tiny width: the per-layer update dominates a step
+        write(path, LlamaConfig, LlamaForCausalLM, torch.bfloat16, vocab, head_dim, num_hidden_layers=DEEP_LAYERS)
     else:
         classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
         write(path, *classes, torch.bfloat16, vocab, head_dim)
     write_tokenizer(path, vocab)
 
+
+DEEP_LAYERS = 32  # the side-by-side update benchmark's depth (release/update_cost.py)
 
 # DeepSeek-V2's multi-head latent attention at its own sizes (a latent KV of 512, a rope
 # part of 64: the sizes vllm-ascend's MLA kernels take), in layers of the tiny width, every

@@ -64,6 +64,23 @@ def row(
     }
 
 
+def by_size(
+    ascend: list[float], ascend_tokens: list[int], npugraph: list[float], npugraph_tokens: list[int], least: int = 5
+) -> dict[int, dict[str, Any]]:
+    """One row per step size (padded tokens) that both sides updated at least ``least`` times:
+    where a model is served at several decode batches (the 32-layer benchmark's 1, 4 and 16).
+    Empty where a side's sizes were not recorded beside its seconds."""
+    if len(ascend) != len(ascend_tokens) or len(npugraph) != len(npugraph_tokens):
+        return {}
+    out = {}
+    for size in sorted(set(ascend_tokens) & set(npugraph_tokens)):
+        a = [s for s, n in zip(ascend, ascend_tokens) if n == size]
+        g = [s for s, n in zip(npugraph, npugraph_tokens) if n == size]
+        if len(a) >= least and len(g) >= least:
+            out[size] = row(a, g)
+    return out
+
+
 def verdict(rows: list[dict[str, Any]], baseline: str = "vllm-ascend's") -> str:
     """What the runs support: a side faster only where every run's interval clears 1."""
     if all(row["speedup_95"][0] > 1 for row in rows):
@@ -95,6 +112,14 @@ def main(argv: list[str]) -> int:
             "npugraph": npg.get("npugraph_update_device_calls", {}),
         }
         rows.append({"model": model, **row(acl["vllm_ascend_update_seconds"], npg["npugraph_update_seconds"], calls)})
+        sizes = by_size(
+            acl["vllm_ascend_update_seconds"],
+            acl.get("vllm_ascend_update_tokens", []),
+            npg["npugraph_update_seconds"],
+            npg.get("npugraph_update_tokens", []),
+        )
+        if len(sizes) > 1:
+            rows[-1]["by_size"] = sizes
     ratios = [r["speedup_median"] for r in rows]
     out = {
         "what": rows[0]["what"],
@@ -111,6 +136,13 @@ def main(argv: list[str]) -> int:
             f"vllm-ascend {a['median_us']:.0f} us, npugraph {n['median_us']:.0f} us: "
             f"{r['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]"
         )
+        for size, s in r.get("by_size", {}).items():
+            low, high = s["speedup_95"]
+            print(
+                f"    {size} tokens a step: vllm-ascend {s['vllm_ascend_update_full_graph_params']['median_us']:.0f} us, "
+                f"npugraph {s['npugraph_update']['median_us']:.0f} us over {s['steps']['npugraph']} steps: "
+                f"{s['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]"
+            )
     print(f"device calls per step (run 1): {rows[0]['device_calls_per_step']}")
     print(f"{len(rows)} run(s), ratios {min(ratios):.2f}x to {max(ratios):.2f}x: {out['verdict']}")
     return 0

@@ -121,6 +121,31 @@ def test_the_update_cost_row_is_a_ratio_of_medians_with_its_interval(tmp_path, c
     assert "1 run(s)" in capsys.readouterr().out
 
 
+def test_the_update_cost_breaks_a_deep_model_down_by_its_decode_batch(tmp_path, capsys):
+    """The 32-layer benchmark is served at batches of 1, 4 and 16: a row per size both sides
+    updated, each from its own steps; sizes not recorded beside the seconds give no breakdown."""
+    import json
+
+    update_cost = _release_module("update_cost")
+    runs = _release_module("runs")
+    sizes = [1] * 20 + [4] * 20 + [16] * 20
+    ascend = [{1: 100e-6, 4: 200e-6, 16: 400e-6}[n] + (i % 3) * 1e-6 for i, n in enumerate(sizes)]
+    npugraph = [{1: 100e-6, 4: 100e-6, 16: 100e-6}[n] + (i % 3) * 1e-6 for i, n in enumerate(sizes)]
+    runs.result_path(tmp_path, "deep", "aclgraph").write_text(
+        json.dumps({"vllm_ascend_update_seconds": ascend, "vllm_ascend_update_tokens": sizes})
+    )
+    runs.result_path(tmp_path, "deep", "npugraph").write_text(
+        json.dumps({"npugraph_update_seconds": npugraph, "npugraph_update_tokens": sizes})
+    )
+    assert update_cost.main(["update_cost.py", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "update-cost.json").read_text())["runs"]
+    got = {int(size): r["speedup_median"] for size, r in row["by_size"].items()}
+    assert got.keys() == {1, 4, 16} and abs(got[1] - 1) < 0.02 and abs(got[4] - 2) < 0.05 and abs(got[16] - 4) < 0.1
+    assert all(r["steps"] == {"vllm_ascend": 20, "npugraph": 20} for r in row["by_size"].values())
+    assert "16 tokens a step" in capsys.readouterr().out
+    assert update_cost.by_size(ascend, sizes[:-1], npugraph, sizes) == {}, "unaligned: no breakdown"
+
+
 def test_the_update_cost_verdict_takes_every_run(tmp_path):
     """One run's interval is not the noise between runs: a run that disagrees (or whose
     interval spans 1) takes the claim away."""
