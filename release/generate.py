@@ -107,6 +107,11 @@ class Model:
     # PA (its decode is FIA with rope arguments), and its user sets no PA sizes
     paged_attention: bool = True
     max_num_seqs: int = 8
+    layers: int = 2  # decoder layers (release/tiny_model.py): one attention task each per graph
+    # Hugging Face's float32 forward against the bfloat16 kernels: a token is its choice when
+    # within this of its best logit (release/test_generate.py); bfloat16's error grows with depth
+    hf_tolerance: float = 0.15
+    hf_exact_share: float = 0.9  # and at least this share exactly its argmax (the rest near-ties)
     # only where CHECK_SCOPE=full asks (make release-check): a benchmark, not a check of CI's
     full_scope_only: bool = False
 
@@ -143,7 +148,18 @@ MODELS = {
 # the side-by-side update benchmark (release/update_cost.py): the Llama's architecture 32
 # layers deep at its tiny width, so that the per-layer update dominates a decode step, served
 # at decode batches of 1 (PA), then 4 and 16 (FIA) for about twenty steps each
-MODELS["deep"] = Model(arch="llama_deep", head_dim=64, max_num_seqs=16, full_scope_only=True)
+# Its random logits are less decisive after 32 bfloat16 layers than after two: in every mode
+# alike (their tokens identical), a token came 0.16 below float32's best and 89% were its
+# argmax (2026-12-05): within 0.25, and 85% exactly, for it
+MODELS["deep"] = Model(
+    arch="llama_deep",
+    head_dim=64,
+    max_num_seqs=16,
+    full_scope_only=True,
+    layers=tiny_model.DEEP_LAYERS,
+    hf_tolerance=0.25,
+    hf_exact_share=0.85,
+)
 # MTP with two draft tokens (the one MTP layer run twice, as vLLM does): the draft's graph
 # runs its layer once per draft token, the later step re-tiled by vllm-ascend to one query
 # token per row at every update

@@ -121,11 +121,14 @@ def main(argv: list[str]) -> int:
         if len(sizes) > 1:
             rows[-1]["by_size"] = sizes
     ratios = [r["speedup_median"] for r in rows]
+    models = list(dict.fromkeys(r["model"] for r in rows))
     out = {
         "what": rows[0]["what"],
         "runs": rows,
         "speedup_median_range": [min(ratios), max(ratios)],
         "verdict": verdict(rows),
+        # per model: a verdict over its own runs (the two-layer models' and the 32-layer benchmark's apart)
+        "verdict_by_model": {m: verdict([r for r in rows if r["model"] == m]) for m in models},
     }
     (results / "update-cost.json").write_text(json.dumps(out, indent=1))
     for i, r in enumerate(rows, 1):
@@ -145,6 +148,9 @@ def main(argv: list[str]) -> int:
             )
     print(f"device calls per step (run 1): {rows[0]['device_calls_per_step']}")
     print(f"{len(rows)} run(s), ratios {min(ratios):.2f}x to {max(ratios):.2f}x: {out['verdict']}")
+    if len(models) > 1:
+        for model, said in out["verdict_by_model"].items():
+            print(f"  {model}: {said}")
     return 0
 
 
