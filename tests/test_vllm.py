@@ -861,10 +861,12 @@ def test_a_token_prompt_outside_the_vocabulary_is_refused_where_vllm_validates_i
     """vLLM takes its tokenizer's ``max_token_id`` as at least ``tokenizer.vocab_size`` (a count:
     one past the last id), so an id equal to the vocabulary's size, or a negative one, passes
     its check and the engine core dies in the embedding lookup.  The plugin's guard on vLLM's own
-    ``InputProcessor._validate_model_input`` refuses it with vLLM's request error (a ValueError:
-    a 400); anything else goes on to vLLM's checks (here: its prompt-length refusal)."""
+    ``InputProcessor._validate_model_input`` refuses it with vLLM's own request error,
+    ``VLLMValidationError`` (a 400: from vLLM 0.30 its server answers a plain ValueError with a
+    500); anything else goes on to vLLM's checks (here: its prompt-length refusal)."""
     from types import SimpleNamespace
 
+    from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.input_processor import InputProcessor
 
     real = InputProcessor._validate_model_input
@@ -883,7 +885,7 @@ def test_a_token_prompt_outside_the_vocabulary_is_refused_where_vllm_validates_i
         assert InputProcessor._validate_model_input is not real
         for ids, bad, where in (([5, 6, 1024, 8, 9], 1024, 2), ([-1, 5, 6, 7, 8], -1, 0)):
             with pytest.raises(
-                ValueError, match=rf"token id {bad} at position {where}, outside the model's vocabulary"
+                VLLMValidationError, match=rf"token id {bad} at position {where}, outside the model's vocabulary"
             ):
                 validate(ids)
         with pytest.raises(Exception, match=long):
