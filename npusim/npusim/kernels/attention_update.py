@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from npusim.runtime.launch import SimOp, fail, launch
+from npusim.kernels.dense import _kernel
+from npusim.runtime.launch import fail, launch
 
 __all__ = ["npu_attention_update"]
 
@@ -44,16 +45,7 @@ def _merge(p: dict[str, Any]) -> None:
         p["lse_out"].copy_(lse_m)
 
 
-_ATTENTION_UPDATE = SimOp(
-    "npu_attention_update",
-    "default",
-    host_args=(),
-    output_args=("out", "lse_out"),
-    check=lambda p: {},
-    compute=lambda p, info: _merge(p),
-    workspace=lambda p, info: 0,
-    anchor="out",
-)
+_ATTENTION_UPDATE = _kernel("npu_attention_update", "out", ("out", "lse_out"), _merge)
 
 
 def _check(lse: Any, local_out: Any, update_type: int) -> None:

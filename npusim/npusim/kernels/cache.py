@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from npusim.kernels.dense import _kernel
 from npusim.runtime.launch import SimOp, fail, launch, need_tensor
 
 __all__ = ["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache", "npu_gather_pa_kv_cache", "alloc_extend", "PAD_SLOT_ID"]
@@ -178,16 +179,7 @@ def _gather(p: dict[str, Any]) -> None:
         row += take
 
 
-_GATHER = SimOp(
-    "npu_gather_pa_kv_cache",
-    "default",
-    host_args=(),
-    output_args=("key", "value"),
-    check=lambda p: {},
-    compute=lambda p, info: _gather(p),
-    workspace=lambda p, info: 0,
-    anchor="key_cache",
-)
+_GATHER = _kernel("npu_gather_pa_kv_cache", "key_cache", ("key", "value"), _gather)
 
 
 def npu_gather_pa_kv_cache(
