@@ -72,18 +72,27 @@ def _gemma_rms_norm(p: dict[str, Any]) -> None:
     _rms(p["x"].float(), 1.0 + p["gamma"].float(), float(p["epsilon"]), p["y"], p["rstd"])
 
 
-def _add_rms_norm(p: dict[str, Any]) -> None:
-    s = p["x1"].float() + p["x2"].float()
-    p["x"].copy_(s)
-    _rms(s, p["gamma"], float(p["epsilon"]), p["y"], p["rstd"])
+def check_residual_norm(op: str, x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor) -> None:
+    """The arguments every residual add + RMSNorm kernel shares (the quantising ones too)."""
+    if x1.shape != x2.shape:
+        raise fail(op, "x2", f"shape {list(x2.shape)} differs from x1 {list(x1.shape)}")
+    _check_gamma(op, x1, gamma)
 
 
-def _add_rms_norm_bias(p: dict[str, Any]) -> None:
+def residual_norm(p: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x1 + x2`` (in float32) written to ``p["x"]``, and its RMSNorm by ``gamma`` (plus
+    ``beta`` where given): ``(normed, rstd)`` in float32, what the fused kernels go on from."""
     s = p["x1"].float() + p["x2"].float()
     p["x"].copy_(s)
     n, r = rms_normalize(s, p["gamma"], float(p["epsilon"]))
+    beta = p.get("beta")
+    return (n + beta.float() if beta is not None else n), r
+
+
+def _add_rms_norm(p: dict[str, Any]) -> None:
+    n, r = residual_norm(p)
     p["rstd"].copy_(r)
-    p["y"].copy_(n + p["beta"].float() if p["beta"] is not None else n)
+    p["y"].copy_(n)
 
 
 def _swiglu(p: dict[str, Any]) -> None:
@@ -132,7 +141,7 @@ def _matmul_add(p: dict[str, Any]) -> None:
 _RMS_NORM = _kernel("npu_rms_norm", "x", ("y", "rstd"), _rms_norm)
 _GEMMA_RMS_NORM = _kernel("npu_gemma_rms_norm", "x", ("y", "rstd"), _gemma_rms_norm)
 _ADD_RMS_NORM = _kernel("npu_add_rms_norm", "x1", ("y", "rstd", "x"), _add_rms_norm)
-_ADD_RMS_NORM_BIAS = _kernel("npu_add_rms_norm_bias", "x1", ("y", "rstd", "x"), _add_rms_norm_bias)
+_ADD_RMS_NORM_BIAS = _kernel("npu_add_rms_norm_bias", "x1", ("y", "rstd", "x"), _add_rms_norm)
 _SWIGLU = _kernel("npu_swiglu", "x", ("out",), _swiglu)
 _ROTARY = _kernel("_npu_rotary_embedding", "query", ("query", "key"), _rotary)
 _ROTARY_MUL = _kernel("npu_rotary_mul", "input", ("out",), _rotary_mul)
@@ -168,9 +177,7 @@ def npu_add_rms_norm(
     x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual add then RMSNorm: ``(rms_norm(x1 + x2), rstd, x1 + x2)`` (the sum in float32)."""
-    if x1.shape != x2.shape:
-        raise fail("npu_add_rms_norm", "x2", f"shape {list(x2.shape)} differs from x1 {list(x1.shape)}")
-    _check_gamma("npu_add_rms_norm", x1, gamma)
+    check_residual_norm("npu_add_rms_norm", x1, x2, gamma)
     y, x = torch.empty_like(x1), torch.empty_like(x1)
     rstd = torch.empty(_rstd_shape(x1, gamma), dtype=torch.float32, device=x1.device)
     params = {"x1": x1, "x2": x2, "gamma": gamma, "epsilon": epsilon, "y": y, "rstd": rstd, "x": x}
@@ -184,9 +191,7 @@ def npu_add_rms_norm_bias(
     """vllm-ascend's own kernel (its ``_C_ascend`` ops): :func:`npu_add_rms_norm` then ``+ beta``
     (the norm's bias, where the layer has one): ``(rms_norm(x1 + x2) + beta, rstd, x1 + x2)``."""
     op = "npu_add_rms_norm_bias"
-    if x1.shape != x2.shape:
-        raise fail(op, "x2", f"shape {list(x2.shape)} differs from x1 {list(x1.shape)}")
-    _check_gamma(op, x1, gamma)
+    check_residual_norm(op, x1, x2, gamma)
     if beta is not None and (beta.shape != gamma.shape or beta.dtype != gamma.dtype):
         raise fail(
             op, "beta", f"must be {gamma.dtype} {list(gamma.shape)} like gamma, got {beta.dtype} {list(beta.shape)}"

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from npusim.kernels.dense import _check_gamma, _kernel, rms_normalize
+from npusim.kernels.dense import _kernel, check_residual_norm, residual_norm
 from npusim.runtime.launch import fail, launch
 
 __all__ = ["SCHEMAS", "npu_add_rms_norm_dynamic_quant", "npu_add_rms_norm_quant", "npu_dynamic_quant", "npu_quantize"]
@@ -71,11 +71,7 @@ def _dynamic_quant(p: dict[str, Any]) -> None:
 
 
 def _add_rms_norm_dynamic_quant(p: dict[str, Any]) -> None:
-    s = p["x1"].float() + p["x2"].float()
-    p["x"].copy_(s)
-    n, _ = rms_normalize(s, p["gamma"], float(p["epsilon"]))
-    if p["beta"] is not None:
-        n = n + p["beta"].float()
+    n, _ = residual_norm(p)
     for i, (smooth, y, scale) in enumerate(
         ((p["smooth_scale1"], p["y1"], p["scale1"]), (p["smooth_scale2"], p["y2"], p["scale2"]))
     ):
@@ -109,9 +105,7 @@ def _quantize_static(p: dict[str, Any]) -> None:
 
 
 def _add_rms_norm_quant(p: dict[str, Any]) -> None:
-    s = p["x1"].float() + p["x2"].float()
-    p["x"].copy_(s)
-    n, _ = rms_normalize(s, p["gamma"], float(p["epsilon"]))
+    n, _ = residual_norm(p)
     for scales, zeros, y in ((p["scales1"], p["zero_points1"], p["y1"]), (p["scales2"], p["zero_points2"], p["y2"])):
         if scales is not None:
             _static(n, scales, zeros, int(p["axis"]), bool(p["div_mode"]), y)
@@ -164,9 +158,7 @@ def npu_add_rms_norm_dynamic_quant(
     """Residual add, RMSNorm, then per-row int8 quantisation: ``(y1, y2, x1 + x2, scale1,
     scale2)``; ``output_mask`` says which of the two quantisations to compute (default: the
     first, and the second where ``smooth_scale2`` is given)."""
-    if x1.shape != x2.shape:
-        raise fail("npu_add_rms_norm_dynamic_quant", "x2", f"shape {list(x2.shape)} differs from x1 {list(x1.shape)}")
-    _check_gamma("npu_add_rms_norm_dynamic_quant", x1, gamma)
+    check_residual_norm("npu_add_rms_norm_dynamic_quant", x1, x2, gamma)
     mask = list(output_mask) if output_mask is not None else [True, smooth_scale2 is not None]
     rows = x1.shape[:-1]
 
@@ -223,9 +215,7 @@ def npu_add_rms_norm_quant(
     """Residual add, RMSNorm, then static int8 quantisation by ``scales1`` (and ``scales2``):
     ``(y1, y2, x1 + x2)``; ``y2`` is empty without ``scales2``."""
     op = "npu_add_rms_norm_quant"
-    if x1.shape != x2.shape:
-        raise fail(op, "x2", f"shape {list(x2.shape)} differs from x1 {list(x1.shape)}")
-    _check_gamma(op, x1, gamma)
+    check_residual_norm(op, x1, x2, gamma)
     for name, t in (
         ("scales1", scales1),
         ("zero_points1", zero_points1),

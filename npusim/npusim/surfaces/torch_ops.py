@@ -23,7 +23,7 @@ import torch
 
 from npusim.kernels import dense, quant
 
-__all__ = ["NAMESPACE", "TORCH_OPS", "register"]
+__all__ = ["NAMESPACE", "TORCH_OPS", "define", "register"]
 
 NAMESPACE = "npu"
 # name -> (the kernel module, the arguments it writes in place: torch.library's ``mutates_args``)
@@ -47,6 +47,17 @@ def _registered(name: str) -> Any:
         return None
 
 
+def define(qualname: str, schema: str, fn: Any, key: str = "PrivateUse1") -> None:
+    """The op ``qualname`` (``namespace::name``) of ``schema`` (from its arguments on), whose
+    kernel for dispatch key ``key`` is ``fn``.  A kernel for the ``npu`` device (PrivateUse1) is
+    its own fake implementation: it validates, allocates its outputs and launches nothing for
+    fake tensors (:func:`npusim.runtime.launch.launch`)."""
+    torch.library.define(qualname, schema)
+    torch.library.impl(qualname, key)(fn)
+    if key == "PrivateUse1":
+        torch.library.register_fake(qualname)(fn)
+
+
 def register(module: types.ModuleType) -> None:
     """Register each of :data:`TORCH_OPS` (once per process) and point ``module``'s name
     (the simulated ``torch_npu``) at the op, as ``torch_npu.npu_rms_norm`` is
@@ -58,9 +69,7 @@ def register(module: types.ModuleType) -> None:
             qualname = f"{NAMESPACE}::{name}"
             schema = getattr(kernels, "SCHEMAS", {}).get(name)
             if schema is not None:  # declared as torch_npu declares it (custom_op cannot say it)
-                torch.library.define(qualname, schema.split(name, 1)[1])
-                torch.library.impl(qualname, "PrivateUse1")(fn)
-                torch.library.register_fake(qualname)(fn)
+                define(qualname, schema.split(name, 1)[1], fn)
             else:
                 op = torch.library.custom_op(qualname, fn, mutates_args=mutates, device_types="npu")
                 op.register_fake(fn)

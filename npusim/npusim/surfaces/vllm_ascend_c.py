@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from npusim.kernels import dense
+from npusim.surfaces import torch_ops
 from npusim.surfaces.aliases import PackageAlias
 
 __all__ = ["NAMESPACE", "SCHEMAS", "install", "uninstall"]
@@ -60,13 +61,8 @@ def _register() -> None:
         "device_print_tensor": (_device_print_tensor, "CompositeExplicitAutograd"),
     }
     for name, (fn, key) in kernels.items():
-        if hasattr(namespace, name):
-            continue
-        qualname = f"{NAMESPACE}::{name}"
-        torch.library.define(qualname, SCHEMAS[name])
-        torch.library.impl(qualname, key)(fn)
-        if key == "PrivateUse1":  # the kernel allocates its outputs and launches nothing for fake tensors
-            torch.library.register_fake(qualname)(fn)
+        if not hasattr(namespace, name):
+            torch_ops.define(f"{NAMESPACE}::{name}", SCHEMAS[name], fn, key)
 
 
 def install() -> None:
