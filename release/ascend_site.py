@@ -115,9 +115,9 @@ def _count(folder: str) -> None:
                 return run(attn_backend, *args, **kwargs)
 
             module.update_full_graph_params = update_full_graph_params
-            _time_updatable_graph(module)
+            _time_updatable_graph(module, tokens)
 
-    def _time_updatable_graph(module: Any) -> None:
+    def _time_updatable_graph(module: Any, tokens: list[int]) -> None:
         # vllm-ascend 0.30's update of FIA and PA: the graph's tasks resolved from the step's
         # metadata before its replay, and re-issued after it (ACLGraphWrapper's
         # _updatable_graph_replay); the two parts' host seconds are one step's update
@@ -129,6 +129,9 @@ def _count(folder: str) -> None:
         graph_cls.resolve_tasks = timed(graph_cls, "resolve_tasks", parts, calls)
         graph_cls.update = timed(graph_cls, "update", parts, calls)
         replay = wrapper_cls._updatable_graph_replay
+        # the lists counts.time made for update_full_graph_params: one step's entry in each
+        seconds = counts.values["vllm_ascend_update_seconds"]
+        device_calls = counts.values["vllm_ascend_update_device_calls"]
 
         def _updatable_graph_replay(self: Any, forward_context: Any, *args: Any, **kwargs: Any) -> Any:
             parts.clear()
@@ -136,11 +139,10 @@ def _count(folder: str) -> None:
             try:
                 return replay(self, forward_context, *args, **kwargs)
             finally:
-                counts.values.setdefault("vllm_ascend_update_seconds", []).append(sum(parts))
+                seconds.append(sum(parts))
                 batch = getattr(forward_context, "batch_descriptor", None)
-                step_tokens = counts.values.setdefault("vllm_ascend_update_tokens", [])
-                step_tokens.append(int(getattr(batch, "num_tokens", 0) or 0))
-                counts.values.setdefault("vllm_ascend_update_device_calls", collections.Counter()).update(calls)
+                tokens.append(int(getattr(batch, "num_tokens", 0) or 0))
+                device_calls.update(calls)
                 counts.write()
 
         wrapper_cls._updatable_graph_replay = _updatable_graph_replay

@@ -34,15 +34,14 @@ def _reset_stream_globals_before_test():
     around each test (its tests patch streams).  0.23 caches none of them."""
     import vllm_ascend.utils as utils
 
-    names = ("_CURRENT_STREAM", "_GLOBAL_STREAM", "_SHARED_EXPERTS_CALCULATION_STREAM")
-    kept = [n for n in names if hasattr(utils, n)]
     moe = sys.modules.get("vllm_ascend.ops.fused_moe.moe_utils")
-    for n in kept:
-        setattr(utils, n, None)
-    if moe is not None and hasattr(moe, "COMM_STREAM"):
-        moe.COMM_STREAM = None
+    names = ("_CURRENT_STREAM", "_GLOBAL_STREAM", "_SHARED_EXPERTS_CALCULATION_STREAM")
+    cached = [(m, n) for m, n in [*((utils, n) for n in names), (moe, "COMM_STREAM")] if hasattr(m, n)]
+
+    def drop() -> None:
+        for module, name in cached:
+            setattr(module, name, None)
+
+    drop()
     yield
-    for n in kept:
-        setattr(utils, n, None)
-    if moe is not None and hasattr(moe, "COMM_STREAM"):
-        moe.COMM_STREAM = None
+    drop()

@@ -112,8 +112,6 @@ class Model:
     # within this of its best logit (release/test_generate.py); bfloat16's error grows with depth
     hf_tolerance: float = 0.15
     hf_exact_share: float = 0.9  # and at least this share exactly its argmax (the rest near-ties)
-    # only where CHECK_SCOPE=full asks (make release-check): a benchmark, not a check of CI's
-    full_scope_only: bool = False
 
 
 MODELS = {
@@ -155,7 +153,6 @@ MODELS["deep"] = Model(
     arch="llama_deep",
     head_dim=64,
     max_num_seqs=16,
-    full_scope_only=True,
     layers=tiny_model.DEEP_LAYERS,
     hf_tolerance=0.25,
     hf_exact_share=0.85,
@@ -167,17 +164,13 @@ MODELS["mla-mtp2"] = attrs.evolve(MODELS["mla-mtp"], speculative={"method": "mtp
 # CI's check (CHECK_SCOPE=ci) runs each kind once: PA and FIA, n-gram speculation, tensor
 # parallel 2, MLA, MTP; the full check adds the Qwen3 (head 128, vllm-ascend's fused q/k-norm
 # and rope Triton kernel: its engines are the slowest, and SGLang's check serves a Qwen3 in
-# CI) and MLA's combinations (n-gram, tensor parallel 2, two MTP drafts)
+# CI), MLA's combinations (n-gram, tensor parallel 2, two MTP drafts) and the 32-layer benchmark
 CI_MODELS = ("llama", "ngram", "tp2", "mla", "mla-mtp")
 
 
 def checked() -> dict[str, Model]:
     """The models this check generates: every one, or CI_MODELS at ``CHECK_SCOPE=ci``."""
-    return {
-        name: m
-        for name, m in MODELS.items()
-        if (check_scope() == "full" or name in CI_MODELS) and (not m.full_scope_only or check_scope() == "full")
-    }
+    return {name: m for name, m in MODELS.items() if check_scope() == "full" or name in CI_MODELS}
 
 
 PA_SIZES = [1, 2]
