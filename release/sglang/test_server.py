@@ -16,6 +16,7 @@ npugraph's code at shutdown.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,8 +143,20 @@ def test_sigint_ends_the_server_in_time_with_npugraphs_line_and_no_traceback(ser
     ended, shutdown = server.interrupt(STOP_S)
     assert ended, f"the server did not stop within {STOP_S} s of SIGINT"
     if "Traceback" in shutdown:
-        assert shutdown.rstrip().endswith("KeyboardInterrupt"), shutdown[-6000:]
+        assert _less_sglangs_shutdown_race(shutdown).rstrip().endswith("KeyboardInterrupt"), shutdown[-6000:]
     assert not npugraph_raised(shutdown), shutdown[-6000:]
+
+
+def _less_sglangs_shutdown_race(shutdown: str) -> str:
+    """The shutdown log without SGLang 0.5.23's own race: launch_server's kill_process_tree
+    SIGKILLs the scheduler while its SubprocessWatchdog thread still polls, which then reports
+    the kill as a crash ("Subprocess scheduler_0 ... crashed with exit code -9", CI 2026-12-05;
+    with or without npugraph).  Only that line, and only after kill_process_tree ran: a
+    scheduler that died any other way, or before the kill, still fails the check."""
+    lines = shutdown.splitlines()
+    killed = next((i for i, line in enumerate(lines) if "kill_process_tree called" in line), len(lines))
+    race = re.compile(r"Subprocess \w+ \(pid=\d+\) crashed with exit code -9\. Triggering SIGQUIT for cleanup")
+    return "\n".join(line for i, line in enumerate(lines) if not (i > killed and race.search(line)))
 
 
 @pytest.fixture(scope="module")
