@@ -95,7 +95,7 @@ def _count(folder: str) -> None:
         # replaced as the module finishes loading: every vllm-ascend module that imports the
         # name by value (``from ...acl_graph import update_full_graph_params``) gets this one
         whole = module.update_full_graph_params
-        timed_call = counts.time(module, "update_full_graph_params", "vllm_ascend_update")
+        timed_call = counts.time(module, "update_full_graph_params", "vllm_ascend_update", "vllm_ascend_update_walls")
         tokens = counts.values.setdefault("vllm_ascend_update_tokens", [])
 
         def counted(
@@ -125,21 +125,25 @@ def _count(folder: str) -> None:
 
         graph_cls, wrapper_cls = module.UpdatableGraph, module.ACLGraphWrapper
         parts: list[float] = []
+        wall_parts: list[float] = []  # the same calls' whole wall times, device time included
         calls: collections.Counter[str] = collections.Counter()
-        graph_cls.resolve_tasks = timed(graph_cls, "resolve_tasks", parts, calls)
-        graph_cls.update = timed(graph_cls, "update", parts, calls)
+        graph_cls.resolve_tasks = timed(graph_cls, "resolve_tasks", parts, calls, walls=wall_parts)
+        graph_cls.update = timed(graph_cls, "update", parts, calls, walls=wall_parts)
         replay = wrapper_cls._updatable_graph_replay
         # the lists counts.time made for update_full_graph_params: one step's entry in each
         seconds = counts.values["vllm_ascend_update_seconds"]
+        walls = counts.values["vllm_ascend_update_walls"]
         device_calls = counts.values["vllm_ascend_update_device_calls"]
 
         def _updatable_graph_replay(self: Any, forward_context: Any, *args: Any, **kwargs: Any) -> Any:
             parts.clear()
+            wall_parts.clear()
             calls.clear()
             try:
                 return replay(self, forward_context, *args, **kwargs)
             finally:
                 seconds.append(sum(parts))
+                walls.append(sum(wall_parts))
                 batch = getattr(forward_context, "batch_descriptor", None)
                 tokens.append(int(getattr(batch, "num_tokens", 0) or 0))
                 device_calls.update(calls)

@@ -55,7 +55,7 @@ class EngineCounts:
 
         def updater(module: Any) -> None:
             cls = module.ReplayUpdater
-            cls._write = self.time(cls, "_write", "npugraph_update", write=False)
+            cls._write = self.time(cls, "_write", "npugraph_update", "npugraph_update_walls", write=False)
 
         def runtime(module: Any) -> None:
             step = module.Runtime.step

@@ -3,8 +3,9 @@
     generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | aclgraph | npugraph | vllm-default |
                                                vllm-default-npugraph
     generate.py OUT_DIR [RUNS]                 each model and mode in its own process, into
-                                               OUT_DIR; the Llama's graph modes RUNS times
-                                               (default 1), in turn
+                                               OUT_DIR; the side-by-side's graph modes RUNS
+                                               times, in turn (default: 5 for the 32-layer
+                                               benchmark, where it runs, else the Llama's once)
 
 ``vllm.LLM`` as vllm-ascend's docs start it, with vLLM's default engine (the model in its
 own EngineCore process) and vllm-ascend 0.23.0.post1's default configuration (its fusion
@@ -166,6 +167,14 @@ MODELS["mla-mtp2"] = attrs.evolve(MODELS["mla-mtp"], speculative={"method": "mtp
 # and rope Triton kernel: its engines are the slowest, and SGLang's check serves a Qwen3 in
 # CI), MLA's combinations (n-gram, tensor parallel 2, two MTP drafts) and the 32-layer benchmark
 CI_MODELS = ("llama", "ngram", "tp2", "mla", "mla-mtp")
+# The side-by-side's runs (release/update_cost.py's verdict takes every one): the 32-layer
+# benchmark's graph modes, in turn, this many times where it runs (the full scope); the Llama's
+# once otherwise
+SIDE_BY_SIDE_RUNS = 5
+# ... and then once more each with FIA slowed on the simulated device by this much per execution
+# (32 a step at batches 4 and 16, several times the update's host time): the update's host
+# figure (wall less device) must not move with it, while its wall may (release/update_cost.py)
+SLOWED = "slow-kernel=npu_fused_infer_attention_score:1.0"
 
 
 def checked() -> dict[str, Model]:
@@ -287,6 +296,9 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         "seconds": seconds,
         "vllm_ascend_update_seconds": counts.get("vllm_ascend_update_seconds", []),
         "npugraph_update_seconds": counts.get("npugraph_update_seconds", []),
+        # the same calls' whole wall times, the simulated device's time in them (release/slowed.py)
+        "vllm_ascend_update_walls": counts.get("vllm_ascend_update_walls", []),
+        "npugraph_update_walls": counts.get("npugraph_update_walls", []),
         # each update's step size (padded tokens), beside its seconds: the per-batch breakdown
         "vllm_ascend_update_tokens": counts.get("vllm_ascend_update_tokens", []),
         "npugraph_update_tokens": counts.get("npugraph_update_tokens", []),
@@ -302,21 +314,30 @@ def run(model: Path, mode: str) -> dict[str, Any]:
     }
 
 
-def generate(out_dir: Path, runs: int = 1) -> None:
+def generate(out_dir: Path, runs: int | None = None) -> None:
     """Each model and mode in its own process, into ``out_dir``: eager once, vllm-ascend's
     graphs and npugraph's once each for the other models and ``runs`` times, in turn, for
-    the Llama (so that a drift of the machine over the minutes falls on both alike).  The
-    untimed runs go two at a time; the timed ones (the Llama's and the n-gram Llama's graph
-    modes) alone, last."""
-    shared, alone = side_by_side(order(tuple(checked()), MODES[1:], runs, "llama"), TIMED)
+    the side-by-side's model (so that a drift of the machine over the minutes falls on both
+    alike): the 32-layer benchmark's, ``SIDE_BY_SIDE_RUNS`` times by default, where it runs,
+    else the Llama's, once.  The untimed runs go two at a time; the timed ones (the graph
+    modes of release/runs.py's TIMED) alone, last; the 32-layer benchmark's graph modes then
+    once more each with the ``SLOWED`` kernel (``deep.MODE.slowed.json``)."""
+    repeated = "deep" if "deep" in checked() else "llama"
+    if runs is None:
+        runs = SIDE_BY_SIDE_RUNS if repeated == "deep" else 1
+    shared, alone = side_by_side(order(tuple(checked()), MODES[1:], runs, repeated), TIMED)
     clear_results(out_dir)
     for arch in checked():
         write_model(out_dir / arch)
 
-    def one(arch: str, mode: str, run: int) -> None:
+    def one(arch: str, mode: str, run: int, slowed: bool = False) -> None:
         out = result_path(out_dir, arch, mode, run)
+        env = process_env(out_dir, out)
+        if slowed:
+            out, env = slowed_path(out_dir, arch, mode), {**env, "NPUGRAPH_SIM_FAULT": SLOWED}
+            env["NPUGRAPH_VLLM_COUNTS"] = str(counts_folder(out))
         args = [sys.executable, __file__, str(out_dir / arch), mode, str(out)]
-        run_logged(args, out, process_env(out_dir, out), f"{arch} {mode} (run {run})")
+        run_logged(args, out, env, f"{arch} {mode} ({'slowed' if slowed else f'run {run}'})")
 
     # An engine keeps about one core busy (its processes take turns), so two untimed runs
     # share this two-core machine; the timed ones then run alone (release/runs.py).
@@ -331,6 +352,14 @@ def generate(out_dir: Path, runs: int = 1) -> None:
             pool.shutdown(cancel_futures=True)
     for r in alone:
         one(*r)
+    if repeated == "deep":
+        for mode in MODES[1:]:
+            one("deep", mode, 1, slowed=True)
+
+
+def slowed_path(out_dir: Path, model: str, mode: str) -> Path:
+    """Where ``model``'s run in graph ``mode`` with the ``SLOWED`` kernel writes its result."""
+    return out_dir / f"{model}.{mode}.slowed.json"
 
 
 def process_env(out_dir: Path, out: Path) -> dict[str, str]:
@@ -341,7 +370,7 @@ def process_env(out_dir: Path, out: Path) -> dict[str, str]:
 
 def main(argv: list[str]) -> int:
     if len(argv) == 2 or (len(argv) == 3 and argv[2].isdigit() and int(argv[2]) >= 1):
-        generate(Path(argv[1]), int(argv[2]) if len(argv) == 3 else 1)
+        generate(Path(argv[1]), int(argv[2]) if len(argv) == 3 else None)
         return 0
     if len(argv) != 4 or argv[2] not in MODES + DEFAULT_MODES or Path(argv[1]).name not in MODELS:
         print("usage:\n" + "\n".join(__doc__.splitlines()[2:7]), file=sys.stderr)

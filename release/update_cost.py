@@ -90,6 +90,40 @@ def verdict(rows: list[dict[str, Any]], baseline: str = "vllm-ascend's") -> str:
     return "no claim: the runs' intervals do not all clear 1 on one side"
 
 
+def slowed(results: Path, model: str = "deep") -> dict[str, Any]:
+    """Whether the host figure leaves the device's time out: per side and step size, the
+    update's medians (host time, and whole wall time) in run 1 and in the run with the FIA
+    kernel slowed on the simulated device (release/generate.py's SLOWED); empty without
+    that run.  The slowed kernel adds its delay to whatever device work the update call
+    unblocks: the wall may grow with it, the host figure should not (beyond run-to-run noise)."""
+    out: dict[str, Any] = {}
+    for mode, side in (("aclgraph", "vllm_ascend"), ("npugraph", "npugraph")):
+        slow_path = results / f"{model}.{mode}.slowed.json"
+        runs_ = runs.results(results, model, mode)
+        if not slow_path.is_file() or not runs_:
+            return {}
+        pair = {"normal": json.loads(runs_[0].read_text()), "slowed": json.loads(slow_path.read_text())}
+        sizes: dict[int, dict[str, Any]] = {}
+        for name, r in pair.items():
+            host, walls = r[f"{side}_update_seconds"], r.get(f"{side}_update_walls", [])
+            tokens = r.get(f"{side}_update_tokens", [])
+            if len(walls) != len(host) or len(tokens) != len(host):
+                return {}
+            for size in sorted(set(tokens)):
+                h = [x for x, n in zip(host, tokens) if n == size]
+                w = [x for x, n in zip(walls, tokens) if n == size]
+                if len(h) >= 5:
+                    sizes.setdefault(size, {})[name] = {
+                        "host_median_us": statistics.median(h) * 1e6,
+                        "wall_median_us": statistics.median(w) * 1e6,
+                    }
+        out[side] = {size: v for size, v in sizes.items() if len(v) == 2}
+        for v in out[side].values():
+            v["host_slowed_over_normal"] = v["slowed"]["host_median_us"] / v["normal"]["host_median_us"]
+            v["wall_slowed_over_normal"] = v["slowed"]["wall_median_us"] / v["normal"]["wall_median_us"]
+    return {"slowed_kernel": "release/generate.py SLOWED", **out}
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.splitlines()[3].strip(), file=sys.stderr)
@@ -130,6 +164,8 @@ def main(argv: list[str]) -> int:
         # per model: a verdict over its own runs (the two-layer models' and the 32-layer benchmark's apart)
         "verdict_by_model": {m: verdict([r for r in rows if r["model"] == m]) for m in models},
     }
+    if check := slowed(results):
+        out["slowed"] = check
     (results / "update-cost.json").write_text(json.dumps(out, indent=1))
     for i, r in enumerate(rows, 1):
         a, n = r["vllm_ascend_update_full_graph_params"], r["npugraph_update"]
@@ -151,6 +187,14 @@ def main(argv: list[str]) -> int:
     if len(models) > 1:
         for model, said in out["verdict_by_model"].items():
             print(f"  {model}: {said}")
+    for side, sizes in check.items() if check else ():
+        for size, v in sizes.items() if isinstance(sizes, dict) else ():
+            print(
+                f"FIA slowed ({side}, {size} tokens a step): the update's host figure "
+                f"{v['normal']['host_median_us']:.0f} -> {v['slowed']['host_median_us']:.0f} us "
+                f"({v['host_slowed_over_normal']:.2f}x), its wall {v['normal']['wall_median_us']:.0f} -> "
+                f"{v['slowed']['wall_median_us']:.0f} us ({v['wall_slowed_over_normal']:.2f}x)"
+            )
     return 0
 
 

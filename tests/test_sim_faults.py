@@ -65,6 +65,20 @@ def healthy_device_after():
     sim.configure(faults="")
 
 
+def test_a_slowed_kernel_gives_the_same_tokens_and_its_delay_is_all_the_devices_time():
+    """``slow-kernel=NAME:MS``: each replayed execution of NAME takes MS longer, and the device
+    (npusim.device_seconds) counts every bit of it: release/slowed.py's host-time figure (wall
+    less the device's) rests on this.  A bound, not a timing: a sleep lasts at least its delay."""
+    delay_ms = 20.0
+    rt, eng, steps = _engine(f"slow-kernel={FIA}:{delay_ms}")
+    device_before = sim.device_seconds()
+    for batch, ref in steps:
+        assert torch.equal(eng.step(batch), ref), "a slowed kernel computes what a fast one does"
+    executions = sim.get_state().injected.slowed
+    assert executions == 2 * len(steps), "each step replays the FIA of both layers"
+    assert sim.device_seconds() - device_before >= executions * delay_ms / 1000
+
+
 @pytest.mark.parametrize("adapter", ADAPTERS)
 def test_a_kernel_fault_in_a_replay_is_named_by_the_device_and_by_npugraph_and_the_next_step_is_right(
     adapter, sim_as_torch_npu
@@ -120,6 +134,9 @@ def test_a_lost_event_record_is_a_hang_the_device_names_and_npugraph_recovers_fr
 def test_a_bad_fault_setting_is_named():
     with pytest.raises(ValueError, match=r"NPUGRAPH_SIM_FAULT='kernel=@0': 'kernel=@0' needs a count >= 1"):
         sim.configure(faults="kernel=@0")
+    for bad in ("slow-kernel=:5", f"slow-kernel={FIA}", f"slow-kernel={FIA}:-1", f"slow-kernel={FIA}:fast"):
+        with pytest.raises(ValueError, match=r"needs 'slow-kernel=NAME:MS' with MS >= 0 milliseconds"):
+            sim.configure(faults=bad)
     with pytest.raises(ValueError, match=r"'melt' is not a fault the simulator injects"):
         sim.configure(faults="melt")
     env = {**os.environ, "NPUGRAPH_SIM_FAULT": "lost-record@x"}

@@ -13,13 +13,21 @@ Two faults a device has and a CPU does not:
   (the simulator's synchronize raises :class:`~npusim.errors.DeadlockError` naming
   the wait; on hardware: event-wait timeout 507011 after about 30 minutes).
 
-Several are separated by commas.  Each fires once.  Counts start when the device is made
-(every process of an engine counts its own).
+And one a benchmark needs, to show that a host-time figure leaves the device's out:
+
+* ``slow-kernel=NAME:MS``: every replayed execution of kernel ``NAME`` takes ``MS``
+  milliseconds (a float) longer, as a slower device would: the delay is the device's time,
+  counted in :func:`npusim.device_seconds` as the kernel's own.  A host figure taken as
+  wall time less the device's must not move with it (release/slowed.py).
+
+Several are separated by commas.  The two faults each fire once; the slowed kernel is slow
+every time.  Counts start when the device is made (every process of an engine counts its own).
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import attrs
 
@@ -37,11 +45,14 @@ class InjectedFault(SimError):
 @attrs.frozen(kw_only=True)
 class FaultPlan:
     """Which device faults to inject: ``kernel`` fails at its ``kernel_at``-th replayed
-    execution; the ``lost_record_at``-th ExternalEvent record is lost."""
+    execution; the ``lost_record_at``-th ExternalEvent record is lost; every replayed
+    execution of ``slow_kernel`` takes ``slow_s`` seconds longer."""
 
     kernel: str | None = None
     kernel_at: int = 1
     lost_record_at: int | None = None
+    slow_kernel: str | None = None
+    slow_s: float = 0.0
     text: str = ""  # as given, for the messages
 
     @classmethod
@@ -51,6 +62,17 @@ class FaultPlan:
         fields: dict[str, object] = {}
         for part in (p.strip() for p in text.split(",")):
             if not part:
+                continue
+            name, _, slowed = part.partition("=")
+            if name.strip() == "slow-kernel":
+                kernel, _, ms = slowed.rpartition(":")
+                try:
+                    delay = float(ms)
+                except ValueError:
+                    delay = -1.0
+                if not kernel.strip() or not delay >= 0:
+                    raise ValueError(f"{ENV}={text!r}: {part!r} needs 'slow-kernel=NAME:MS' with MS >= 0 milliseconds")
+                fields.update(slow_kernel=kernel.strip(), slow_s=delay / 1000)
                 continue
             what, _, at = part.partition("@")
             try:
@@ -68,7 +90,8 @@ class FaultPlan:
                 raise ValueError(
                     f"{ENV}={text!r}: {part!r} is not a fault the simulator injects; use "
                     "'kernel=NAME[@N]' (the N-th replayed execution of kernel NAME fails) or "
-                    "'lost-record[@N]' (the N-th ExternalEvent record is lost), comma-separated"
+                    "'lost-record[@N]' (the N-th ExternalEvent record is lost) or 'slow-kernel=NAME:MS' "
+                    "(every replayed execution of NAME takes MS milliseconds longer), comma-separated"
                 )
         return cls(text=text, **fields) if fields else None  # type: ignore[arg-type]
 
@@ -80,17 +103,25 @@ class FaultPlan:
 class Faults:
     """One device's injected faults and its counts toward them."""
 
-    __slots__ = ("kernels", "plan", "records")
+    __slots__ = ("kernels", "plan", "records", "slowed")
 
     def __init__(self, plan: FaultPlan | None) -> None:
         self.plan = plan
         self.kernels = 0  # replayed executions of the planned kernel so far
         self.records = 0  # ExternalEvent records landed so far
+        self.slowed = 0  # replayed executions of the slowed kernel so far
 
     def replayed_kernel(self, name: str, where: str) -> None:
-        """Raise :class:`InjectedFault` if this replayed execution of ``name`` is the planned one."""
+        """Raise :class:`InjectedFault` if this replayed execution of ``name`` is the planned
+        one; take the plan's delay first if ``name`` is its slowed kernel (the caller, a device
+        work item, counts its time as the device's)."""
         plan = self.plan
-        if plan is None or plan.kernel != name:
+        if plan is None:
+            return
+        if plan.slow_kernel == name:
+            self.slowed += 1
+            time.sleep(plan.slow_s)
+        if plan.kernel != name:
             return
         self.kernels += 1
         if self.kernels == plan.kernel_at:
