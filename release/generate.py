@@ -108,6 +108,8 @@ class Model:
     # PA (its decode is FIA with rope arguments), and its user sets no PA sizes
     paged_attention: bool = True
     max_num_seqs: int = 8
+    # the most tokens a step schedules (vLLM's max_num_batched_tokens; see engine_args)
+    max_num_batched_tokens: int = 256
     layers: int = 2  # decoder layers (release/tiny_model.py): one attention task each per graph
     # Hugging Face's float32 forward against the bfloat16 kernels: a token is its choice when
     # within this of its best logit (release/test_generate.py); bfloat16's error grows with depth
@@ -154,6 +156,9 @@ MODELS["deep"] = Model(
     arch="llama_deep",
     head_dim=64,
     max_num_seqs=16,
+    # its most in one step is the twelve prompts of step 40 (114 tokens) beside four decodes;
+    # 128, not 256, halves its profile run (32 layers of rope in Triton's interpreter: 2 minutes)
+    max_num_batched_tokens=128,
     layers=tiny_model.DEEP_LAYERS,
     hf_tolerance=0.25,
     hf_exact_share=0.85,
@@ -236,7 +241,8 @@ def engine_args(model: Path, mode: str) -> dict[str, Any]:
         # the most tokens a step schedules: vLLM's default (2,048) sizes the profile run at
         # start-up, whose rope runs as vllm-ascend's Triton kernel in Triton's interpreter
         # here (a minute and more per engine); these requests never schedule 100 in one step
-        "max_num_batched_tokens": 256,
+        # (the 32-layer benchmark's 118: its own figure)
+        "max_num_batched_tokens": MODELS[model.name].max_num_batched_tokens,
         "seed": 0,
     }
     if mode == "eager":

@@ -29,9 +29,11 @@
 #      as a user starts it counts its graphs in the budget and serves;
 #   7. vLLM's default compilation config (no compilation_config: FULL_AND_PIECEWISE) on the
 #      Llama, with and without npugraph's plugin (release/test_default_mode.py);
-#   8. `vllm serve` with the plugin, driven by the openai client (release/test_server.py): bad
-#      requests each get a 400 and the server serves on, right; 200 concurrent connections; a
-#      client walking away mid-stream; SIGINT.
+#   8. `vllm serve` with the plugin, driven by the openai client (release/test_server.py): eight
+#      completions at once, Hugging Face's choices, then one at a time, the same texts as the
+#      release's eager server and its own graph mode's (at CHECK_SCOPE=ci on 0.30.0rc2 only);
+#      bad requests each get a 400 and the server serves on, right; 200 concurrent
+#      connections; a client walking away mid-stream; the soak's two minutes; SIGINT.
 # Fails if any of them fails.
 set -euo pipefail
 
@@ -145,7 +147,7 @@ step "vLLM's default compilation config (FULL_AND_PIECEWISE), without and with n
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
     release/test_default_mode.py) || status=1
 
-step "vllm serve with npugraph's plugin, driven by the openai client: bad requests, a burst, SIGINT"
+step "vllm serve with npugraph's plugin, driven by the openai client: eager's and vllm-ascend's texts, bad requests, a burst, a soak, SIGINT"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
     release/test_server.py) || status=1
 step "done (status $status)"

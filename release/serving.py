@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SGLANG_READY", "Served", "bad_requests", "npugraph_raised", "started"]
+__all__ = ["SGLANG_READY", "Answer", "Served", "bad_requests", "npugraph_raised", "started"]
 
 # What SGLang's server logs once its own warm-up request is done.  A SIGINT before it waits
 # on that warm-up thread, whose retries on a closed server take minutes: SGLang's, with or
@@ -38,6 +38,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A greedy completion as the client got it: its text and its token ids."""
+
+    text: str
+    tokens: tuple[int, ...]
 
 
 @dataclass
@@ -61,6 +69,50 @@ class Served:
         )
         (choice,) = c.choices
         return list(choice.model_extra["token_ids"])
+
+    def one_at_a_time(self, prompts: list[list[int]], new_tokens: int) -> list[Answer]:
+        """A greedy completion of ``new_tokens`` (end of sequence ignored) for each prompt, each
+        sent once the one before has ended: no batch but its own."""
+        out = []
+        for prompt in prompts:
+            c = self.client.completions.create(
+                model=self.model,
+                prompt=prompt,
+                max_tokens=new_tokens,
+                temperature=0.0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            (choice,) = c.choices
+            out.append(Answer(choice.text, tuple(choice.model_extra["token_ids"])))
+        return out
+
+    def together(self, prompts: list[list[int]], new_tokens: int, streamed: list[bool]) -> list[Answer]:
+        """The same completions all at once, each on its own connection, prompt ``i`` streamed
+        where ``streamed[i]``: their answers, in the prompts' order."""
+        import openai
+
+        async def together() -> list[Answer]:
+            client = openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key="none", timeout=600, max_retries=0)
+            body = {"ignore_eos": True, "return_token_ids": True}
+
+            async def one(prompt: list[int], stream: bool) -> Answer:
+                kw = {"model": self.model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0}
+                if not stream:
+                    c = await client.completions.create(**kw, extra_body=body)
+                    return Answer(c.choices[0].text, tuple(c.choices[0].model_extra["token_ids"]))
+                text, tokens = [], []
+                async for chunk in await client.completions.create(**kw, stream=True, extra_body=body):
+                    if chunk.choices:
+                        text.append(chunk.choices[0].text or "")
+                        tokens.extend((chunk.choices[0].model_extra or {}).get("token_ids") or [])
+                return Answer("".join(text), tuple(tokens))
+
+            try:
+                return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, streamed, strict=True))))
+            finally:
+                await client.close()
+
+        return asyncio.run(together())
 
     def post(self, body: dict[str, Any] | bytes) -> tuple[int, str]:
         """POST ``body`` to /v1/completions as raw HTTP (no client-side validation in the way):

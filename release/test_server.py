@@ -3,7 +3,10 @@ on 127.0.0.1 (vLLM's default engine and compilation config, vllm-ascend's defaul
 the ``openai`` client (release/run.sh runs this in the release environment; elsewhere it
 skips).  release/serving.py starts and drives it.
 
-Greedy completions are Hugging Face's float32 choices.  Bad requests (a prompt past the
+Greedy completions are Hugging Face's float32 choices.  Eight at once (every other one
+streamed) are each within 0.1 of its best logit and 95% exactly it; the same eight one at a time
+give the same texts and tokens as the same release's server in eager mode and in vllm-ascend's own
+graph mode (each started before npugraph's, alone, and stopped).  Bad requests (a prompt past the
 context, max_tokens past it, malformed JSON, bad sampling parameters, an empty prompt, an id
 outside the vocabulary) each get vLLM's own 400 with its reason; 200 concurrent connections
 are all answered, graphs replayed at batch sizes far past the release check's others; a client
@@ -18,6 +21,7 @@ with or without npugraph.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -32,9 +36,9 @@ pytest.importorskip("vllm_ascend", reason="needs the release environment (releas
 sys.path.insert(0, str(Path(__file__).parent))
 import generate
 import soak
-from hf_reference import check_greedy_choices
-from runs import engine_env
-from serving import Served, bad_requests, npugraph_raised, started
+from hf_reference import check_greedy_choices, greedy_choices
+from runs import check_scope, engine_env
+from serving import Answer, Served, bad_requests, npugraph_raised, started
 
 pytest.importorskip("openai")
 
@@ -64,6 +68,18 @@ MESSAGES = {
 
 REFUSED = bad_requests(CONTEXT, generate.MODELS[MODEL].vocab, MESSAGES)
 
+# The same eight requests to eager's server, vllm-ascend's own graphs' and npugraph's: of 1 to
+# near the context's tokens (the soak's pool: crossing pages), greedy, 16 tokens each
+TOGETHER = [soak.pooled_prompt(i, CONTEXT, generate.MODELS[MODEL].vocab)[0] for i in range(8)]
+TOGETHER_NEW = 16
+# Served concurrently, their batches differ from run to run and bfloat16 may break a near tie
+# either way: each text is then judged by Hugging Face's float32 forward (the soak's bar)
+TOGETHER_TOLERANCE, TOGETHER_EXACT = soak.TOLERANCE, soak.EXACT
+# The reference servers take five minutes a release (vLLM's profile and capture of 70 sizes):
+# CI runs them on the newer release, make release-check on both
+RELEASE = importlib.metadata.version("vllm_ascend")
+REFERENCES = check_scope() == "full" or RELEASE != "0.23.0.post1"
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -79,11 +95,33 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm-serve")
 
 
+def _serve_args(model_dir: Path) -> list[str]:
+    return [str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir), "--dtype", "bfloat16"]
+
+
 @pytest.fixture(scope="module")
-def server(model_dir: Path, folder: Path) -> Iterator[Served]:
+def references(model_dir: Path, folder: Path) -> dict[str, list[Answer]]:
+    """``TOGETHER``'s prompts one at a time to the same release's server in eager mode
+    (``--enforce-eager``) and in its own graph mode (vllm-ascend's defaults, no npugraph):
+    each mode's answers, its server stopped before the next starts (none shares the machine
+    with another); empty where this scope leaves them out (``REFERENCES``)."""
+    if not REFERENCES:
+        return {}
+    out = {}
+    for mode, extra in (("eager", ["--enforce-eager"]), ("vllm-ascend", [])):
+        env = engine_env(folder / f"vllm-cache-{mode}")
+        with started(_serve_args(model_dir) + extra, folder / f"server-{mode}.log", env, START_S) as served:
+            out[mode] = served.one_at_a_time(TOGETHER, TOGETHER_NEW)
+            log = served.log.read_text()
+        assert "npugraph: active" not in log, f"{mode}'s server: npugraph's plugin must be off there"
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, folder: Path, references: dict[str, list[Answer]]) -> Iterator[Served]:
+    """npugraph's server, started once the reference servers (``references``) have stopped."""
     env = engine_env(folder / "vllm-cache", NPUGRAPH_ENABLE="1", NPUGRAPH_SOAK_SAMPLES=str(folder))
-    args = [str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir), "--dtype", "bfloat16"]
-    with started(args, folder / "server.log", env, START_S) as served:
+    with started(_serve_args(model_dir), folder / "server.log", env, START_S) as served:
         yield served
 
 
@@ -102,6 +140,32 @@ def test_greedy_completions_are_hugging_faces(server: Served, first: list[int], 
     answers = [first, server.complete(good[1], NEW_TOKENS)]
     assert [len(a) for a in answers] == [NEW_TOKENS] * 2
     check_greedy_choices(model_dir, good, answers, LOGIT_TOLERANCE)
+
+
+def test_eight_together_are_hugging_faces_and_one_at_a_time_eager_vllm_ascend_and_npugraph_say_the_same(
+    server: Served, references: dict[str, list[Answer]], model_dir: Path
+):
+    """Eight greedy completions at once, every other one streamed: each text Hugging Face's
+    float32 choice (every token within 0.1 of its best logit, 95% exactly it).  Then the
+    same eight one at a time: the same texts and tokens from npugraph's server as from the
+    same release's eager server and its own graph mode's."""
+    together = server.together(TOGETHER, TOGETHER_NEW, [i % 2 == 0 for i in range(len(TOGETHER))])
+    assert [len(a.tokens) for a in together] == [TOGETHER_NEW] * len(TOGETHER)
+    assert all(a.text for a in together), "every answer has its text, streamed or not"
+    choices = greedy_choices(model_dir, TOGETHER, [list(a.tokens) for a in together])
+    far = [(i, round(gap, 3)) for i, (gap, _) in enumerate(choices) if gap > TOGETHER_TOLERANCE]
+    assert not far, f"prompts with a token beyond {TOGETHER_TOLERANCE} of Hugging Face's best logit: {far}"
+    exact, total = sum(n for _, n in choices), TOGETHER_NEW * len(TOGETHER)
+    assert exact >= TOGETHER_EXACT * total, f"{exact} of {total} tokens Hugging Face's argmax"
+    alone = server.one_at_a_time(TOGETHER, TOGETHER_NEW)
+    print(f"eight together: {sum(a != b for a, b in zip(together, alone))} of 8 texts differ from one at a time")
+    if not references:
+        pytest.skip(f"the reference servers: make release-check's (CHECK_SCOPE=ci on {RELEASE})")
+    for mode, answers in references.items():
+        differ = [i for i, (a, b) in enumerate(zip(alone, answers)) if a != b]
+        assert not differ, f"one at a time, npugraph's server and {mode}'s differ at prompts {differ}: " + "; ".join(
+            f"{alone[i]} against {answers[i]}" for i in differ[:2]
+        )
 
 
 @pytest.mark.parametrize("what,body,message", REFUSED, ids=[r[0] for r in REFUSED])

@@ -146,6 +146,33 @@ def test_the_update_cost_breaks_a_deep_model_down_by_its_decode_batch(tmp_path, 
     assert update_cost.by_size(ascend, sizes[:-1], npugraph, sizes) == {}, "unaligned: no breakdown"
 
 
+def test_the_slowed_kernel_check_compares_each_sides_host_figure_and_wall_per_batch(tmp_path, capsys):
+    """release/generate.py's run with FIA slowed on the device: per side and batch, the update's
+    host figure and wall in run 1 and in the slowed run, side by side (no verdict: a timing is
+    the benchmark's, not a test's); nothing without the slowed runs or the walls."""
+    import json
+
+    update_cost = _release_module("update_cost")
+    runs = _release_module("runs")
+    sizes = [1] * 10 + [4] * 10
+    fast = [100e-6] * 20
+    for side, mode in (("vllm_ascend", "aclgraph"), ("npugraph", "npugraph")):
+        for path, walls in (
+            (runs.result_path(tmp_path, "deep", mode), [150e-6] * 20),
+            (tmp_path / f"deep.{mode}.slowed.json", [150e-6] * 10 + [450e-6] * 10),
+        ):
+            result = {f"{side}_update_seconds": fast, f"{side}_update_tokens": sizes, f"{side}_update_walls": walls}
+            path.write_text(json.dumps(result))
+    assert update_cost.main(["update_cost.py", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "update-cost.json").read_text())["slowed"]
+    for side in ("vllm_ascend", "npugraph"):
+        assert got[side]["1"]["host_slowed_over_normal"] == 1.0 == got[side]["1"]["wall_slowed_over_normal"]
+        assert got[side]["4"]["host_slowed_over_normal"] == 1.0 and got[side]["4"]["wall_slowed_over_normal"] == 3.0
+    assert "FIA slowed (npugraph, 4 tokens a step): the update's host figure 100 -> 100 us (1.00x)" in capsys.readouterr().out
+    (tmp_path / "deep.npugraph.slowed.json").unlink()
+    assert update_cost.slowed(tmp_path) == {}
+
+
 def test_the_update_cost_verdict_takes_every_run(tmp_path):
     """One run's interval is not the noise between runs: a run that disagrees (or whose
     interval spans 1) takes the claim away."""
