@@ -79,7 +79,7 @@ def result_path(out_dir: Path, model: str, mode: str, run: int = 1) -> Path:
 
 def results(out_dir: Path, model: str, mode: str) -> list[Path]:
     """Every run's result of ``model`` in ``mode`` in ``out_dir``, in run order (up to a gap)."""
-    found = []
+    found: list[Path] = []
     while (path := result_path(out_dir, model, mode, len(found) + 1)).is_file():
         found.append(path)
     return found

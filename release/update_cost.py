@@ -90,37 +90,50 @@ def verdict(rows: list[dict[str, Any]], baseline: str = "vllm-ascend's") -> str:
     return "no claim: the runs' intervals do not all clear 1 on one side"
 
 
+def _medians_by_size(result: dict[str, Any], side: str) -> dict[int, dict[str, float]] | None:
+    """Per step size (at least 5 steps): the update's median host time and median wall, in
+    microseconds; ``None`` where the result has no walls or sizes beside its seconds."""
+    host, walls = result[f"{side}_update_seconds"], result.get(f"{side}_update_walls", [])
+    tokens = result.get(f"{side}_update_tokens", [])
+    if len(walls) != len(host) or len(tokens) != len(host):
+        return None
+    out = {}
+    for size in sorted(set(tokens)):
+        h = [x for x, n in zip(host, tokens) if n == size]
+        w = [x for x, n in zip(walls, tokens) if n == size]
+        if len(h) >= 5:
+            out[size] = {"host_median_us": statistics.median(h) * 1e6, "wall_median_us": statistics.median(w) * 1e6}
+    return out
+
+
 def slowed(results: Path, model: str = "deep") -> dict[str, Any]:
     """Whether the host figure leaves the device's time out: per side and step size, the
     update's medians (host time, and whole wall time) in run 1 and in the run with the FIA
-    kernel slowed on the simulated device (release/generate.py's SLOWED); empty without
-    that run.  The slowed kernel adds its delay to whatever device work the update call
-    unblocks: the wall may grow with it, the host figure should not (beyond run-to-run noise)."""
+    kernel slowed on the simulated device (release/generate.py's SLOWED), beside the range of
+    the host medians over every unslowed run; empty without the slowed runs.  The slowed
+    kernel adds its delay to whatever device work the update call unblocks: the wall grows
+    with it, the host figure should stay within the unslowed runs' range (their noise)."""
     out: dict[str, Any] = {}
     for mode, side in (("aclgraph", "vllm_ascend"), ("npugraph", "npugraph")):
         slow_path = results / f"{model}.{mode}.slowed.json"
-        runs_ = runs.results(results, model, mode)
-        if not slow_path.is_file() or not runs_:
+        normal = [_medians_by_size(json.loads(p.read_text()), side) for p in runs.results(results, model, mode)]
+        slow = _medians_by_size(json.loads(slow_path.read_text()), side) if slow_path.is_file() else None
+        if slow is None or not normal or any(n is None for n in normal):
             return {}
-        pair = {"normal": json.loads(runs_[0].read_text()), "slowed": json.loads(slow_path.read_text())}
-        sizes: dict[int, dict[str, Any]] = {}
-        for name, r in pair.items():
-            host, walls = r[f"{side}_update_seconds"], r.get(f"{side}_update_walls", [])
-            tokens = r.get(f"{side}_update_tokens", [])
-            if len(walls) != len(host) or len(tokens) != len(host):
-                return {}
-            for size in sorted(set(tokens)):
-                h = [x for x, n in zip(host, tokens) if n == size]
-                w = [x for x, n in zip(walls, tokens) if n == size]
-                if len(h) >= 5:
-                    sizes.setdefault(size, {})[name] = {
-                        "host_median_us": statistics.median(h) * 1e6,
-                        "wall_median_us": statistics.median(w) * 1e6,
-                    }
-        out[side] = {size: v for size, v in sizes.items() if len(v) == 2}
-        for v in out[side].values():
-            v["host_slowed_over_normal"] = v["slowed"]["host_median_us"] / v["normal"]["host_median_us"]
-            v["wall_slowed_over_normal"] = v["slowed"]["wall_median_us"] / v["normal"]["wall_median_us"]
+        out[side] = {}
+        for size, got in slow.items():
+            first = normal[0].get(size) if normal[0] else None
+            hosts = [n[size]["host_median_us"] for n in normal if n and size in n]
+            if first is None:
+                continue
+            out[side][size] = {
+                "normal": first,
+                "slowed": got,
+                "host_slowed_over_normal": got["host_median_us"] / first["host_median_us"],
+                "wall_slowed_over_normal": got["wall_median_us"] / first["wall_median_us"],
+                "unslowed_runs_host_median_us": [min(hosts), max(hosts)],
+                "host_within_unslowed_runs": min(hosts) <= got["host_median_us"] <= max(hosts),
+            }
     return {"slowed_kernel": "release/generate.py SLOWED", **out}
 
 
@@ -189,11 +202,13 @@ def main(argv: list[str]) -> int:
             print(f"  {model}: {said}")
     for side, sizes in check.items() if check else ():
         for size, v in sizes.items() if isinstance(sizes, dict) else ():
+            low, high = v["unslowed_runs_host_median_us"]
             print(
                 f"FIA slowed ({side}, {size} tokens a step): the update's host figure "
                 f"{v['normal']['host_median_us']:.0f} -> {v['slowed']['host_median_us']:.0f} us "
-                f"({v['host_slowed_over_normal']:.2f}x), its wall {v['normal']['wall_median_us']:.0f} -> "
-                f"{v['slowed']['wall_median_us']:.0f} us ({v['wall_slowed_over_normal']:.2f}x)"
+                f"({v['host_slowed_over_normal']:.2f}x; the unslowed runs {low:.0f} to {high:.0f}), its wall "
+                f"{v['normal']['wall_median_us']:.0f} -> {v['slowed']['wall_median_us']:.0f} us "
+                f"({v['wall_slowed_over_normal']:.2f}x)"
             )
     return 0
 

@@ -168,7 +168,16 @@ def test_the_slowed_kernel_check_compares_each_sides_host_figure_and_wall_per_ba
     for side in ("vllm_ascend", "npugraph"):
         assert got[side]["1"]["host_slowed_over_normal"] == 1.0 == got[side]["1"]["wall_slowed_over_normal"]
         assert got[side]["4"]["host_slowed_over_normal"] == 1.0 and got[side]["4"]["wall_slowed_over_normal"] == 3.0
-    assert "FIA slowed (npugraph, 4 tokens a step): the update's host figure 100 -> 100 us (1.00x)" in capsys.readouterr().out
+    said = (
+        "FIA slowed (npugraph, 4 tokens a step): the update's host figure 100 -> 100 us (1.00x; the unslowed runs 100"
+    )
+    assert said in capsys.readouterr().out
+    assert got["npugraph"]["4"]["host_within_unslowed_runs"] and got["npugraph"]["4"][
+        "unslowed_runs_host_median_us"
+    ] == [
+        100.0,
+        100.0,
+    ]
     (tmp_path / "deep.npugraph.slowed.json").unlink()
     assert update_cost.slowed(tmp_path) == {}
 

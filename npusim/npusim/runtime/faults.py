@@ -18,7 +18,7 @@ And one a benchmark needs, to show that a host-time figure leaves the device's o
 * ``slow-kernel=NAME:MS``: every replayed execution of kernel ``NAME`` takes ``MS``
   milliseconds (a float) longer, as a slower device would: the delay is the device's time,
   counted in :func:`npusim.device_seconds` as the kernel's own.  A host figure taken as
-  wall time less the device's must not move with it (release/slowed.py).
+  wall time less the device's must not move with it (release/generate.py SLOWED, release/update_cost.py).
 
 Several are separated by commas.  The two faults each fire once; the slowed kernel is slow
 every time.  Counts start when the device is made (every process of an engine counts its own).
