@@ -94,6 +94,27 @@ def test_bfloat16_arithmetic_is_on_values_rounded_to_bfloat16() -> None:
     assert torch.equal(got[:64], expected[:64]) and torch.equal(got[192:256], expected[192:256])
 
 
+@triton.jit
+def masked_by_a_scalar(x_ptr, s_ptr, o_ptr, N: tl.constexpr, VALID: tl.constexpr):  # type: ignore[no-untyped-def]
+    # vllm-ascend 0.30's v2 sampler's shape: a block's mask and a loaded scalar's comparison
+    i = tl.arange(0, N)
+    mask = i < VALID
+    s = tl.load(s_ptr).to(tl.float32)
+    x = tl.load(x_ptr + i)
+    tl.store(o_ptr + i, tl.where(mask & (s != 0.0) & (x > 0.0), x, -1.0))
+
+
+@pytest.mark.parametrize("scalar", [0.0, 2.0])
+def test_a_scalar_comparison_is_boolean_where_it_meets_a_block_mask(scalar: float) -> None:
+    # Triton's interpreter typed a comparison's booleans as its left operand: the scalar
+    # ``s != 0.0``, splat to the block, came out float, and ``mask & ...`` failed in numpy
+    x = torch.randn(16, dtype=torch.float32)
+    out = torch.empty(16, dtype=torch.float32, device="npu")
+    masked_by_a_scalar[(1,)](x.to("npu"), torch.tensor([scalar], device="npu"), out, N=16, VALID=11)
+    keep = (torch.arange(16) < 11) & (x > 0) & (scalar != 0.0)
+    assert torch.equal(out.cpu(), torch.where(keep, x, torch.full_like(x, -1.0)))
+
+
 def test_extract_and_insert_slice_rotate_halves_as_numpy_does() -> None:
     x = torch.randn(4, 16, dtype=torch.float32)
     out = torch.empty(4, 16, dtype=torch.float32, device="npu")

@@ -182,7 +182,8 @@ def bfloat16_arithmetic(interpreter: types.ModuleType) -> None:
     An NPU (and a GPU) computes it on the values, rounded to bfloat16.  So each float
     operation with a bfloat16 operand (binary, unary, fused multiply-add, clamp) runs here
     in float32 and rounds to nearest even; a comparison returns its booleans.  Selects and
-    bit casts keep the patterns, as they should."""
+    bit casts keep the patterns, as they should.  And any comparison's booleans are typed
+    int1, bfloat16 or not (the interpreter types them as their left operand)."""
     import numpy as np
 
     builder = interpreter.InterpreterBuilder
@@ -214,9 +215,18 @@ def bfloat16_arithmetic(interpreter: types.ModuleType) -> None:
     )
 
     def binary_op(self: Any, lhs: Any, rhs: Any, op: Any) -> Any:
-        if not is_bf16(lhs, rhs):
-            return binary(self, lhs, rhs, op)
-        return result(op(widen(lhs), widen(rhs)), lhs.dtype.scalar)
+        out = (
+            binary(self, lhs, rhs, op)
+            if not is_bf16(lhs, rhs)
+            else result(op(widen(lhs), widen(rhs)), lhs.dtype.scalar)
+        )
+        if out.data.dtype == np.bool_ and getattr(out.dtype.scalar, "name", None) != "int1":
+            # A comparison's booleans are int1, as the compiled kernel's are; Triton's
+            # interpreter types them as its left operand: a scalar ``x != 0.0`` splat into a
+            # block then comes out float, and ``mask & (x != 0.0)`` fails (vllm-ascend 0.30's
+            # v2 sampler, categorical_sample.py: numpy's bitwise_and on a float operand)
+            out = handle(out.data, interpreter.tl.int1)
+        return out
 
     def unary_op(self: Any, arg: Any, op: Any) -> Any:
         if not is_bf16(arg):
