@@ -90,6 +90,7 @@ def _count(folder: str) -> None:
     from engine_counts import EngineCounts
 
     counts = EngineCounts(folder)
+    step_timers: list[Any] = []  # vllm-ascend 0.30's per-step UpdatableGraph timer (acl_graph's), for the v2 runner's
 
     def acl_graph(module: Any) -> None:
         # replaced as the module finishes loading: every vllm-ascend module that imports the
@@ -129,27 +130,55 @@ def _count(folder: str) -> None:
         calls: collections.Counter[str] = collections.Counter()
         graph_cls.resolve_tasks = timed(graph_cls, "resolve_tasks", parts, calls, walls=wall_parts)
         graph_cls.update = timed(graph_cls, "update", parts, calls, walls=wall_parts)
-        replay = wrapper_cls._updatable_graph_replay
         # the lists counts.time made for update_full_graph_params: one step's entry in each
         seconds = counts.values["vllm_ascend_update_seconds"]
         walls = counts.values["vllm_ascend_update_walls"]
         device_calls = counts.values["vllm_ascend_update_device_calls"]
 
-        def _updatable_graph_replay(self: Any, forward_context: Any, *args: Any, **kwargs: Any) -> Any:
-            parts.clear()
-            wall_parts.clear()
-            calls.clear()
+        def one_step(replay: Any, step_tokens: Any) -> Any:
+            # ``replay`` (a replay with its update) as one step's entry; ``step_tokens(arg)`` its
+            # padded size from the replay's first argument
+            def _updatable_graph_replay(self: Any, first: Any, *args: Any, **kwargs: Any) -> Any:
+                parts.clear()
+                wall_parts.clear()
+                calls.clear()
+                try:
+                    return replay(self, first, *args, **kwargs)
+                finally:
+                    seconds.append(sum(parts))
+                    walls.append(sum(wall_parts))
+                    tokens.append(step_tokens(first))
+                    device_calls.update(calls)
+                    counts.write()
+
+            return _updatable_graph_replay
+
+        def batch_tokens(forward_context: Any) -> int:
+            return int(getattr(getattr(forward_context, "batch_descriptor", None), "num_tokens", 0) or 0)
+
+        wrapper_cls._updatable_graph_replay = one_step(wrapper_cls._updatable_graph_replay, batch_tokens)
+        step_timers.append(one_step)
+
+    def v2_manager(v2: Any) -> None:
+        # vLLM's model runner v2: vllm-ascend's ModelAclGraphManager updates as ACLGraphWrapper
+        # does (its _updatable_graph_replay(desc, attn_metadata), timed alike: its module
+        # imports acl_graph first), and each FULL replay is a graph step
+        manager = v2.ModelAclGraphManager
+        for one_step in step_timers:
+            manager._updatable_graph_replay = one_step(
+                manager._updatable_graph_replay, lambda desc: int(getattr(desc, "num_tokens", 0) or 0)
+            )
+        run = manager.run_fullgraph
+        counts.values["graph_steps"] = 0
+
+        def run_fullgraph(self: Any, desc: Any) -> Any:
+            counts.values["graph_steps"] += 1
             try:
-                return replay(self, forward_context, *args, **kwargs)
+                return run(self, desc)
             finally:
-                seconds.append(sum(parts))
-                walls.append(sum(wall_parts))
-                batch = getattr(forward_context, "batch_descriptor", None)
-                tokens.append(int(getattr(batch, "num_tokens", 0) or 0))
-                device_calls.update(calls)
                 counts.write()
 
-        wrapper_cls._updatable_graph_replay = _updatable_graph_replay
+        manager.run_fullgraph = run_fullgraph
 
     def graph_steps(cls: type, key: str) -> None:
         # vllm-ascend's own decision that a step replays a full graph (in both graph modes:
@@ -182,6 +211,7 @@ def _count(folder: str) -> None:
 
     after_import("vllm_ascend.compilation.acl_graph", acl_graph)
     after_import("vllm_ascend.worker.model_runner_v1", model_runner)
+    after_import("vllm_ascend.worker.v2.aclgraph_utils", v2_manager)
     after_import("vllm_ascend.spec_decode.llm_base_proposer", proposer)
     counts.npugraph(after_import, write_each_step=True)
 

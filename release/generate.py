@@ -93,6 +93,15 @@ MODES = ("eager", "aclgraph", "npugraph")
 # vLLM's default compilation config (no compilation_config: FULL_AND_PIECEWISE), without and
 # with npugraph's plugin: what a user who types nothing more gets (release/test_default_mode.py)
 DEFAULT_MODES = ("vllm-default", "vllm-default-npugraph")
+# vLLM's model runner v2 (VLLM_USE_V2_MODEL_RUNNER=1; not vllm-ascend 0.30's default): its
+# graph manager captures FULL graphs itself, vllm-ascend's ModelAclGraphManager updates them,
+# and under the plugin npugraph's (npugraph/integrations/vllm/runner_v2.py) (release/test_runner_v2.py)
+V2_MODES = ("aclgraph-v2", "npugraph-v2")
+
+
+def graph_mode(mode: str) -> bool:
+    """Whether ``mode`` captures FULL_DECODE_ONLY graphs (vllm-ascend's or npugraph's, either runner)."""
+    return mode in MODES[1:] + V2_MODES
 
 
 @attrs.frozen(kw_only=True)
@@ -252,7 +261,7 @@ def engine_args(model: Path, mode: str) -> dict[str, Any]:
     elif mode not in DEFAULT_MODES:
         kwargs["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
     served = MODELS[model.name]
-    if mode in MODES[1:] and served.paged_attention:
+    if graph_mode(mode) and served.paged_attention:
         kwargs["additional_config"] = {"pa_shape_list": PA_SIZES}
     if served.speculative is not None:
         kwargs["speculative_config"] = dict(served.speculative)
@@ -281,8 +290,10 @@ def serve(engine: Any, model: str, tokens: dict[str, list[int]]) -> int:
 
 
 def run(model: Path, mode: str) -> dict[str, Any]:
-    if mode.endswith("npugraph"):
+    if "npugraph" in mode:
         os.environ["NPUGRAPH_ENABLE"] = "1"
+    if mode in V2_MODES:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     from vllm import LLM
 
     kwargs = engine_args(model, mode)
@@ -377,7 +388,7 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 or (len(argv) == 3 and argv[2].isdigit() and int(argv[2]) >= 1):
         generate(Path(argv[1]), int(argv[2]) if len(argv) == 3 else None)
         return 0
-    if len(argv) != 4 or argv[2] not in MODES + DEFAULT_MODES or Path(argv[1]).name not in MODELS:
+    if len(argv) != 4 or argv[2] not in MODES + DEFAULT_MODES + V2_MODES or Path(argv[1]).name not in MODELS:
         print("usage:\n" + "\n".join(__doc__.splitlines()[2:7]), file=sys.stderr)
         return 2
     model = Path(argv[1])

@@ -28,10 +28,11 @@
 #      device memory at capture, and so does npugraph's with that KV cache; npugraph's plugin
 #      as a user starts it counts its graphs in the budget and serves;
 #   7. vLLM's default compilation config (no compilation_config: FULL_AND_PIECEWISE) on the
-#      Llama, with and without npugraph's plugin (release/test_default_mode.py);
+#      Llama, with and without npugraph's plugin (release/test_default_mode.py); vLLM's model
+#      runner v2 with vllm-ascend's graphs and with npugraph's (release/test_runner_v2.py: from 0.30);
 #   8. `vllm serve` with the plugin, driven by the openai client (release/test_server.py): eight
 #      completions at once, Hugging Face's choices, then one at a time, the same texts as the
-#      release's eager server and its own graph mode's (at CHECK_SCOPE=ci on 0.30.0rc2 only);
+#      release's eager server and its own graph mode's (at CHECK_SCOPE=ci: eager's, on 0.30.0rc2);
 #      bad requests each get a 400 and the server serves on, right; 200 concurrent
 #      connections; a client walking away mid-stream; the soak's two minutes; SIGINT.
 # Fails if any of them fails.
@@ -146,6 +147,10 @@ step "graph memory and the KV-cache budget: vllm-ascend's own graph mode, npugra
 step "vLLM's default compilation config (FULL_AND_PIECEWISE), without and with npugraph's plugin"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
     release/test_default_mode.py) || status=1
+
+step "vLLM's model runner v2 (VLLM_USE_V2_MODEL_RUNNER=1), vllm-ascend's graphs and npugraph's (0.30.0rc2 on)"
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
+    release/test_runner_v2.py) || status=1
 
 step "vllm serve with npugraph's plugin, driven by the openai client: eager's and vllm-ascend's texts, bad requests, a burst, a soak, SIGINT"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \

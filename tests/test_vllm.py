@@ -710,10 +710,15 @@ def test_plugin_without_vllm_logs_one_line_and_device_is_validated(monkeypatch, 
     assert len(lines) == 1 and "vLLM cannot be imported" in lines[0]
 
 
-def test_plugin_leaves_the_model_runner_v2_untouched_saying_why(monkeypatch, caplog):
-    """vllm-ascend 0.30's model runner v2 captures through its own graph manager: the plugin
-    says so in one error line and installs nothing (its recorders would leave stale lengths)."""
+def test_plugin_leaves_a_model_runner_v2_it_cannot_serve_untouched_saying_why(monkeypatch, caplog):
+    """vLLM's model runner v2 captures through its own graph manager; where vllm-ascend has none
+    npugraph serves (ModelAclGraphManager: here, no vllm-ascend), the plugin says so in one
+    error line and installs nothing (its recorders would leave stale lengths)."""
     from vllm.platforms import current_platform
+
+    from npugraph.integrations.vllm import runner_v2
+
+    assert not runner_v2.available()
 
     monkeypatch.setenv(integ.ENV_ENABLE, "1")
     monkeypatch.setenv(integ.ENV_DEVICE, "sim")

@@ -718,6 +718,21 @@ def test_real_vllm_ascend_sources_have_every_name_npugraph_replaces(monkeypatch)
         for module_name, _ in kv_budget._KV_BUDGET_NAMES:
             importlib.import_module(module_name)
         assert integ.kv_budget_missing() == []
+        # vLLM's model runner v2: served where vllm-ascend's manager updates through
+        # UpdatableGraph (0.30 on), refused on 0.23's; every name found, and put back
+        from npugraph.integrations.vllm import runner_v2
+
+        served = result.generation == "sept-2026"
+        assert runner_v2.available() == served
+        if served:
+            manager_cls = importlib.import_module("vllm_ascend.worker.v2.aclgraph_utils").ModelAclGraphManager
+            base = importlib.import_module("vllm.v1.worker.gpu.cudagraph_utils").CudaGraphManager
+            before = (base.capture, manager_cls._updatable_graph_replay, manager_cls._graph_relay)
+            replaced = runner_v2.install()
+            assert len(replaced) == 3, replaced
+            assert (base.capture, manager_cls._updatable_graph_replay, manager_cls._graph_relay) != before
+            runner_v2.uninstall()
+            assert (base.capture, manager_cls._updatable_graph_replay, manager_cls._graph_relay) == before
     finally:
         ascend.uninstall()
         _purge()

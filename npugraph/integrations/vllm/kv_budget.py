@@ -208,6 +208,15 @@ def patch_kv_budget() -> None:
             or config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
         ):
             return available
+        if not hasattr(self.model_runner, "cudagraph_dispatcher"):
+            # vLLM's model runner v2: no dispatcher to ask for the sizes, and vLLM's profiling
+            # capture is its graph manager's (npugraph's capture there: runner_v2)
+            logger.info(
+                "npugraph: vLLM's model runner v2: the KV-cache budget is vllm-ascend's own (%.2f GiB); "
+                "npugraph's graph memory is not estimated into it",
+                available / (1 << 30),
+            )
+            return available
         estimate = estimate_graph_memory(self.model_runner)
         setattr(config, ESTIMATE_ATTR, estimate)
         budget = available - estimate.bytes

@@ -24,6 +24,7 @@ from npugraph.integrations.common import (
     wrap_method,
 )
 from npugraph.integrations.common import say_captured as _say_captured
+from npugraph.integrations.vllm import runner_v2
 from npugraph.integrations.vllm.kv_budget import ESTIMATE_ATTR, MIB, RUNNER, patch_kv_budget, unpatch_kv_budget
 from npugraph.integrations.vllm.wrapper import (
     RUNTIME_ATTR,
@@ -79,6 +80,8 @@ def install(platform: Any = None) -> None:
     _patch_render_guard()
     patch_kv_budget()
     vllm_ascend.install()
+    if uses_model_runner_v2():
+        logger.info("npugraph: vLLM's model runner v2: replaced %s", ", ".join(runner_v2.install()) or "nothing")
     for module_name, names in _PATCHED_DRAFT:  # after vllm-ascend's own import order (vllm_ascend.install)
         _patch(module_name, names, DraftNpuGraphWrapper)
     _log_once(f"npugraph: installed as the graph wrapper of {cls.__name__} (pid {os.getpid()})")
@@ -256,6 +259,7 @@ def uninstall(platform: Any = None) -> None:
     unwrap_method(_RENDER, "render_completion")
     unpatch_kv_budget()
     vllm_ascend.uninstall()
+    runner_v2.uninstall()
 
 
 # vLLM's own knob for more variables to copy from the driver to its Ray workers
@@ -275,19 +279,23 @@ def carry_settings_to_ray_workers() -> None:
         os.environ[RAY_PREFIXES] = ",".join([*prefixes, "NPUGRAPH_"])
 
 
+def uses_model_runner_v2() -> bool:
+    """Whether vLLM runs its model runner v2 (``VLLM_USE_V2_MODEL_RUNNER=1``; vllm-ascend's
+    ``worker/v2``): its FULL graphs are captured by its graph manager, not a static wrapper
+    (npugraph serves them there: :mod:`npugraph.integrations.vllm.runner_v2`)."""
+    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true")
+
+
 def check_model_runner() -> None:
-    """Refuse vLLM's model runner v2 (``VLLM_USE_V2_MODEL_RUNNER=1``; vllm-ascend's
-    ``worker/v2``): it captures through its own graph manager (vllm-ascend's
-    ``ModelAclGraphManager``), not the static graph wrapper npugraph replaces, and updates
-    its graphs there.  With npugraph's recorders installed its captures would record the
-    attention with no task group to update: stale lengths, silently.  Left untouched, the
-    engine serves with its own graphs."""
-    flag = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
-    if flag in ("1", "true"):
+    """Refuse vLLM's model runner v2 where it has no graph manager npugraph serves (a vLLM or
+    vllm-ascend without ``ModelAclGraphManager``): with npugraph's recorders installed, its
+    captures would record the attention with no task group to update: stale lengths,
+    silently.  Left untouched, the engine serves with its own graphs."""
+    if uses_model_runner_v2() and not runner_v2.available():
         raise ConfigError(
-            f"VLLM_USE_V2_MODEL_RUNNER={flag}: vLLM's model runner v2 captures its graphs through its own "
-            "graph manager, which npugraph's plugin does not serve yet; unset it to serve with npugraph "
-            "(the v1 runner, vllm-ascend's default), or set NPUGRAPH_ENABLE=0"
+            "VLLM_USE_V2_MODEL_RUNNER=1: this vLLM / vllm-ascend has no v2 graph manager npugraph serves "
+            "(vllm_ascend.worker.v2.aclgraph_utils.ModelAclGraphManager); unset it to serve with npugraph "
+            "(the v1 runner), or set NPUGRAPH_ENABLE=0"
         )
 
 

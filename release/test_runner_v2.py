@@ -1,0 +1,75 @@
+"""vLLM's model runner v2 (``VLLM_USE_V2_MODEL_RUNNER=1``), vllm-ascend 0.30's second runner,
+with vllm-ascend's own graphs and with npugraph's plugin (release/run.sh runs this in the
+0.30.0rc2 environment; elsewhere it skips).
+
+The v2 runner captures FULL graphs in its own graph manager (vllm-ascend's
+``ModelAclGraphManager``), not in a static wrapper: npugraph's plugin serves it there
+(npugraph/integrations/vllm/runner_v2.py).  ``vllm.LLM(model, dtype="bfloat16",
+compilation_config FULL_DECODE_ONLY)`` as in release/generate.py, on the Llama and its
+requests: both v2 runs give eager's tokens (the v1 runner's eager run), Hugging Face's float32
+forward agrees, under the plugin npugraph updated every graph step and vllm-ascend none, and
+neither run printed a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm_ascend", reason="needs the release environment (release/env.sh)")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import generate
+from hf_reference import check_greedy_choices
+from runs import result_path, run_logged
+
+from npugraph.integrations.vllm import runner_v2
+
+if not runner_v2.available():  # vllm-ascend 0.23's v2 runner: npugraph's plugin refuses it (tests/test_vllm.py)
+    pytest.skip("a vllm-ascend whose v2 runner npugraph does not serve", allow_module_level=True)
+
+MODEL = "llama"
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/run.sh generated the eager run already
+    out = Path(given) if given else tmp_path_factory.mktemp("runner-v2")
+    generate.write_model(out / MODEL)
+    for mode in ("eager", *generate.V2_MODES):
+        path = result_path(out, MODEL, mode)
+        if mode == "eager" and path.is_file():
+            continue
+        args = [sys.executable, generate.__file__, str(out / MODEL), mode, str(path)]
+        run_logged(args, path, generate.process_env(out, path), f"{MODEL} {mode}")
+    return out
+
+
+def _result(out_dir: Path, mode: str) -> dict:
+    return json.loads(result_path(out_dir, MODEL, mode).read_text())
+
+
+@pytest.mark.parametrize("mode", generate.V2_MODES)
+def test_the_v2_runner_gives_eagers_tokens_and_hugging_faces(out_dir: Path, mode: str) -> None:
+    got, eager = _result(out_dir, mode), _result(out_dir, "eager")
+    assert got["tokens"] == eager["tokens"]
+    check_greedy_choices(out_dir / MODEL, got["prompts"], got["tokens"], 0.15)
+    log = result_path(out_dir, MODEL, mode).with_suffix(".log").read_text()
+    assert "Traceback" not in log, log[-4000:]
+    assert got["graph_steps"] > 0, "the v2 runner replayed graphs"
+
+
+def test_npugraph_does_every_update_of_the_v2_runners_graphs(out_dir: Path) -> None:
+    acl = _result(out_dir, "aclgraph-v2")
+    assert len(acl["vllm_ascend_update_seconds"]) == acl["graph_steps"] > 0, "vllm-ascend's own: one update a step"
+    npg = _result(out_dir, "npugraph-v2")
+    log = result_path(out_dir, MODEL, "npugraph-v2").with_suffix(".log").read_text()
+    assert "npugraph: vLLM's model runner v2: replaced" in log
+    assert not npg["vllm_ascend_update_seconds"], "vllm-ascend's own update ran under the plugin"
+    assert npg["npugraph_steps"] == npg["graph_steps"] > 0
+    calls = npg["npugraph_update_device_calls"]
+    assert calls["update_begin"] == calls["event_record"] == 2 * npg["graph_steps"], calls  # 2 layers a step
