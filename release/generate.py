@@ -378,6 +378,20 @@ def slowed_path(out_dir: Path, model: str, mode: str) -> Path:
     return out_dir / f"{model}.{mode}.slowed.json"
 
 
+def run_modes(out_dir: Path, model: str, modes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """``model`` in each of ``modes``, each in its own process as :func:`generate` runs them,
+    into ``out_dir`` (eager's result kept where release/run.sh's generation made it): each
+    mode's result."""
+    write_model(out_dir / model)
+    for mode in modes:
+        path = result_path(out_dir, model, mode)
+        if mode == "eager" and path.is_file():
+            continue
+        args = [sys.executable, __file__, str(out_dir / model), mode, str(path)]
+        run_logged(args, path, process_env(out_dir, path), f"{model} {mode}")
+    return {mode: json.loads(result_path(out_dir, model, mode).read_text()) for mode in modes}
+
+
 def process_env(out_dir: Path, out: Path) -> dict[str, str]:
     """The environment of one run's process (``generate.py MODEL_DIR MODE OUT``): the
     simulator as torch_npu, offline, and where its engine process writes its counts."""

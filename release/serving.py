@@ -60,15 +60,8 @@ class Served:
 
     def complete(self, prompt: list[int], new_tokens: int) -> list[int]:
         """A greedy completion of ``new_tokens`` tokens (end of sequence ignored): its token ids."""
-        c = self.client.completions.create(
-            model=self.model,
-            prompt=prompt,
-            max_tokens=new_tokens,
-            temperature=0.0,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
-        (choice,) = c.choices
-        return list(choice.model_extra["token_ids"])
+        (answer,) = self.one_at_a_time([prompt], new_tokens)
+        return list(answer.tokens)
 
     def one_at_a_time(self, prompts: list[list[int]], new_tokens: int) -> list[Answer]:
         """A greedy completion of ``new_tokens`` (end of sequence ignored) for each prompt, each

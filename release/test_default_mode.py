@@ -11,7 +11,6 @@ neither run printed a traceback.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ pytest.importorskip("vllm_ascend", reason="needs the release environment (releas
 
 sys.path.insert(0, str(Path(__file__).parent))
 import generate
-from runs import result_path, run_logged
+from runs import result_path
 
 MODEL = "llama"
 
@@ -30,30 +29,23 @@ MODEL = "llama"
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/run.sh generated the eager run already
-    out = Path(given) if given else tmp_path_factory.mktemp("default-mode")
-    generate.write_model(out / MODEL)
-    for mode in ("eager", *generate.DEFAULT_MODES):
-        path = result_path(out, MODEL, mode)
-        if mode == "eager" and path.is_file():
-            continue
-        args = [sys.executable, generate.__file__, str(out / MODEL), mode, str(path)]
-        run_logged(args, path, generate.process_env(out, path), f"{MODEL} {mode}")
-    return out
+    return Path(given) if given else tmp_path_factory.mktemp("default-mode")
 
 
-def _result(out_dir: Path, mode: str) -> dict:
-    return json.loads(result_path(out_dir, MODEL, mode).read_text())
+@pytest.fixture(scope="module")
+def results(out_dir: Path) -> dict[str, dict]:
+    return generate.run_modes(out_dir, MODEL, ("eager", *generate.DEFAULT_MODES))
 
 
 @pytest.mark.parametrize("mode", generate.DEFAULT_MODES)
-def test_vllms_default_mode_gives_eagers_tokens(out_dir: Path, mode: str) -> None:
-    assert _result(out_dir, mode)["tokens"] == _result(out_dir, "eager")["tokens"]
+def test_vllms_default_mode_gives_eagers_tokens(results: dict[str, dict], out_dir: Path, mode: str) -> None:
+    assert results[mode]["tokens"] == results["eager"]["tokens"]
     log = result_path(out_dir, MODEL, mode).with_suffix(".log").read_text()
     assert "Traceback" not in log and "FULL_AND_PIECEWISE" in log
 
 
-def test_npugraph_does_every_full_graph_update_in_vllms_default_mode(out_dir: Path) -> None:
-    acl, npg = _result(out_dir, "vllm-default"), _result(out_dir, "vllm-default-npugraph")
+def test_npugraph_does_every_full_graph_update_in_vllms_default_mode(results: dict[str, dict]) -> None:
+    acl, npg = results["vllm-default"], results["vllm-default-npugraph"]
     assert acl["graph_steps"] > 0 and len(acl["vllm_ascend_update_seconds"]) == acl["graph_steps"]
     assert not npg["vllm_ascend_update_seconds"], "vllm-ascend's own update ran under the plugin"
     # npugraph's steps include the piecewise pieces' replays (no attention: nothing to

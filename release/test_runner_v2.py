@@ -13,7 +13,6 @@ neither run printed a traceback.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ pytest.importorskip("vllm_ascend", reason="needs the release environment (releas
 sys.path.insert(0, str(Path(__file__).parent))
 import generate
 from hf_reference import check_greedy_choices
-from runs import result_path, run_logged
+from runs import result_path
 
 from npugraph.integrations.vllm import runner_v2
 
@@ -38,24 +37,19 @@ MODEL = "llama"
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/run.sh generated the eager run already
-    out = Path(given) if given else tmp_path_factory.mktemp("runner-v2")
-    generate.write_model(out / MODEL)
-    for mode in ("eager", *generate.V2_MODES):
-        path = result_path(out, MODEL, mode)
-        if mode == "eager" and path.is_file():
-            continue
-        args = [sys.executable, generate.__file__, str(out / MODEL), mode, str(path)]
-        run_logged(args, path, generate.process_env(out, path), f"{MODEL} {mode}")
-    return out
+    return Path(given) if given else tmp_path_factory.mktemp("runner-v2")
 
 
-def _result(out_dir: Path, mode: str) -> dict:
-    return json.loads(result_path(out_dir, MODEL, mode).read_text())
+@pytest.fixture(scope="module")
+def results(out_dir: Path) -> dict[str, dict]:
+    return generate.run_modes(out_dir, MODEL, ("eager", *generate.V2_MODES))
 
 
 @pytest.mark.parametrize("mode", generate.V2_MODES)
-def test_the_v2_runner_gives_eagers_tokens_and_hugging_faces(out_dir: Path, mode: str) -> None:
-    got, eager = _result(out_dir, mode), _result(out_dir, "eager")
+def test_the_v2_runner_gives_eagers_tokens_and_hugging_faces(
+    results: dict[str, dict], out_dir: Path, mode: str
+) -> None:
+    got, eager = results[mode], results["eager"]
     assert got["tokens"] == eager["tokens"]
     check_greedy_choices(out_dir / MODEL, got["prompts"], got["tokens"], 0.15)
     log = result_path(out_dir, MODEL, mode).with_suffix(".log").read_text()
@@ -63,10 +57,10 @@ def test_the_v2_runner_gives_eagers_tokens_and_hugging_faces(out_dir: Path, mode
     assert got["graph_steps"] > 0, "the v2 runner replayed graphs"
 
 
-def test_npugraph_does_every_update_of_the_v2_runners_graphs(out_dir: Path) -> None:
-    acl = _result(out_dir, "aclgraph-v2")
+def test_npugraph_does_every_update_of_the_v2_runners_graphs(results: dict[str, dict], out_dir: Path) -> None:
+    acl = results["aclgraph-v2"]
     assert len(acl["vllm_ascend_update_seconds"]) == acl["graph_steps"] > 0, "vllm-ascend's own: one update a step"
-    npg = _result(out_dir, "npugraph-v2")
+    npg = results["npugraph-v2"]
     log = result_path(out_dir, MODEL, "npugraph-v2").with_suffix(".log").read_text()
     assert "npugraph: vLLM's model runner v2: replaced" in log
     assert not npg["vllm_ascend_update_seconds"], "vllm-ascend's own update ran under the plugin"
