@@ -11,7 +11,6 @@ neither run printed a traceback.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -27,20 +26,14 @@ MODEL = "llama"
 
 
 @pytest.fixture(scope="module")
-def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/run.sh generated the eager run already
-    return Path(given) if given else tmp_path_factory.mktemp("default-mode")
-
-
-@pytest.fixture(scope="module")
-def results(out_dir: Path) -> dict[str, dict]:
-    return generate.run_modes(out_dir, MODEL, ("eager", *generate.DEFAULT_MODES))
+def results(generated_dir: Path) -> dict[str, dict]:
+    return generate.run_modes(generated_dir, MODEL, ("eager", *generate.DEFAULT_MODES))
 
 
 @pytest.mark.parametrize("mode", generate.DEFAULT_MODES)
-def test_vllms_default_mode_gives_eagers_tokens(results: dict[str, dict], out_dir: Path, mode: str) -> None:
+def test_vllms_default_mode_gives_eagers_tokens(results: dict[str, dict], generated_dir: Path, mode: str) -> None:
     assert results[mode]["tokens"] == results["eager"]["tokens"]
-    log = result_path(out_dir, MODEL, mode).with_suffix(".log").read_text()
+    log = result_path(generated_dir, MODEL, mode).with_suffix(".log").read_text()
     assert "Traceback" not in log and "FULL_AND_PIECEWISE" in log
 
 

@@ -13,7 +13,6 @@ neither run printed a traceback.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -35,33 +34,27 @@ MODEL = "llama"
 
 
 @pytest.fixture(scope="module")
-def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    given = os.environ.get("NPUGRAPH_GENERATE_RESULTS")  # release/run.sh generated the eager run already
-    return Path(given) if given else tmp_path_factory.mktemp("runner-v2")
-
-
-@pytest.fixture(scope="module")
-def results(out_dir: Path) -> dict[str, dict]:
-    return generate.run_modes(out_dir, MODEL, ("eager", *generate.V2_MODES))
+def results(generated_dir: Path) -> dict[str, dict]:
+    return generate.run_modes(generated_dir, MODEL, ("eager", *generate.V2_MODES))
 
 
 @pytest.mark.parametrize("mode", generate.V2_MODES)
 def test_the_v2_runner_gives_eagers_tokens_and_hugging_faces(
-    results: dict[str, dict], out_dir: Path, mode: str
+    results: dict[str, dict], generated_dir: Path, mode: str
 ) -> None:
     got, eager = results[mode], results["eager"]
     assert got["tokens"] == eager["tokens"]
-    check_greedy_choices(out_dir / MODEL, got["prompts"], got["tokens"], 0.15)
-    log = result_path(out_dir, MODEL, mode).with_suffix(".log").read_text()
+    check_greedy_choices(generated_dir / MODEL, got["prompts"], got["tokens"], 0.15)
+    log = result_path(generated_dir, MODEL, mode).with_suffix(".log").read_text()
     assert "Traceback" not in log, log[-4000:]
     assert got["graph_steps"] > 0, "the v2 runner replayed graphs"
 
 
-def test_npugraph_does_every_update_of_the_v2_runners_graphs(results: dict[str, dict], out_dir: Path) -> None:
+def test_npugraph_does_every_update_of_the_v2_runners_graphs(results: dict[str, dict], generated_dir: Path) -> None:
     acl = results["aclgraph-v2"]
     assert len(acl["vllm_ascend_update_seconds"]) == acl["graph_steps"] > 0, "vllm-ascend's own: one update a step"
     npg = results["npugraph-v2"]
-    log = result_path(out_dir, MODEL, "npugraph-v2").with_suffix(".log").read_text()
+    log = result_path(generated_dir, MODEL, "npugraph-v2").with_suffix(".log").read_text()
     assert "npugraph: vLLM's model runner v2: replaced" in log
     assert not npg["vllm_ascend_update_seconds"], "vllm-ascend's own update ran under the plugin"
     assert npg["npugraph_steps"] == npg["graph_steps"] > 0
