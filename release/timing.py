@@ -5,11 +5,15 @@ device calls it made."""
 from __future__ import annotations
 
 import collections
+import cProfile
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEVICE_CALLS", "timed"]
+__all__ = ["DEVICE_CALLS", "PROFILE_ENV", "timed"]
+
+PROFILE_ENV = "NPUGRAPH_UPDATE_PROFILE"
 
 # the device calls an update makes, as the simulator counts them (HostCostModel's)
 DEVICE_CALLS = ("update_begin", "op_launch", "update_end", "event_record", "workspace_query")
@@ -28,6 +32,11 @@ def timed(
     device calls it makes (update sessions, launches, event records, workspace queries);
     ``after()`` runs after each call; ``walls``, if given, also gets each call's whole wall time."""
     original = getattr(owner, name)
+    # NPUGRAPH_UPDATE_PROFILE=DIR: every call also runs under cProfile, its stats rewritten to
+    # DIR/NAME-PID.prof after each call (vLLM kills its engine process at shutdown): where an
+    # update's host time goes, function by function (the timings then carry cProfile's cost)
+    folder = os.environ.get(PROFILE_ENV)
+    profile = cProfile.Profile() if folder else None
 
     def timed_call(*args: Any, **kwargs: Any) -> Any:
         import npusim as sim  # at the call: the wrapped module may load inside the simulator's own import
@@ -35,14 +44,20 @@ def timed(
         counters = sim.counters
         before = collections.Counter({k: counters()[k] for k in DEVICE_CALLS})
         t0, d0 = time.perf_counter(), sim.device_seconds()
+        if profile is not None:
+            profile.enable()
         try:
             return original(*args, **kwargs)
         finally:
+            if profile is not None:
+                profile.disable()
             wall = time.perf_counter() - t0
             samples.append(wall - (sim.device_seconds() - d0))
             if walls is not None:
                 walls.append(wall)
             calls.update({k: counters()[k] - before[k] for k in DEVICE_CALLS})
+            if profile is not None:
+                profile.dump_stats(os.path.join(str(folder), f"{name}-{os.getpid()}.prof"))
             if after is not None:
                 after()
 
