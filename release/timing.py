@@ -37,6 +37,9 @@ def timed(
     # update's host time goes, function by function (the timings then carry cProfile's cost)
     folder = os.environ.get(PROFILE_ENV)
     profile = cProfile.Profile() if folder else None
+    profiling = [False]  # inside a call, the profile on
+    if profile is not None:
+        _pause_in_device_work(profile, profiling)
 
     def timed_call(*args: Any, **kwargs: Any) -> Any:
         import npusim as sim  # at the call: the wrapped module may load inside the simulator's own import
@@ -46,10 +49,12 @@ def timed(
         t0, d0 = time.perf_counter(), sim.device_seconds()
         if profile is not None:
             profile.enable()
+            profiling[0] = True
         try:
             return original(*args, **kwargs)
         finally:
             if profile is not None:
+                profiling[0] = False
                 profile.disable()
             wall = time.perf_counter() - t0
             samples.append(wall - (sim.device_seconds() - d0))
@@ -63,3 +68,22 @@ def timed(
 
     timed_call.__wrapped__ = original  # type: ignore[attr-defined]
     return timed_call
+
+
+def _pause_in_device_work(profile: cProfile.Profile, profiling: list[bool]) -> None:
+    """``profile`` off while the simulator runs device work (``SimState._pump``) inside a
+    profiled call: its stats are the update's host functions alone, as its timing is."""
+    from npusim.runtime.state import SimState
+
+    pump = SimState._pump
+
+    def _pump(self: Any, drain: bool) -> None:
+        if not profiling[0]:
+            return pump(self, drain)
+        profile.disable()
+        try:
+            return pump(self, drain)
+        finally:
+            profile.enable()
+
+    SimState._pump = _pump  # type: ignore[method-assign]
