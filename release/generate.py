@@ -1,7 +1,7 @@
 """A real generation on vllm-ascend's platform, on npugraph's simulator (release/run.sh).
 
     generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | aclgraph | npugraph | vllm-default |
-                                               vllm-default-npugraph
+                                               vllm-default-npugraph | aclgraph-v2 | npugraph-v2
     generate.py OUT_DIR [RUNS]                 each model and mode in its own process, into
                                                OUT_DIR; the side-by-side's graph modes RUNS
                                                times, in turn (default: 5 for the 32-layer
@@ -350,10 +350,10 @@ def generate(out_dir: Path, runs: int | None = None) -> None:
         write_model(out_dir / arch)
 
     def one(arch: str, mode: str, run: int, slowed: bool = False) -> None:
-        out = slowed_path(out_dir, arch, mode) if slowed else result_path(out_dir, arch, mode, run)
-        env = process_env(out_dir, out) | ({"NPUGRAPH_SIM_FAULT": SLOWED} if slowed else {})
-        args = [sys.executable, __file__, str(out_dir / arch), mode, str(out)]
-        run_logged(args, out, env, f"{arch} {mode} ({'slowed' if slowed else f'run {run}'})")
+        if slowed:
+            run_one(out_dir, arch, mode, slowed_path(out_dir, arch, mode), "slowed", NPUGRAPH_SIM_FAULT=SLOWED)
+        else:
+            run_one(out_dir, arch, mode, result_path(out_dir, arch, mode, run), f"run {run}")
 
     # An engine keeps about one core busy (its processes take turns), so two untimed runs
     # share this two-core machine; the timed ones then run alone (release/runs.py).
@@ -385,11 +385,17 @@ def run_modes(out_dir: Path, model: str, modes: tuple[str, ...]) -> dict[str, di
     write_model(out_dir / model)
     for mode in modes:
         path = result_path(out_dir, model, mode)
-        if mode == "eager" and path.is_file():
-            continue
-        args = [sys.executable, __file__, str(out_dir / model), mode, str(path)]
-        run_logged(args, path, process_env(out_dir, path), f"{model} {mode}")
+        if mode != "eager" or not path.is_file():
+            run_one(out_dir, model, mode, path, "run 1")
     return {mode: json.loads(result_path(out_dir, model, mode).read_text()) for mode in modes}
+
+
+def run_one(out_dir: Path, model: str, mode: str, out: Path, which: str, **env: str) -> None:
+    """``model`` (its checkpoint in ``out_dir``) in ``mode``, in a process of its own, its result
+    into ``out`` and its output beside it, ``env`` added to its environment; logged as
+    ``MODEL MODE (which)``."""
+    args = [sys.executable, __file__, str(out_dir / model), mode, str(out)]
+    run_logged(args, out, process_env(out_dir, out) | env, f"{model} {mode} ({which})")
 
 
 def process_env(out_dir: Path, out: Path) -> dict[str, str]:

@@ -58,6 +58,23 @@ class Served:
     model: str
     client: Any  # openai.OpenAI
 
+    def _greedy(self, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+        """The ``completions.create`` arguments of a greedy completion of ``new_tokens`` tokens
+        (end of sequence ignored), its token ids returned beside its text."""
+        return {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": new_tokens,
+            "temperature": 0.0,
+            "extra_body": {"ignore_eos": True, "return_token_ids": True},
+        }
+
+    def _async_client(self) -> Any:
+        """An ``openai.AsyncOpenAI`` client of this server: each request on its own connection."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key="none", timeout=600, max_retries=0)
+
     def complete(self, prompt: list[int], new_tokens: int) -> list[int]:
         """A greedy completion of ``new_tokens`` tokens (end of sequence ignored): its token ids."""
         (answer,) = self.one_at_a_time([prompt], new_tokens)
@@ -68,33 +85,23 @@ class Served:
         sent once the one before has ended: no batch but its own."""
         out = []
         for prompt in prompts:
-            c = self.client.completions.create(
-                model=self.model,
-                prompt=prompt,
-                max_tokens=new_tokens,
-                temperature=0.0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )
-            (choice,) = c.choices
+            (choice,) = self.client.completions.create(**self._greedy(prompt, new_tokens)).choices
             out.append(Answer(choice.text, tuple(choice.model_extra["token_ids"])))
         return out
 
     def together(self, prompts: list[list[int]], new_tokens: int, streamed: list[bool]) -> list[Answer]:
         """The same completions all at once, each on its own connection, prompt ``i`` streamed
         where ``streamed[i]``: their answers, in the prompts' order."""
-        import openai
 
         async def together() -> list[Answer]:
-            client = openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key="none", timeout=600, max_retries=0)
-            body = {"ignore_eos": True, "return_token_ids": True}
+            client = self._async_client()
 
             async def one(prompt: list[int], stream: bool) -> Answer:
-                kw = {"model": self.model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0}
                 if not stream:
-                    c = await client.completions.create(**kw, extra_body=body)
+                    c = await client.completions.create(**self._greedy(prompt, new_tokens))
                     return Answer(c.choices[0].text, tuple(c.choices[0].model_extra["token_ids"]))
                 text, tokens = [], []
-                async for chunk in await client.completions.create(**kw, stream=True, extra_body=body):
+                async for chunk in await client.completions.create(**self._greedy(prompt, new_tokens), stream=True):
                     if chunk.choices:
                         text.append(chunk.choices[0].text or "")
                         tokens.extend((chunk.choices[0].model_extra or {}).get("token_ids") or [])
@@ -122,19 +129,12 @@ class Served:
 
     def burst(self, prompts: list[list[int]], count: int, new_tokens: int) -> list[str]:
         """``count`` concurrent greedy completions, each on its own connection: their finish reasons."""
-        import openai
 
         async def burst() -> list[str]:
-            client = openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key="none", timeout=600, max_retries=0)
+            client = self._async_client()
 
             async def one(i: int) -> str:
-                c = await client.completions.create(
-                    model=self.model,
-                    prompt=prompts[i % len(prompts)],
-                    max_tokens=new_tokens,
-                    temperature=0.0,
-                    extra_body={"ignore_eos": True},
-                )
+                c = await client.completions.create(**self._greedy(prompts[i % len(prompts)], new_tokens))
                 return str(c.choices[0].finish_reason)
 
             try:
@@ -148,14 +148,7 @@ class Served:
         """Stream a greedy completion of ``new_tokens`` (end of sequence ignored), its token ids
         appended to ``got`` as they come, closing the connection after ``after_chunks`` chunks
         if given: how many chunks came.  What ends the stream early (a server gone) raises."""
-        stream = self.client.completions.create(
-            model=self.model,
-            prompt=prompt,
-            max_tokens=new_tokens,
-            temperature=0.0,
-            stream=True,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
+        stream = self.client.completions.create(**self._greedy(prompt, new_tokens), stream=True)
         received = 0
         for chunk in stream:
             received += 1

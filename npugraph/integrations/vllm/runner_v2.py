@@ -159,30 +159,30 @@ def _capture(manager: Any, create_forward_fn: Callable[..., Any]) -> None:
     manager._graphs_captured = True
 
 
-def _updatable_graph_replay(manager: Any, desc: Any, attn_metadata: Any) -> Any:
-    """vllm-ascend's replay and UpdatableGraph update (FIA, PA), npugraph's way."""
-    return _replay_only(manager, desc)
+def _replays(run_fullgraph: Callable[[Any, Any], Any]) -> dict[str, Callable[..., Any]]:
+    """What install() puts in place of vllm-ascend's manager's per-step update (its replay with
+    ``UpdatableGraph``'s update for FIA/PA, and with ``update_full_graph_params`` for the
+    rest): the replay alone, which is npugraph's step (:class:`GraphStep`), through vLLM's
+    ``run_fullgraph`` (resolved once here, not at every step), which slices the outputs."""
+
+    def replay_only(manager: Any, desc: Any) -> Any:
+        if not isinstance(manager.graphs.get(desc), GraphStep):
+            raise NpuGraphError(
+                f"graph {desc} of vLLM's v2 runner was not captured by npugraph; install npugraph before the "
+                "model runner captures (NPUGRAPH_ENABLE=1 and the vllm.general_plugins entry point)"
+            )
+        return run_fullgraph(manager, desc)
+
+    def _updatable_graph_replay(manager: Any, desc: Any, attn_metadata: Any) -> Any:
+        return replay_only(manager, desc)
+
+    def _graph_relay(manager: Any, attn_backend: Any, desc: Any, num_tokens: int, attn_metadata: Any) -> Any:
+        return replay_only(manager, desc)
+
+    return {"_updatable_graph_replay": _updatable_graph_replay, "_graph_relay": _graph_relay}
 
 
-def _graph_relay(manager: Any, attn_backend: Any, desc: Any, num_tokens: int, attn_metadata: Any) -> Any:
-    """vllm-ascend's replay and ``update_full_graph_params`` (MLA, ...), npugraph's way."""
-    return _replay_only(manager, desc)
-
-
-# what install() puts in place of vllm-ascend's manager's per-step update
-_REPLAYS = {"_updatable_graph_replay": _updatable_graph_replay, "_graph_relay": _graph_relay}
-
-
-def _replay_only(manager: Any, desc: Any) -> Any:
-    """The replay alone, which is npugraph's step (:class:`GraphStep`), and vLLM's slicing of
-    the outputs."""
-    base = __import__(_CUDAGRAPH_UTILS, fromlist=["_"]).ModelCudaGraphManager
-    if not isinstance(manager.graphs.get(desc), GraphStep):
-        raise NpuGraphError(
-            f"graph {desc} of vLLM's v2 runner was not captured by npugraph; install npugraph before the "
-            "model runner captures (NPUGRAPH_ENABLE=1 and the vllm.general_plugins entry point)"
-        )
-    return base.run_fullgraph(manager, desc)
+_REPLAYED = ("_updatable_graph_replay", "_graph_relay")  # the names _replays() gives
 
 
 def available() -> bool:
@@ -207,7 +207,7 @@ def install() -> list[str]:
     manager = _class(_MANAGER)
     wrap_method((_CUDAGRAPH_UTILS, "CudaGraphManager"), "capture", _capturing_loop)
     replaced = [f"{_CUDAGRAPH_UTILS}.CudaGraphManager.capture"]
-    for name, replay in _REPLAYS.items():
+    for name, replay in _replays(_class((_CUDAGRAPH_UTILS, "ModelCudaGraphManager")).run_fullgraph).items():
         if name in vars(manager) and not hasattr(manager, f"_npugraph_original_{name}"):
             setattr(manager, f"_npugraph_original_{name}", vars(manager)[name])
             setattr(manager, name, replay)
@@ -220,5 +220,5 @@ def uninstall() -> None:
     unwrap_method((_CUDAGRAPH_UTILS, "CudaGraphManager"), "capture")
     manager = _class(_MANAGER)
     if manager is not None:
-        for name in _REPLAYS:
+        for name in _REPLAYED:
             restore(manager, name)
