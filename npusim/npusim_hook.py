@@ -8,7 +8,9 @@ workers, its model-inspection subprocess, ``multiprocessing`` spawn):
   Then ``torch.npu``, the ``npu`` device, pinned memory and the ``hccl`` backend exist, and
   ``import torch_npu`` gives the simulator;
 * ``import torch_npu`` before ``import torch`` works too: the ``npusim.pth`` file
-  installs a finder (:func:`from_pth`) that imports torch first.
+  installs a finder (:func:`from_pth`) that imports torch first;
+* ``import acl`` (CANN's pyACL, which Ray asks what a node has) gives the simulator's
+  stand-in, :mod:`npusim.surfaces.acl`, without importing torch.
 
 Without the variable nothing happens (this module imports nothing else); where a real
 torch_npu is importable the simulator is refused with a warning, and the real one is used.
@@ -108,6 +110,20 @@ class _TorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """The simulator is initialised already."""
 
 
+class _AclFinder(importlib.abc.MetaPathFinder):
+    """Resolves ``import acl`` (CANN's pyACL) to the simulator's stand-in, loaded from its file
+    alone: Ray asks it what a node has, in processes that import no torch."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "acl":
+            return None
+        package = importlib.machinery.PathFinder.find_spec("npusim")
+        if package is None or not package.submodule_search_locations:
+            return None
+        file = os.path.join(next(iter(package.submodule_search_locations)), "surfaces", "acl.py")
+        return importlib.util.spec_from_file_location("acl", file)
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs each of ``thens`` on the module ``name`` once it has been executed, wherever it
     is imported from, in the order they were asked for (one finder per name: a second
@@ -201,3 +217,5 @@ def from_pth() -> None:
     ):
         sys.meta_path.append(_TorchNpuFinder())
         _install_triton()
+        if importlib.machinery.PathFinder.find_spec("acl") is None:  # CANN's pyACL wins
+            sys.meta_path.append(_AclFinder())

@@ -23,6 +23,7 @@ from npusim.runtime.taskgroups import (
     graph_task_update_end,
 )
 from npusim.surfaces import npugraph_ex
+from npusim.surfaces.acl import SOC_NAME
 from npusim.surfaces.graphs import NPUGraph, graph
 from npusim.surfaces.not_simulated import not_simulated
 from npusim.surfaces.npugraph_handlers import NpuGraphOpHandler, register_npu_graph_handler
@@ -256,7 +257,7 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 
 
 # --- what the card is --------------------------------------------------------------------
-_SOC_NAME = "Ascend910B1"
+_SOC_NAME = SOC_NAME  # pyACL's stand-in holds it (npusim.surfaces.acl)
 _SOC_VERSION = 220  # torch_npu's number for Ascend910B1 (A2: 220-225)
 
 

@@ -760,3 +760,29 @@ def test_npugraph_ex_is_importable_and_a_dynamo_backend_in_every_process():
         """
     )
     assert out.strip().endswith("ok")
+
+
+def test_pyacl_answers_what_ray_asks_of_a_node_without_importing_torch() -> None:
+    """Ray's NPU detection (``ray/_private/accelerators/npu.py``) imports CANN's ``acl``: the
+    card count from ``acl.rt.get_device_count()``, the type from ``acl.get_soc_name()``.  With
+    the simulator asked for, both answer as torch_npu does, in a process that never imports
+    torch (a raylet's); without it there is no ``acl``, as on a host without CANN."""
+    out = _run(
+        """
+        import json, sys
+        import acl
+        loaded_torch = "torch" in sys.modules
+        count, ret = acl.rt.get_device_count()
+        soc = acl.get_soc_name()
+        import torch, torch_npu
+        print(json.dumps([loaded_torch, count, ret, soc, torch_npu.npu.get_device_name(), torch.npu.device_count()]))
+        """,
+        env={"NPUGRAPH_SIM_DEVICES": "4"},
+    )
+    loaded_torch, count, ret, soc, torch_npus, torch_count = json.loads(out.splitlines()[-1])
+    assert not loaded_torch
+    assert (count, ret) == (torch_count, 0) == (4, 0)
+    assert soc == torch_npus == "Ascend910B1"
+    bare = {k: v for k, v in os.environ.items() if k not in (ENV, SHORT_ENV)}
+    done = subprocess.run([sys.executable, "-c", "import acl"], capture_output=True, text=True, env=bare, timeout=60)
+    assert done.returncode == 1 and "No module named 'acl'" in done.stderr
