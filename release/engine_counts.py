@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ class EngineCounts:
         self.folder = Path(folder)
 
     def write(self) -> None:
+        if not self.values.get("ray_node"):
+            self.values["ray_node"] = _ray_node()
         # the pid at the write: vLLM forks its engine process from the one that installed this
         values = {k: dict(v) if isinstance(v, collections.Counter) else v for k, v in self.values.items()}
         (self.folder / f"counts-{os.getpid()}.json").write_text(json.dumps(values))
@@ -79,6 +82,14 @@ class EngineCounts:
 
         after_import("npugraph.replay.updater", updater)
         after_import("npugraph.runtime", runtime)
+
+
+def _ray_node() -> str:
+    """The id of the Ray node this process runs on (vLLM's Ray executor: a rank's actor), or ""."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return ""
+    return str(ray.get_runtime_context().get_node_id())
 
 
 def read(folder: Path, processes: int = 1) -> list[dict[str, Any]]:

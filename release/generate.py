@@ -113,6 +113,10 @@ class Model:
     vocab: int = 1024
     speculative: dict[str, Any] | None = None  # vLLM's speculative_config
     tensor_parallel: int = 1  # vLLM's tensor_parallel_size: one worker process per rank
+    pipeline_parallel: int = 1  # vLLM's pipeline_parallel_size: the layers split into stages
+    # vLLM's distributed_executor_backend: its default ("mp": worker processes of the engine's),
+    # or "ray": one Ray actor per rank, on a Ray cluster's nodes (release/ray_cluster.py)
+    executor: str = "mp"
     # PA at the smallest captured sizes (vllm-ascend's pa_shape_list); an MLA model has no
     # PA (its decode is FIA with rope arguments), and its user sets no PA sizes
     paged_attention: bool = True
@@ -175,6 +179,10 @@ MODELS["deep"] = Model(
 # MTP with two draft tokens (the one MTP layer run twice, as vLLM does): the draft's graph
 # runs its layer once per draft token, the later step re-tiled by vllm-ascend to one query
 # token per row at every update
+# the tensor-parallel Llama on vLLM's Ray executor, one rank per node of a two-node Ray cluster
+# (release/test_ray.py starts it on 127.0.0.1), and at pipeline parallel 2 there
+MODELS["tp2-ray"] = attrs.evolve(MODELS["tp2"], executor="ray")
+MODELS["pp2-ray"] = attrs.evolve(MODELS["tp2"], tensor_parallel=1, pipeline_parallel=2, executor="ray")
 MODELS["mla-mtp2"] = attrs.evolve(MODELS["mla-mtp"], speculative={"method": "mtp", "num_speculative_tokens": 2})
 # CI's check (CHECK_SCOPE=ci) runs each kind once: PA and FIA, n-gram speculation, tensor
 # parallel 2, MLA, MTP; the full check adds the Qwen3 (head 128, vllm-ascend's fused q/k-norm
@@ -195,7 +203,10 @@ SLOWED = "slow-kernel=npu_fused_infer_attention_score:20"
 
 def checked() -> dict[str, Model]:
     """The models this check generates: every one, or CI_MODELS at ``CHECK_SCOPE=ci``."""
-    return {name: m for name, m in MODELS.items() if check_scope() == "full" or name in CI_MODELS}
+    # the Ray executor's models need the cluster release/test_ray.py starts: that check runs them
+    return {
+        name: m for name, m in MODELS.items() if m.executor == "mp" and (check_scope() == "full" or name in CI_MODELS)
+    }
 
 
 PA_SIZES = [1, 2]
@@ -222,6 +233,7 @@ REQUESTS = {
     "mla-mtp": [(0, 5, 16), (0, 12, 12), (0, 19, 20), (3, 7, 14), (6, 26, 12), (9, 9, 10)],
 }
 REQUESTS["mla-mtp2"] = REQUESTS["mla-mtp"]
+REQUESTS["tp2-ray"] = REQUESTS["pp2-ray"] = REQUESTS["tp2"]
 # one request alone, three more from step 20, twelve more from step 40: decode batches of 1,
 # 4 and 16 (each a captured size), about twenty steps each, all ending together
 REQUESTS["deep"] = [(0, 6, 62), *[(20, 5 + i, 42) for i in range(3)], *[(40, 4 + i, 22) for i in range(12)]]
@@ -267,6 +279,10 @@ def engine_args(model: Path, mode: str) -> dict[str, Any]:
         kwargs["speculative_config"] = dict(served.speculative)
     if served.tensor_parallel > 1:
         kwargs["tensor_parallel_size"] = served.tensor_parallel
+    if served.pipeline_parallel > 1:
+        kwargs["pipeline_parallel_size"] = served.pipeline_parallel
+    if served.executor != "mp":
+        kwargs["distributed_executor_backend"] = served.executor
     return kwargs
 
 
@@ -304,7 +320,8 @@ def run(model: Path, mode: str) -> dict[str, Any]:
     steps = serve(llm.llm_engine, model.name, tokens)
     seconds = time.perf_counter() - t0
     # each model process's: the engine's, or each rank's worker under tensor parallelism
-    ranks = engine_counts.read(counts_dir, MODELS[model.name].tensor_parallel)
+    served = MODELS[model.name]
+    ranks = engine_counts.read(counts_dir, served.tensor_parallel * served.pipeline_parallel)
     counts = ranks[0] if ranks else {}
     return {
         "mode": mode,
@@ -329,7 +346,11 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         "draft_graph_steps": counts.get("draft_graph_steps", 0),
         "npugraph_capture_report": counts.get("npugraph_capture_report", []),
         # per model process (rank): its graph steps, and the steps npugraph updated there
-        "ranks": [{k: r.get(k, 0) for k in ("graph_steps", "draft_graph_steps", "npugraph_steps")} for r in ranks],
+        "ranks": [
+            {k: r.get(k, 0) for k in ("graph_steps", "draft_graph_steps", "npugraph_steps")}
+            | {"ray_node": r.get("ray_node", "")}
+            for r in ranks
+        ],
     }
 
 

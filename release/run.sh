@@ -7,7 +7,8 @@
 #   2. runs that release's own tests from its sdist (0.23.0.post1's NPU tests; 0.30.0rc2's
 #      attention, graph and MRV2 graph tests and its kernels' precision tests), with only its
 #      tests/ut/conftest.py replaced by release/conftest_ut.py (no torch_npu mock: the
-#      simulator is torch_npu), and prints collected / passed / failed per file;
+#      simulator is torch_npu), its unit-test files in one pytest, and prints collected / passed /
+#      failed per file;
 #   3. runs npugraph's plugin test against the release (every name it replaces is found);
 #   4. a real generation (release/generate.py) as users start one (vLLM's default engine,
 #      vllm-ascend's default configuration), on a Llama, a Qwen3, a Llama with n-gram
@@ -30,7 +31,11 @@
 #   7. vLLM's default compilation config (no compilation_config: FULL_AND_PIECEWISE) on the
 #      Llama, with and without npugraph's plugin (release/test_default_mode.py); vLLM's model
 #      runner v2 with vllm-ascend's graphs and with npugraph's (release/test_runner_v2.py: from 0.30);
-#   8. `vllm serve` with the plugin, driven by the openai client (release/test_server.py): eight
+#   8. vLLM's Ray executor (release/test_ray.py; where the release's lock has Ray: 0.30.0rc2): a
+#      two-node Ray cluster on this machine, the Llama at tensor parallel 2 (and pipeline
+#      parallel 2, not at CHECK_SCOPE=ci), eager and with the plugin: eager's tokens, npugraph's
+#      INFO line in each rank's Ray worker log, each rank on its own node;
+#   9. `vllm serve` with the plugin, driven by the openai client (release/test_server.py): eight
 #      completions at once, Hugging Face's choices, then one at a time, the same texts as the
 #      release's eager server and its own graph mode's (at CHECK_SCOPE=ci: eager's, on 0.30.0rc2);
 #      bad requests each get a 400 and the server serves on, right; 200 concurrent
@@ -95,14 +100,32 @@ if [ "${CHECK_SCOPE:-full}" = ci ]; then
     # each time); a decode, a mixed batch and MTP's speculative decode stand for the ten
     DESELECT[tests/e2e/pull_request/one_card/test_mla_precision.py]="small_decode or mixed_small or mtp_1_plus_3"
 fi
+# The unit-test files run together, in one pytest: each alone spent about 27 s importing vLLM
+# for a second or two of tests (2026-12-05); a file that fails to collect still leaves the
+# others run.  The rest (the precision tests, under tests/e2e's own conftest) run one by one.
+# JUnit's xunit1 family names each case's file: release/table.py counts them per file.
+UNIT=()
+ALONE=()
 for f in "${FILES[@]}"; do
-    name="$(basename "$f" .py)"
+    if [[ "$f" == tests/ut/* && -z "${DESELECT[$f]:-}" ]]; then UNIT+=("$f"); else ALONE+=("$f"); fi
+done
+run_files() {  # NAME [-k EXPR] FILE...: one pytest, its log and JUnit XML into $RESULTS/NAME.*
+    local name="$1"
+    shift
+    (cd "$SRC" && "$PYTHON" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+        --continue-on-collection-errors -o junit_family=xunit1 --junitxml="$RESULTS/$name.xml" "$@" \
+        >"$RESULTS/$name.log" 2>&1) || status=1
+    tail -n 1 "$RESULTS/$name.log"
+}
+if [ ${#UNIT[@]} -gt 0 ]; then
+    step "vllm-ascend's unit tests, together: ${UNIT[*]}"
+    run_files unit-tests "${UNIT[@]}"
+fi
+for f in "${ALONE[@]}"; do
     step "vllm-ascend $f${DESELECT[$f]:+ (-k '${DESELECT[$f]}')}"
     only=()
     [ -n "${DESELECT[$f]:-}" ] && only=(-k "${DESELECT[$f]}")
-    (cd "$SRC" && "$PYTHON" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-        --junitxml="$RESULTS/$name.xml" "${only[@]}" "$f" >"$RESULTS/$name.log" 2>&1) || status=1
-    tail -n 1 "$RESULTS/$name.log"
+    run_files "$(basename "$f" .py)" "${only[@]}" "$f"
 done
 "$PYTHON" "$HERE/table.py" "$RESULTS" "${FILES[@]}" | tee "$RESULTS/table.md"
 
@@ -151,6 +174,10 @@ step "vLLM's default compilation config (FULL_AND_PIECEWISE), without and with n
 step "vLLM's model runner v2 (VLLM_USE_V2_MODEL_RUNNER=1), vllm-ascend's graphs and npugraph's (0.30.0rc2 on)"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
     release/test_runner_v2.py) || status=1
+
+step "vLLM's Ray executor on a two-node Ray cluster: tensor parallel 2 (and pipeline parallel 2 but at CHECK_SCOPE=ci), eager and npugraph"
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
+    release/test_ray.py) || status=1
 
 step "vllm serve with npugraph's plugin, driven by the openai client: eager's and vllm-ascend's texts, bad requests, a burst, a soak, SIGINT"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \

@@ -9,6 +9,7 @@ import itertools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,29 +53,34 @@ def test_each_engine_run_says_how_long_it_took_in_the_log_and_in_cis_list(tmp_pa
 
 
 def test_the_table_counts_what_junit_says(tmp_path):
-    (tmp_path / "test_a.py").write_text("def test_ok():\n    pass\n\ndef test_bad():\n    assert False\n")
-    subprocess.run(
+    # two files in one pytest (run.sh's unit-test files), a third alone, as run.sh runs them
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "test_a.py").write_text("def test_ok():\n    pass\n\ndef test_bad():\n    assert False\n")
+    (tmp_path / "x" / "test_b.py").write_text(
+        "import pytest\n\ndef test_ok():\n    pass\n\ndef test_s():\n    pytest.skip()\n"
+    )
+    (tmp_path / "x" / "test_c.py").write_text("def test_ok():\n    pass\n")
+    for name, files in (("ut", ["x/test_a.py", "x/test_b.py"]), ("test_c", ["x/test_c.py"])):
+        pytest_args = ["-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1", f"--junitxml={tmp_path / name}.xml"]
+        subprocess.run([sys.executable, "-m", "pytest", *pytest_args, *files], cwd=tmp_path, capture_output=True)
+    done = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"--junitxml={tmp_path / 'test_a.xml'}",
-            "test_a.py",
+            str(RELEASE / "table.py"),
+            str(tmp_path),
+            "x/test_a.py",
+            "x/test_b.py",
+            "x/test_c.py",
+            "x/test_missing.py",
         ],
-        cwd=tmp_path,
-        capture_output=True,
-    )
-    done = subprocess.run(
-        [sys.executable, str(RELEASE / "table.py"), str(tmp_path), "x/test_a.py", "x/test_missing.py"],
         capture_output=True,
         text=True,
         check=True,
     )
     rows = done.stdout.splitlines()
     assert "| `x/test_a.py` | 2 | 1 | 1 | 0 |" in rows
+    assert "| `x/test_b.py` | 2 | 1 | 0 | 1 |" in rows
+    assert "| `x/test_c.py` | 1 | 1 | 0 | 0 |" in rows
     assert "| `x/test_missing.py` | not run | | | |" in rows
 
 
@@ -317,3 +323,32 @@ def test_a_traceback_counts_as_npugraphs_only_where_npugraphs_code_raised_it():
     assert npugraph_raised(log(server, theirs) + "\n" + log(server, ours)) == [
         "ValueError: You must pass at least one prompt"
     ]
+
+
+def test_a_ray_clusters_stop_ends_every_process_of_its_sessions_by_their_ids():
+    """release/ray_cluster.py stops what it started by the processes' ids: each node's leader
+    first (SIGTERM), then whatever is left in its session, however deep (Ray's workers each
+    in a process group of their own), and nothing outside those sessions."""
+    cluster = _release_module("ray_cluster")
+    # a leader that ignores SIGTERM, a grandchild in a process group of its own, as Ray's workers are
+    node = subprocess.Popen(
+        ["bash", "-c", "trap '' TERM; python3 -c 'import os, time; os.setpgrp(); time.sleep(300)' & sleep 300"],
+        start_new_session=True,
+    )
+    bystander = subprocess.Popen(["sleep", "300"])
+    try:
+        deadline = time.monotonic() + 30
+        while len(cluster.in_sessions((node.pid,))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(cluster.in_sessions((node.pid,))) == 3  # bash, its sleep, the regrouped python
+        original = cluster.STOP_S
+        cluster.STOP_S = 1
+        try:
+            cluster.stop([node])
+        finally:
+            cluster.STOP_S = original
+        assert cluster.in_sessions((node.pid,)) == []
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
