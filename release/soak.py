@@ -197,18 +197,45 @@ def engine_samples(folder: Path) -> list[dict[str, Any]]:
     return best
 
 
+def trend(times: list[float], values: list[float]) -> tuple[float, float]:
+    """The least-squares line through ``values`` over ``times``: its values at the first and
+    the last time."""
+    n = len(times)
+    mean_t, mean_v = sum(times) / n, sum(values) / n
+    spread = sum((t - mean_t) ** 2 for t in times)
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values)) / spread if spread else 0.0
+    return mean_v + slope * (times[0] - mean_t), mean_v + slope * (times[-1] - mean_t)
+
+
 def flatness(samples: list[dict[str, Any]], since: float) -> dict[str, Any]:
-    """Over the samples after ``since`` (the run's second half): each memory figure's growth
-    (the last tenth's median over the first tenth's), and the counts' distinct values."""
+    """Over the samples after ``since`` (the run's second half): each memory figure's growth,
+    the rise of its least-squares line over the half relative to where the line starts, and
+    the counts' distinct values.
+
+    Not the last samples against the first: a server's memory, sampled while it serves,
+    holds whatever its requests in flight hold, and jumps between levels tens of MiB apart
+    as they come and go (2026-12-05: vLLM's engine under npugraph, ten minutes, floor and
+    ceiling unchanged over the half, yet its last tenth's median 2.8% above its first's,
+    as one level or the other fell there).  A leak raises the line; such jumps do not.  The
+    tenths' medians, the floor (minimum) and ceiling (maximum) of the first and last quarter
+    are reported beside."""
     late = [s for s in samples if s["t"] >= since]
     if len(late) < 10:
         return {"error": f"{len(late)} samples in the second half: too few to judge"}
-    tenth = max(1, len(late) // 10)
+    tenth, quarter = max(1, len(late) // 10), max(1, len(late) // 4)
+    times = [s["t"] for s in late]
     out: dict[str, Any] = {"samples": len(late)}
     for name in ("host_rss", "rss", "device_bytes"):
-        first = statistics.median(s[name] for s in late[:tenth])
-        last = statistics.median(s[name] for s in late[-tenth:])
-        out[name] = {"first": first, "last": last, "growth": (last - first) / first if first else 0.0}
+        values = [float(s[name]) for s in late]
+        first, last = trend(times, values)
+        out[name] = {
+            "first": first,
+            "last": last,
+            "growth": (last - first) / first if first else 0.0,
+            "tenths_medians": [statistics.median(values[:tenth]), statistics.median(values[-tenth:])],
+            "floor": [min(values[:quarter]), min(values[-quarter:])],
+            "ceiling": [max(values[:quarter]), max(values[-quarter:])],
+        }
     for name in ("graphs", "npugraph_graphs", "external_events", "streams"):
         out[name] = sorted({s[name] for s in late})
     return out

@@ -81,7 +81,14 @@ def test_flat_memory_and_counts_pass_and_growth_or_a_recapture_fails(soak):
     assert judged(_samples(100)) == []
     # growing 2% over the second half: a leak
     leak = judged(_samples(100, rss=lambda i: 1000 + max(0, i - 50) * 0.4))
-    assert leak == ["vllm: host_rss grew 1.80% over the second half"]
+    assert leak == ["vllm: host_rss grew 1.96% over the second half"]
+    # a server's memory jumping between two levels 4% apart as requests come and go, the
+    # half's first samples on the lower, its last on the upper: no growth (its line is level)
+    jumping = soak.flatness(_samples(100, rss=lambda i: 1040 if i % 2 else 1000), since=50.0)
+    assert jumping["host_rss"]["tenths_medians"] == [1000, 1040]
+    assert judged(_samples(100, rss=lambda i: 1040 if i % 2 else 1000)) == []
+    # a step up that stays (memory taken and kept) is growth, wherever in the half it comes
+    assert judged(_samples(100, rss=lambda i: 1000 if i < 80 else 1030))
     # warm-up growth in the first half does not count
     assert judged(_samples(100, device=lambda i: 100 + min(i, 40) * 10)) == []
     recapture = judged(_samples(100, graphs=lambda i: 4 if i < 80 else 5))
