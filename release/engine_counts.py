@@ -35,7 +35,7 @@ class EngineCounts:
         self.folder = Path(folder)
 
     def write(self) -> None:
-        if not self.values.get("ray_node"):
+        if "ray_node" not in self.values:  # once: a Ray worker is Ray's from its start
             self.values["ray_node"] = _ray_node()
         # the pid at the write: vLLM forks its engine process from the one that installed this
         values = {k: dict(v) if isinstance(v, collections.Counter) else v for k, v in self.values.items()}

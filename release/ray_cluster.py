@@ -26,13 +26,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+# this folder's (on sys.path as the check's folder)
+from serving import free_port
 
 START_S = 120  # a node's start (Ray's own processes; no model yet)
 STOP_S = 30  # SIGTERM's grace, before SIGKILL
@@ -49,12 +51,6 @@ class Cluster:
     def logs(self) -> Path:
         """Ray's log folder of this cluster (every node's, one session)."""
         return self.temp_dir / "session_latest" / "logs"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def in_sessions(sessions: tuple[int, ...]) -> list[int]:

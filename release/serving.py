@@ -34,7 +34,7 @@ __all__ = ["SGLANG_READY", "Answer", "Served", "bad_requests", "npugraph_raised"
 SGLANG_READY = "The server is fired up and ready to roll!"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -186,7 +186,7 @@ def started(
     A server that exits or stays silent for ``start_s`` raises ``RuntimeError`` with its log's end."""
     import openai
 
-    port = _free_port()
+    port = free_port()
     with log.open("w") as out:
         proc = subprocess.Popen(
             [*args, "--host", "127.0.0.1", "--port", str(port)],

@@ -20,13 +20,14 @@ def outcomes(results: Path) -> dict[str, collections.Counter[str]]:
     by_file: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for xml in sorted(results.glob("*.xml")):
         for case in ET.parse(xml).getroot().iter("testcase"):
-            if case.get("file") is None:
+            file = case.get("file")
+            if file is None:
                 continue
             if case.find("failure") is not None or case.find("error") is not None:
                 outcome = "failed"
             else:
                 outcome = "skipped" if case.find("skipped") is not None else "passed"
-            counted = by_file[case.get("file", "")]
+            counted = by_file[file]
             counted[outcome] += 1
             counted["tests"] += 1
     return by_file

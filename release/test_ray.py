@@ -15,8 +15,8 @@ starts it (``vllm.LLM(model, dtype="bfloat16", FULL_DECODE_ONLY, distributed_exe
   0.30 captures FULL graphs with pipeline parallelism; its intermediate tensors go between
   the ranks outside the graphs).
 
-(``tp2-ray`` alone at ``CHECK_SCOPE=ci``.)  Each in eager mode and with npugraph's plugin: the plugin's tokens are eager's, Hugging Face's
-float32 forward agrees, each rank's own Ray worker log holds npugraph's INFO line, both ranks
+(``tp2-ray`` alone at ``CHECK_SCOPE=ci``.)  Each in eager mode and with npugraph's plugin: the
+plugin's tokens are eager's, Hugging Face's float32 forward agrees, each rank's own Ray worker log holds npugraph's INFO line, both ranks
 replayed and npugraph updated every graph step on each, the two ranks ran on different Ray
 nodes, no run printed a traceback, and nothing of either cluster is left running.
 """
