@@ -7,14 +7,15 @@ Each mode's server (eager, the engine's own graphs, npugraph's plugin) starts on
 600): prompts of 1 token to near the context, crossing pages, streamed and not, some clients
 walking away mid-stream; requests arrive while others decode.  Every worker's requests come
 from its own seeded generator, so every mode is sent the same requests in the same order.
-The load loop is bounded in count and time and stops by itself.  The engine's process samples
-itself (release/soak_probe.py, ``NPUGRAPH_SOAK_SAMPLES``).
+Before it, a warm-up sends one request of each prompt length up to ``SWEEP_TOP``, one at a
+time, to fill the engine's bounded per-shape caches (why: ``SWEEP_TOP``).  The load loop
+is bounded in count and time and stops by itself.  The engine's process samples itself (release/soak_probe.py, ``NPUGRAPH_SOAK_SAMPLES``).
 
 It fails (exit 1, the reasons listed) unless, for npugraph's server:
 
 * every completed greedy text is Hugging Face's float32 choice, every token within 0.1 of the
   best logit and 95% exactly it;
-* after warm-up (the run's second half), the engine process's resident memory (outside the
+* over the load's second half, the engine process's resident memory (outside the
   simulated card's KV-cache blocks, which the host backs as they are first written) and the
   simulated device's allocated bytes grow by under 1%, and the captured graphs, the
   ExternalEvents alive and the streams do not change (no re-capture, no leak);
@@ -56,15 +57,21 @@ MAX_NEW = 48
 POOL = 48  # the distinct prompts (lengths from 1 to near the context)
 TOLERANCE, EXACT = 0.1, 0.95
 GROWTH = 0.01  # memory growth allowed over the second half
+# The warm-up's longest prompt.  The engine's process keeps per-shape caches in host memory,
+# each bounded, each filling as new shapes arrive: on the simulator, the CPU math library's
+# (oneDNN's primitive cache and ideep's, 1024 kernels each, about half a MiB per shape here,
+# one per linear layer's shape, so a prefill of a new length adds several); on a card,
+# CANN's op cache (aclnn's, ACLNN_CACHE_LIMIT).  Under the load, new prefill lengths grow
+# them for minutes, fast and then slower (2026-12-05: SGLang's scheduler, ten minutes,
+# every mode).  One request of each length up to this, one at a time, fills them first.
+SWEEP_TOP = 768
 START_S, STOP_S = 1200, 90
 # the soak inside the server checks (release/test_server.py, release/sglang/test_server.py):
 # CI's two-minute variant; SOAK_S sets it there too
 CHECK_SOAK_S = float(os.environ.get("SOAK_S", "120"))
 # What the server checks' soak judges of memory: the device's bytes.  The engine's host memory
-# is reported there, not judged: SGLang's scheduler grows in every mode along one curve, fast
-# and then slower (ten minutes, 2026-12-05: eager leveled off by mid-run, both graph modes,
-# SGLang's own and npugraph's alike, +4% in their second half, still climbing), a growth not
-# yet explained (make soak judges it: docs/sglang.md)
+# is reported there, not judged: it holds the per-shape caches that the warm-up fills
+# (SWEEP_TOP), which those checks leave out to stay inside CI's time (make soak judges it)
 CHECK_MEMORY = ("device_bytes",)
 ENGINES = ("vllm", "sglang")
 MODES = {"vllm": ("eager", "vllm-ascend", "npugraph"), "sglang": ("eager", "sglang", "npugraph")}
@@ -185,6 +192,42 @@ def drive(served: Served, seconds: float, context: int, vocab: int, streams: int
 
     asyncio.run(run())
     return sent
+
+
+def sweep(context: int, vocab: int, seed: int = 0) -> list[Request]:
+    """The warm-up: one prompt of each length from 1 to ``SWEEP_TOP`` (below the context),
+    its own tokens (no prefix of the pool's, nor of another's), one token each."""
+    top = min(SWEEP_TOP, context - 2)
+    out = []
+    for length in range(1, top + 1):
+        rng = random.Random(seed * 1_000_003 + 500_009 + length)
+        prompt = [rng.randint(1, vocab - 1) for _ in range(length)]
+        out.append(Request(key=f"warm.{length}", prompt=prompt, max_tokens=1, stream=False, walk_after=0))
+    return out
+
+
+def warm_up(served: Served, context: int, vocab: int) -> dict[str, Any]:
+    """Fill the engine process's per-shape caches before the load (:data:`SWEEP_TOP`): the
+    sweep's requests one at a time, so that each prefill is a shape of its own."""
+    import openai
+
+    requests = sweep(context, vocab)
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=f"{served.base}/v1", api_key="none", timeout=600, max_retries=0)
+        try:
+            for r in requests:
+                await _one(client, served.model, r)
+        finally:
+            await client.close()
+
+    t0 = time.monotonic()
+    asyncio.run(run())
+    return {
+        "requests": len(requests),
+        "seconds": round(time.monotonic() - t0, 1),
+        "failed": [f"{r.key}: {r.ended}" for r in requests if r.ended != "length"][:20],
+    }
 
 
 def engine_samples(folder: Path) -> list[dict[str, Any]]:
@@ -397,9 +440,14 @@ def _model(engine: str, out: Path) -> tuple[Path, int, int]:
     return path, 1024, VOCAB
 
 
-def under_load(served: Served, seconds: float, context: int, vocab: int, samples_folder: Path) -> dict[str, Any]:
+def under_load(
+    served: Served, seconds: float, context: int, vocab: int, samples_folder: Path, *, warm: bool = True
+) -> dict[str, Any]:
     """Drive a started server (its engine sampling into ``samples_folder``) for ``seconds``:
-    what it served, how flat it stayed, its forward passes and the series to plot."""
+    what it served, how flat it stayed, its forward passes and the series to plot.  The
+    warm-up (:func:`warm_up`) comes first, outside the load's time and samples (``warm``:
+    the server checks' soak, which judges no host memory, leaves it out)."""
+    warmed = warm_up(served, context, vocab) if warm else {"requests": 0, "seconds": 0.0, "failed": []}
     t0 = time.time()
     requests = drive(served, seconds, context, vocab)
     elapsed = time.time() - t0
@@ -407,6 +455,7 @@ def under_load(served: Served, seconds: float, context: int, vocab: int, samples
     samples = engine_samples(samples_folder)
     starts = min((r.sent for r in requests), default=0.0)
     return {
+        "warm_up": warmed,
         "requests": requests,
         "elapsed": elapsed,
         "summary": summarize(requests, elapsed),
@@ -445,6 +494,8 @@ def failures(
     """Why a run fails the soak (nothing: it passes); ``memory``: the memory figures judged."""
     why = []
     s, flat = run["summary"], run["flat"]
+    if run.get("warm_up", {}).get("failed"):
+        why.append(f"{engine}: warm-up requests failed: {run['warm_up']['failed'][:5]}")
     if s["failed"]:
         why.append(f"{engine}: requests failed: {s['failed'][:5]}")
     if not s["completed"]:
@@ -502,6 +553,7 @@ def main(argv: list[str]) -> int:
         "modes": {
             mode: {
                 **run["summary"],
+                "warm_up": run["warm_up"],
                 "hugging_face": choices[mode],
                 "flat": run["flat"],
                 "forwards": run["forwards"],

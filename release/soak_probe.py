@@ -10,7 +10,9 @@ thread at its first forward pass or graph (SGLang's: when it builds its model ru
   card's large blocks (its own anonymous mappings of 64 MiB and more: the KV caches, whose
   pages the host backs only as the engine first writes them, so that ``rss`` climbs as a soak
   reaches new cache blocks, a device's memory a card would hold); ``device_bytes``: the
-  simulated device's bytes allocated (``torch.npu.memory_allocated``);
+  simulated device's bytes allocated (``torch.npu.memory_allocated``); what fills the host
+  side: glibc's heap (``malloc_in_use``, ``malloc_free``: held free in its arenas,
+  ``malloc_mapped``) and Python's (``python_blocks``: its allocated blocks);
 * ``graphs``: the captured graphs alive (the simulator's ``NPUGraph`` objects: npugraph's and
   the engine's own alike); ``npugraph_graphs``: npugraph's entries, over its runtimes;
 * ``external_events``: the ExternalEvents alive; ``streams``: the device streams created so far;
@@ -26,8 +28,10 @@ walk of the heap.  Unset, nothing is installed.
 from __future__ import annotations
 
 import collections
+import ctypes
 import json
 import os
+import sys
 import threading
 import time
 import weakref
@@ -73,6 +77,8 @@ class _Probe:
             "rss": rss,
             "host_rss": rss - _large_anonymous_resident(),
             "device_bytes": int(torch.npu.memory_allocated()),
+            **_malloc(),
+            "python_blocks": sys.getallocatedblocks(),
             "graphs": len(self.graphs),
             "npugraph_graphs": sum(len(r.entries()) for r in list(self.runtimes)),
             "external_events": len(self.events),
@@ -89,6 +95,37 @@ class _Probe:
                 line = json.dumps({"t": time.time(), "error": f"{type(exc).__name__}: {exc}"})
             with path.open("a") as f:
                 f.write(line + "\n")
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _malloc() -> dict[str, int]:
+    """glibc's heap: ``malloc_in_use`` (bytes handed out from its arenas), ``malloc_free``
+    (bytes its arenas hold free, not given back to the system: fragmentation), ``malloc_mapped``
+    (its own mappings for large requests); empty where the C library has no ``mallinfo2``."""
+    try:
+        info = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return {}
+    info.restype = _Mallinfo2
+    m = info()
+    return {"malloc_in_use": m.uordblks, "malloc_free": m.fordblks, "malloc_mapped": m.hblkhd}
 
 
 LARGE = 64 << 20  # the simulator's large blocks (npusim/npusim/device/csrc/npu_device.cpp: kLargeFrom)

@@ -50,6 +50,19 @@ def test_the_plan_runs_from_one_token_to_near_the_context_across_pages_from_a_po
     assert 0 < sum(bool(r.walk_after) for r in requests) < streamed / 5
 
 
+def test_the_warm_up_is_one_prompt_of_each_length_none_a_prefix_of_another_nor_of_the_pools(soak):
+    warm = soak.sweep(context=1024, vocab=1024)
+    assert [len(r.prompt) for r in warm] == list(range(1, soak.SWEEP_TOP + 1))
+    assert all(r.max_tokens == 1 and not r.stream and not r.walk_after for r in warm)
+    assert all(1 <= t < 1024 for r in warm for t in r.prompt)
+    # a shared first block would let the engine's prefix cache shorten a prefill, and the
+    # shape it runs would not be the length's own
+    firsts = [tuple(r.prompt[:8]) for r in warm if len(r.prompt) >= 8]
+    pool = {tuple(soak.pooled_prompt(i, 1024, 1024)[0][:8]) for i in range(soak.POOL)}
+    assert len(set(firsts)) == len(firsts) and not set(firsts) & pool
+    assert len(soak.sweep(context=200, vocab=1024)) == 198  # below a short context
+
+
 def _samples(n, rss=lambda i: 1000, device=lambda i: 500, graphs=lambda i: 4):
     return [
         {
@@ -105,11 +118,13 @@ def test_a_wrong_token_or_a_failed_request_fails_the_soak(soak):
         "flat": soak.flatness(_samples(100), since=50.0),
         "stopped_by_sigint": False,
         "npugraph_raised": ["npugraph.errors.ReplayFault: x"],
+        "warm_up": {"requests": 768, "seconds": 60.0, "failed": ["warm.700: error: BadRequestError: x"]},
     }
     why = soak.failures("sglang", run, {"beyond_tolerance": ["1.2: 0.400"], "exact_share": 0.9})
-    assert len(why) == 5
-    assert "requests failed" in why[0] and "0.1 of Hugging Face's best" in why[1] and "under 0.95" in why[2]
-    assert "SIGINT" in why[3] and "npugraph's code" in why[4]
+    assert len(why) == 6
+    assert "warm-up requests failed" in why[0] and "requests failed" in why[1]
+    assert "0.1 of Hugging Face's best" in why[2] and "under 0.95" in why[3]
+    assert "SIGINT" in why[4] and "npugraph's code" in why[5]
 
 
 def test_variants_count_texts_that_differ_from_eagers_and_the_most_of_one_prompt(soak):

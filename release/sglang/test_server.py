@@ -125,7 +125,7 @@ def test_sixteen_streams_for_minutes_keep_tokens_memory_and_graphs_right(
     token to near the context, crossing pages, some clients walking away: every completed text
     Hugging Face's choice, the device's bytes, graphs, ExternalEvents and streams flat over the
     second half (the scheduler's host memory reported: soak.CHECK_MEMORY)."""
-    run = soak.under_load(server, soak.CHECK_SOAK_S, CONTEXT, VOCAB, server.log.parent)
+    run = soak.under_load(server, soak.CHECK_SOAK_S, CONTEXT, VOCAB, server.log.parent, warm=False)
     choices = soak.check_choices(model_dir, run["requests"])
     print(f"soak: {run['summary']}, Hugging Face: {choices}, flat: {run['flat']}, forwards: {run['forwards']}")
     why = soak.failures("sglang", run, choices, memory=soak.CHECK_MEMORY)
