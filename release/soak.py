@@ -7,9 +7,10 @@ Each mode's server (eager, the engine's own graphs, npugraph's plugin) starts on
 600): prompts of 1 token to near the context, crossing pages, streamed and not, some clients
 walking away mid-stream; requests arrive while others decode.  Every worker's requests come
 from its own seeded generator, so every mode is sent the same requests in the same order.
-Before it, a warm-up sends one request of each prompt length up to ``SWEEP_TOP``, one at a
-time, to fill the engine's bounded per-shape caches (why: ``SWEEP_TOP``).  The load loop
-is bounded in count and time and stops by itself.  The engine's process samples itself (release/soak_probe.py, ``NPUGRAPH_SOAK_SAMPLES``).
+Before it, a warm-up sends one request of each prompt length from ``SWEEP_TOP`` down, one at
+a time, to fill the engine's bounded per-shape caches (why: ``SWEEP_TOP``).  The load loop
+is bounded in count and time and stops by itself.  The engine's process samples itself
+(release/soak_probe.py, ``NPUGRAPH_SOAK_SAMPLES``).
 
 It fails (exit 1, the reasons listed) unless, for npugraph's server:
 
@@ -195,11 +196,15 @@ def drive(served: Served, seconds: float, context: int, vocab: int, streams: int
 
 
 def sweep(context: int, vocab: int, seed: int = 0) -> list[Request]:
-    """The warm-up: one prompt of each length from 1 to ``SWEEP_TOP`` (below the context),
-    its own tokens (no prefix of the pool's, nor of another's), one token each."""
+    """The warm-up: one prompt of each length from ``SWEEP_TOP`` (below the context) down to
+    1, its own tokens (no prefix of the pool's, nor of another's), one token each.
+
+    Longest first: each later prefill's buffers fit in the blocks the longer ones freed.
+    In the other order each is a little larger than any freed block, and glibc's heap grew
+    by 900 MiB that it then held free (SGLang's scheduler, 2026-12-05)."""
     top = min(SWEEP_TOP, context - 2)
     out = []
-    for length in range(1, top + 1):
+    for length in range(top, 0, -1):
         rng = random.Random(seed * 1_000_003 + 500_009 + length)
         prompt = [rng.randint(1, vocab - 1) for _ in range(length)]
         out.append(Request(key=f"warm.{length}", prompt=prompt, max_tokens=1, stream=False, walk_after=0))
