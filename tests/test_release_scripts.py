@@ -331,10 +331,10 @@ def test_a_ray_clusters_stop_ends_every_process_of_its_sessions_by_their_ids():
     in a process group of their own), and nothing outside those sessions."""
     cluster = _release_module("ray_cluster")
     # a leader that ignores SIGTERM, a grandchild in a process group of its own, as Ray's workers are
-    node = subprocess.Popen(
-        ["bash", "-c", "trap '' TERM; python3 -c 'import os, time; os.setpgrp(); time.sleep(300)' & sleep 300"],
-        start_new_session=True,
-    )
+    # (this interpreter by its path: a bare python3 may be a shim, pyenv's, whose own
+    # processes pass through the session while it starts)
+    grandchild = f"{sys.executable} -c 'import os, time; os.setpgrp(); time.sleep(300)'"
+    node = subprocess.Popen(["bash", "-c", f"trap '' TERM; {grandchild} & sleep 300"], start_new_session=True)
     bystander = subprocess.Popen(["sleep", "300"])
     try:
         deadline = time.monotonic() + 30
