@@ -10,7 +10,9 @@ same requests, with one fault:
 * ``kernel-fault-at-replay``: a PA kernel inside a replay fails, as an AI core exception
   does (``NPUGRAPH_SIM_FAULT=kernel=...``: npusim/npusim/runtime/faults.py);
 * ``lost-event-record``: an ExternalEvent record that npugraph issued never lands, so the
-  replay waiting on it would wait forever (``NPUGRAPH_SIM_FAULT=lost-record@...``).
+  replay waiting on it would wait forever (``NPUGRAPH_SIM_FAULT=lost-record@...``);
+* ``kernel-fault-at-replay-v2``: the kernel fault under vLLM's model runner v2
+  (``VLLM_USE_V2_MODEL_RUNNER=1``), where the release has one npugraph serves.
 
 Writes what the caller saw: whether the engine started, the error it got (type, message)
 and how long after serving began, and every request's tokens as delivered so far.  It exits
@@ -35,6 +37,12 @@ CASES: dict[str, dict[str, str]] = {
     "kernel-fault-at-replay": {"NPUGRAPH_SIM_FAULT": "kernel=_npu_paged_attention@9"},
     # the 9th ExternalEvent record to land: a few decode steps into serving
     "lost-event-record": {"NPUGRAPH_SIM_FAULT": "lost-record@9"},
+    # the kernel fault under vLLM's model runner v2, whose graphs npugraph serves through
+    # vllm-ascend's graph manager (npugraph/integrations/vllm/runner_v2.py; 0.30.0rc2 on)
+    "kernel-fault-at-replay-v2": {
+        "NPUGRAPH_SIM_FAULT": "kernel=_npu_paged_attention@9",
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+    },
 }
 
 
@@ -46,7 +54,8 @@ def run(model: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"started": False, "error": None, "seconds_to_error": None, "engine_steps": 0}
     t0 = time.perf_counter()
     try:
-        llm = LLM(**generate.engine_args(model, "npugraph"))
+        v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+        llm = LLM(**generate.engine_args(model, "npugraph-v2" if v2 else "npugraph"))
         result["started"] = True
         t0 = time.perf_counter()
         result["engine_steps"] = generate.serve(llm.llm_engine, model.name, tokens)

@@ -21,8 +21,9 @@
 #      Face's, and that npugraph did every update; release/update_cost.py prints the
 #      per-step update cost of the two graph modes, per run, and what the runs support;
 #   5. three faults in a real engine (release/test_faults.py): a host copy inside a layer
-#      under capture, a kernel fault at replay, an event record the device loses (at
-#      CHECK_SCOPE=ci on 0.23.0.post1 only);
+#      under capture, a kernel fault at replay (also under vLLM's model runner v2 where npugraph
+#      serves it: 0.30.0rc2), an event record the device loses (at CHECK_SCOPE=ci on
+#      0.23.0.post1 only);
 #   6. graph memory and the KV-cache budget, side by side (release/test_graph_memory.py; not at
 #      CHECK_SCOPE=ci): on
 #      MLA with DeepSeek-V3's heads and context, vllm-ascend's own graph mode runs out of
