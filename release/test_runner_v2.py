@@ -8,11 +8,13 @@ The v2 runner captures FULL graphs in its own graph manager (vllm-ascend's
 compilation_config FULL_DECODE_ONLY)`` as in release/generate.py, on the Llama and its
 requests: both v2 runs give eager's tokens (the v1 runner's eager run), Hugging Face's float32
 forward agrees, under the plugin npugraph updated every graph step and vllm-ascend none, and
-neither run printed a traceback.
+neither run printed a traceback; under the plugin vLLM's own v2 profile of the graphs' memory
+(captured through npugraph) is taken out of vllm-ascend's KV-cache budget.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -63,3 +65,18 @@ def test_npugraph_does_every_update_of_the_v2_runners_graphs(results: dict[str, 
     assert npg["npugraph_steps"] == npg["graph_steps"] > 0
     calls = npg["npugraph_update_device_calls"]
     assert calls["update_begin"] == calls["event_record"] == 2 * npg["graph_steps"], calls  # 2 layers a step
+
+
+def test_the_kv_cache_budget_under_v2_leaves_out_the_graphs_memory(
+    results: dict[str, dict], generated_dir: Path
+) -> None:
+    """vLLM's own v2 profile of its graph memory, its graphs captured through npugraph, is
+    taken out of vllm-ascend's KV-cache budget (npugraph/integrations/vllm/kv_budget.py)."""
+    log = result_path(generated_dir, MODEL, "npugraph-v2").with_suffix(".log").read_text()
+    said = re.search(
+        r"npugraph: graph memory estimated before the KV cache at ([\d.]+) MiB \(vLLM's model runner v2 profile"
+        r".*the KV-cache budget is ([\d.]+) GiB instead of ([\d.]+) GiB",
+        log,
+    )
+    assert said is not None, log[-4000:]
+    assert float(said[1]) > 0 and float(said[2]) < float(said[3])

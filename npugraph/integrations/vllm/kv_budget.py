@@ -4,12 +4,13 @@ before the KV cache exists measures it (:func:`estimate_graph_memory`, into a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import inspect
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -50,6 +51,9 @@ class GraphMemoryEstimate:
     per_graph: int
     sizes: int
     vllm: int
+    # whose measure: npugraph's of each capture (v1's runner), or vLLM's own profile of its
+    # model runner v2 (``vllm-v2``: the two largest FULL graphs captured, the rest extrapolated)
+    source: str = "npugraph"
 
     @classmethod
     def of(cls, sizes: list[list[int]], took: Mapping[int, int], vllm: int) -> GraphMemoryEstimate:
@@ -67,6 +71,11 @@ class GraphMemoryEstimate:
         return cls(bytes=total, first=first, per_graph=per_graph, sizes=count, vllm=vllm)
 
     def say(self) -> str:
+        if self.source == "vllm-v2":
+            return (
+                f"{self.bytes / MIB:.2f} MiB (vLLM's model runner v2 profile: its {self.sizes} largest FULL graphs "
+                "captured through npugraph, the rest extrapolated)"
+            )
         return (
             f"{self.bytes / MIB:.2f} MiB for {self.sizes} sizes (the largest size's capture took "
             f"{self.first / MIB:.2f} MiB, each further size {self.per_graph / MIB:.2f} MiB; vLLM's figure, "
@@ -90,53 +99,29 @@ def _take_capture_context(module: Any) -> None:
     module.graph_capture = graph_capture
 
 
-def estimate_graph_memory(runner: Any) -> GraphMemoryEstimate:
-    """Measure the device memory the runner's graphs will hold, before the KV cache exists.
+@contextlib.contextmanager
+def _profiling(runner: Any) -> Iterator[Any]:
+    """vLLM's profiling capture, made to run on vllm-ascend's runner; yields npugraph's runtime.
 
-    vLLM's own profiling capture (``GPUModelRunner.profile_cudagraph_memory``: the two
-    largest sizes of each mode against a minimal KV cache) runs as vllm-ascend runs vLLM's
-    capture (its torch.cuda → torch.npu names); npugraph's measure of each capture makes
-    the estimate (:class:`GraphMemoryEstimate`).  The profiling graphs are freed after it
-    (vLLM frees only its own wrappers'), so the real capture captures every size again,
-    into the same pool.
-    """
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    ascend = sys.modules[_ASCEND_RUNNER]
+    vllm-ascend's runner takes no ``is_profiling`` (its PR #14293 adds it) and builds the
+    minimal cache as any other; it sets its graph parameters once per process, at the KV
+    cache's initialisation, so the real one must find them unset again.  After it the
+    profiling graphs are freed (vLLM frees only its own), so the real capture captures every
+    size again, into the same pool."""
     config = runner.vllm_config
     runtime = runtime_for(config)
     initialize = runner.initialize_kv_cache
-    dispatcher = runner.cudagraph_dispatcher
-    get_descs = dispatcher.get_capture_descs
-    modes: list[Any] = []
 
     def initialize_kv_cache(kv_cache_config: Any, is_profiling: bool = False) -> None:
-        # vLLM's profiling asks for is_profiling=True; vllm-ascend 0.23's runner takes no
-        # such argument (its PR #14293 adds it) and builds the minimal cache as any other
         initialize(kv_cache_config)
 
-    def get_capture_descs() -> Any:
-        modes[:] = get_descs()  # the sizes vLLM will capture, per mode
-        return modes
-
-    # vllm-ascend sets its graph parameters once per process, at the KV cache's
-    # initialisation: the real one must find them unset again
     params = sys.modules.get(_ACL_GRAPH)
     saved = {name: getattr(params, name) for name in _GRAPH_PARAMS if hasattr(params, name)}
     runner.initialize_kv_cache = initialize_kv_cache
-    dispatcher.get_capture_descs = get_capture_descs
     try:
-        module = ascend._get_gpu_model_runner_module_name(runner)
-        with ascend._torch_cuda_wrapper(), ascend._replace_gpu_model_runner_function_wrapper(module):
-            _take_capture_context(sys.modules[module])
-            vllm_bytes = int(GPUModelRunner.profile_cudagraph_memory(runner))
-        took: dict[int, int] = {}  # per token count: what its captures took (every namespace)
-        for entry in runtime.entries():
-            took[entry.tokens] = took.get(entry.tokens, 0) + entry.memory_bytes
-        return GraphMemoryEstimate.of([[int(d.num_tokens) for d in descs] for _, descs in modes], took, vllm_bytes)
+        yield runtime
     finally:
         del runner.initialize_kv_cache
-        del dispatcher.get_capture_descs
         for name, value in saved.items():
             setattr(params, name, value)
         for layer in config.compilation_config.static_forward_context.values():
@@ -146,11 +131,61 @@ def estimate_graph_memory(runner: Any) -> GraphMemoryEstimate:
             for name in ("key_cache", "value_cache"):
                 if getattr(impl, name, None) is not None:
                     setattr(impl, name, None)
-        runtime.reset()  # the profiling graphs: each wrapper captures its keys again
+        runtime.reset()  # the profiling graphs: each size is captured again
         gc.collect()
         torch.npu.empty_cache()  # type: ignore[attr-defined]
 
 
+def estimate_graph_memory(runner: Any) -> GraphMemoryEstimate:
+    """Measure the device memory the runner's graphs will hold, before the KV cache exists.
+
+    vLLM's own profiling capture (``GPUModelRunner.profile_cudagraph_memory``: the two
+    largest sizes of each mode against a minimal KV cache) runs as vllm-ascend runs vLLM's
+    capture (its torch.cuda → torch.npu names); npugraph's measure of each capture makes
+    the estimate (:class:`GraphMemoryEstimate`).
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    ascend = sys.modules[_ASCEND_RUNNER]
+    dispatcher = runner.cudagraph_dispatcher
+    get_descs = dispatcher.get_capture_descs
+    modes: list[Any] = []
+
+    def get_capture_descs() -> Any:
+        modes[:] = get_descs()  # the sizes vLLM will capture, per mode
+        return modes
+
+    dispatcher.get_capture_descs = get_capture_descs
+    try:
+        with _profiling(runner) as runtime:
+            module = ascend._get_gpu_model_runner_module_name(runner)
+            with ascend._torch_cuda_wrapper(), ascend._replace_gpu_model_runner_function_wrapper(module):
+                _take_capture_context(sys.modules[module])
+                vllm_bytes = int(GPUModelRunner.profile_cudagraph_memory(runner))
+            took: dict[int, int] = {}  # per token count: what its captures took (every namespace)
+            for entry in runtime.entries():
+                took[entry.tokens] = took.get(entry.tokens, 0) + entry.memory_bytes
+        return GraphMemoryEstimate.of([[int(d.num_tokens) for d in descs] for _, descs in modes], took, vllm_bytes)
+    finally:
+        del dispatcher.get_capture_descs
+
+
+def estimate_graph_memory_v2(runner: Any) -> GraphMemoryEstimate:
+    """:func:`estimate_graph_memory` for vLLM's model runner v2: vLLM's own profiling of its
+    graph memory (``vllm.v1.worker.gpu.cudagraph_utils.profile_cudagraph_memory``: a minimal KV
+    cache, the two largest FULL descriptors captured, through npugraph's capture there, and the
+    rest extrapolated), whose figure is the estimate."""
+    profile = __import__(_V2_PROFILE[0], fromlist=["_"]).profile_cudagraph_memory
+    with _profiling(runner) as runtime:
+        measured = int(profile(runner))
+        sizes = len(runtime.entries())
+    return GraphMemoryEstimate(
+        bytes=measured, first=measured, per_graph=0, sizes=sizes, vllm=measured, source="vllm-v2"
+    )
+
+
+# vLLM's model runner v2's profiling of its graph memory
+_V2_PROFILE = ("vllm.v1.worker.gpu.cudagraph_utils", "profile_cudagraph_memory")
 # what estimate_graph_memory() uses of vllm-ascend and vLLM, by module: checked before patching
 _KV_BUDGET_NAMES = (
     (_WORKER[0], (_WORKER[1],)),
@@ -208,16 +243,10 @@ def patch_kv_budget() -> None:
             or config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
         ):
             return available
-        if not hasattr(self.model_runner, "cudagraph_dispatcher"):
-            # vLLM's model runner v2: no dispatcher to ask for the sizes, and vLLM's profiling
-            # capture is its graph manager's (npugraph's capture there: runner_v2)
-            logger.info(
-                "npugraph: vLLM's model runner v2: the KV-cache budget is vllm-ascend's own (%.2f GiB); "
-                "npugraph's graph memory is not estimated into it",
-                available / (1 << 30),
-            )
-            return available
-        estimate = estimate_graph_memory(self.model_runner)
+        if hasattr(self.model_runner, "cudagraph_dispatcher"):
+            estimate = estimate_graph_memory(self.model_runner)
+        else:  # vLLM's model runner v2: its profiling capture is its graph manager's (npugraph's: runner_v2)
+            estimate = estimate_graph_memory_v2(self.model_runner)
         setattr(config, ESTIMATE_ATTR, estimate)
         budget = available - estimate.bytes
         logger.info(
