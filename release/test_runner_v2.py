@@ -70,13 +70,20 @@ def test_npugraph_does_every_update_of_the_v2_runners_graphs(results: dict[str, 
 def test_the_kv_cache_budget_under_v2_leaves_out_the_graphs_memory(
     results: dict[str, dict], generated_dir: Path
 ) -> None:
-    """vLLM's own v2 profile of its graph memory, its graphs captured through npugraph, is
-    taken out of vllm-ascend's KV-cache budget (npugraph/integrations/vllm/kv_budget.py)."""
+    """vLLM's own v2 profile of its graph memory runs, its two largest FULL graphs captured
+    by npugraph, and npugraph's measure of them, extrapolated to every FULL size, is taken out
+    of vllm-ascend's KV-cache budget (npugraph/integrations/vllm/kv_budget.py): as many sizes
+    as the real capture then captured."""
     log = result_path(generated_dir, MODEL, "npugraph-v2").with_suffix(".log").read_text()
     said = re.search(
-        r"npugraph: graph memory estimated before the KV cache at ([\d.]+) MiB \(vLLM's model runner v2 profile"
+        r"npugraph: graph memory estimated before the KV cache at ([\d.]+) MiB for (\d+) sizes "
         r".*the KV-cache budget is ([\d.]+) GiB instead of ([\d.]+) GiB",
         log,
     )
     assert said is not None, log[-4000:]
-    assert float(said[1]) > 0 and float(said[2]) < float(said[3])
+    estimate_gib, budget, available = float(said[1]) / 1024, float(said[3]), float(said[4])
+    assert estimate_gib > 0 and available - budget == pytest.approx(estimate_gib, abs=0.011)  # (said to 0.01 GiB)
+    captured = re.search(
+        r"(\d+) graphs captured in all namespaces", " ".join(results["npugraph-v2"]["npugraph_capture_report"])
+    )
+    assert captured is not None and int(said[2]) == int(captured[1])

@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from npugraph.integrations.common import unwrap_method
+from npugraph.integrations.vllm.runner_v2 import PROFILED_FULL_TOKENS
 from npugraph.integrations.vllm.wrapper import runtime_for
 
 __all__ = ["GraphMemoryEstimate", "estimate_graph_memory", "kv_budget_missing", "patch_kv_budget", "unpatch_kv_budget"]
@@ -51,9 +52,6 @@ class GraphMemoryEstimate:
     per_graph: int
     sizes: int
     vllm: int
-    # whose measure: npugraph's of each capture (v1's runner), or vLLM's own profile of its
-    # model runner v2 (``vllm-v2``: the two largest FULL graphs captured, the rest extrapolated)
-    source: str = "npugraph"
 
     @classmethod
     def of(cls, sizes: list[list[int]], took: Mapping[int, int], vllm: int) -> GraphMemoryEstimate:
@@ -71,11 +69,6 @@ class GraphMemoryEstimate:
         return cls(bytes=total, first=first, per_graph=per_graph, sizes=count, vllm=vllm)
 
     def say(self) -> str:
-        if self.source == "vllm-v2":
-            return (
-                f"{self.bytes / MIB:.2f} MiB (vLLM's model runner v2 profile: its {self.sizes} largest FULL graphs "
-                "captured through npugraph, the rest extrapolated)"
-            )
         return (
             f"{self.bytes / MIB:.2f} MiB for {self.sizes} sizes (the largest size's capture took "
             f"{self.first / MIB:.2f} MiB, each further size {self.per_graph / MIB:.2f} MiB; vLLM's figure, "
@@ -171,17 +164,22 @@ def estimate_graph_memory(runner: Any) -> GraphMemoryEstimate:
 
 
 def estimate_graph_memory_v2(runner: Any) -> GraphMemoryEstimate:
-    """:func:`estimate_graph_memory` for vLLM's model runner v2: vLLM's own profiling of its
-    graph memory (``vllm.v1.worker.gpu.cudagraph_utils.profile_cudagraph_memory``: a minimal KV
-    cache, the two largest FULL descriptors captured, through npugraph's capture there, and the
-    rest extrapolated), whose figure is the estimate."""
+    """:func:`estimate_graph_memory` for vLLM's model runner v2: vLLM's own profile of its graph
+    memory (``vllm.v1.worker.gpu.cudagraph_utils.profile_cudagraph_memory``: a minimal KV cache,
+    the two largest FULL descriptors captured, here by npugraph's capture) runs, and npugraph's
+    measure of those captures, extrapolated to every FULL size by the same formula, makes the
+    estimate (vLLM's figure, which also counts the warm-ups' eager memory, is reported)."""
     profile = __import__(_V2_PROFILE[0], fromlist=["_"]).profile_cudagraph_memory
+    config = runner.vllm_config
     with _profiling(runner) as runtime:
-        measured = int(profile(runner))
-        sizes = len(runtime.entries())
-    return GraphMemoryEstimate(
-        bytes=measured, first=measured, per_graph=0, sizes=sizes, vllm=measured, source="vllm-v2"
-    )
+        vllm_bytes = int(profile(runner))
+        took: dict[int, int] = {}
+        for entry in runtime.entries():
+            took[entry.tokens] = took.get(entry.tokens, 0) + entry.memory_bytes
+    sizes = list(getattr(config, PROFILED_FULL_TOKENS, None) or sorted(took, reverse=True))
+    if hasattr(config, PROFILED_FULL_TOKENS):
+        delattr(config, PROFILED_FULL_TOKENS)
+    return GraphMemoryEstimate.of([sizes], took, vllm_bytes)
 
 
 # vLLM's model runner v2's profiling of its graph memory

@@ -39,7 +39,7 @@ from npugraph.integrations.vllm.metadata import step_metadata
 from npugraph.integrations.vllm.wrapper import runtime_for
 from npugraph.runtime import Runtime
 
-__all__ = ["DRAFT_MANAGERS", "GraphStep", "available", "install", "uninstall"]
+__all__ = ["DRAFT_MANAGERS", "PROFILED_FULL_TOKENS", "GraphStep", "available", "install", "uninstall"]
 
 logger = logging.getLogger("vllm.npugraph")
 
@@ -52,6 +52,9 @@ DRAFT_MANAGERS = (
     ("vllm_ascend.worker.v2.spec_decode.dflash.aclgraph", "DFlashAclGraphManager"),
 )
 NAMESPACE = "main"
+# where a profiling capture (vLLM's memory profile) leaves the token counts of every FULL
+# descriptor the real capture will take, on the engine's config
+PROFILED_FULL_TOKENS = "_npugraph_v2_profiled_full_tokens"
 
 
 class GraphStep:
@@ -121,7 +124,10 @@ def _capture(manager: Any, create_forward_fn: Callable[..., Any]) -> None:
         for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
             descs = list(manager._capture_descs.get(mode, ()))
             if mode == CUDAGraphMode.FULL and manager._max_full_descs_to_capture is not None:
-                descs = descs[: manager._max_full_descs_to_capture]  # vLLM's memory profile: a sample
+                # vLLM's memory profile: a sample; the sizes it stands for, for npugraph's
+                # estimate (kv_budget.estimate_graph_memory_v2)
+                setattr(manager.vllm_config, PROFILED_FULL_TOKENS, [int(d.num_tokens) for d in descs])
+                descs = descs[: manager._max_full_descs_to_capture]
             for desc in descs:
                 forward = create_forward_fn(desc, warmup=True)
                 forward(CUDAGraphMode.NONE)
