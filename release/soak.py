@@ -174,16 +174,21 @@ async def _one(client: Any, model: str, r: Request) -> None:
         r.ended = f"error: {type(exc).__name__}: {str(exc)[:200]}"
 
 
+def _client(served: Served) -> Any:
+    """An ``openai`` client of ``served``: no retries (a failure is the soak's to report)."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=f"{served.base}/v1", api_key="none", timeout=600, max_retries=0)
+
+
 def drive(served: Served, seconds: float, context: int, vocab: int, streams: int = STREAMS) -> list[Request]:
     """``streams`` workers, each sending its planned requests one after another until
     ``seconds`` have passed (or ``MAX_REQUESTS`` were sent): every request sent, in order."""
-    import openai
-
     sent: list[Request] = []
     deadline = time.monotonic() + seconds
 
     async def run() -> None:
-        client = openai.AsyncOpenAI(base_url=f"{served.base}/v1", api_key="none", timeout=600, max_retries=0)
+        client = _client(served)
 
         async def worker(w: int) -> None:
             n = 0
@@ -221,12 +226,10 @@ def sweep(context: int, vocab: int, seed: int = 0) -> list[Request]:
 def warm_up(served: Served, context: int, vocab: int) -> dict[str, Any]:
     """Fill the engine process's per-shape caches before the load (:data:`SWEEP_TOP`): the
     sweep's requests one at a time, so that each prefill is a shape of its own."""
-    import openai
-
     requests = sweep(context, vocab)
 
     async def run() -> None:
-        client = openai.AsyncOpenAI(base_url=f"{served.base}/v1", api_key="none", timeout=600, max_retries=0)
+        client = _client(served)
         try:
             for r in requests:
                 await _one(client, served.model, r)

@@ -129,6 +129,14 @@ def _profiling(runner: Any) -> Iterator[Any]:
         torch.npu.empty_cache()  # type: ignore[attr-defined]
 
 
+def _took(runtime: Any) -> dict[int, int]:
+    """Per token count, what the profiling captures of that size took (every namespace)."""
+    took: dict[int, int] = {}
+    for entry in runtime.entries():
+        took[entry.tokens] = took.get(entry.tokens, 0) + entry.memory_bytes
+    return took
+
+
 def estimate_graph_memory(runner: Any) -> GraphMemoryEstimate:
     """Measure the device memory the runner's graphs will hold, before the KV cache exists.
 
@@ -155,9 +163,7 @@ def estimate_graph_memory(runner: Any) -> GraphMemoryEstimate:
             with ascend._torch_cuda_wrapper(), ascend._replace_gpu_model_runner_function_wrapper(module):
                 _take_capture_context(sys.modules[module])
                 vllm_bytes = int(GPUModelRunner.profile_cudagraph_memory(runner))
-            took: dict[int, int] = {}  # per token count: what its captures took (every namespace)
-            for entry in runtime.entries():
-                took[entry.tokens] = took.get(entry.tokens, 0) + entry.memory_bytes
+            took = _took(runtime)
         return GraphMemoryEstimate.of([[int(d.num_tokens) for d in descs] for _, descs in modes], took, vllm_bytes)
     finally:
         del dispatcher.get_capture_descs
@@ -173,9 +179,7 @@ def estimate_graph_memory_v2(runner: Any) -> GraphMemoryEstimate:
     config = runner.vllm_config
     with _profiling(runner) as runtime:
         vllm_bytes = int(profile(runner))
-        took: dict[int, int] = {}
-        for entry in runtime.entries():
-            took[entry.tokens] = took.get(entry.tokens, 0) + entry.memory_bytes
+        took = _took(runtime)
     sizes = list(getattr(config, PROFILED_FULL_TOKENS, None) or sorted(took, reverse=True))
     if hasattr(config, PROFILED_FULL_TOKENS):
         delattr(config, PROFILED_FULL_TOKENS)
