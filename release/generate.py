@@ -78,7 +78,6 @@ import attrs
 import engine_counts  # this folder's
 import tiny_model  # this folder's
 from runs import (  # this folder's
-    TIMED,
     check_scope,
     clear_results,
     counts_folder,
@@ -87,6 +86,7 @@ from runs import (  # this folder's
     result_path,
     run_logged,
     side_by_side,
+    timed,
 )
 
 MODES = ("eager", "aclgraph", "npugraph")
@@ -185,28 +185,43 @@ MODELS["mla-mtp2"] = attrs.evolve(MODELS["mla-mtp"], speculative={"method": "mtp
 MODELS["tp2-ray"] = attrs.evolve(MODELS["tp2"], executor="ray")
 MODELS["pp2-ray"] = attrs.evolve(MODELS["tp2"], tensor_parallel=1, pipeline_parallel=2, executor="ray")
 # CI's check (CHECK_SCOPE=ci) runs each kind once: PA and FIA, n-gram speculation, tensor
-# parallel 2, MLA, MTP; the full check adds the Qwen3 (head 128, vllm-ascend's fused q/k-norm
-# and rope Triton kernel: its engines are the slowest, and SGLang's check serves a Qwen3 in
-# CI), MLA's combinations (n-gram, tensor parallel 2, two MTP drafts) and the 32-layer benchmark
+# parallel 2, MLA, MTP, and where the release ships vllm-ascend's UpdatableGraph (0.30 on) the
+# 32-layer side-by-side against it, one run of each graph mode; the full check adds the Qwen3
+# (head 128, vllm-ascend's fused q/k-norm and rope Triton kernel: its engines are the slowest,
+# and SGLang's check serves a Qwen3 in CI), MLA's combinations (n-gram, tensor parallel 2, two
+# MTP drafts), the 32-layer benchmark on every release, and its repeats
 CI_MODELS = ("llama", "ngram", "tp2", "mla", "mla-mtp")
+
+
+def ships_updatable_graph() -> bool:
+    """Whether this environment's vllm-ascend ships ``compilation/updatable_graph.py`` (0.30 on)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("vllm_ascend").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (0, 30)
+
+
 # The side-by-side's runs (release/update_cost.py's verdict takes every one): the 32-layer
-# benchmark's graph modes, in turn, this many times where it runs (the full scope); the Llama's
-# once otherwise
+# benchmark's graph modes, in turn, this many times at the full scope (once at CI's, where it
+# runs: an engine of it takes about two and a half minutes); the Llama's once where it does not
 SIDE_BY_SIDE_RUNS = 5
 # ... and then once more each with FIA slowed on the simulated device by this much per execution
 # (32 a step at batches 4 and 16: 640 ms, about the replay's own device time on the simulator,
 # whose rope runs in Triton's interpreter, and some 50 times the update's host time): the
 # update's host figure (wall less device) must stay within the unslowed runs' range while its
-# wall grows (release/update_cost.py)
+# wall grows (release/update_cost.py); at the full scope only
 SLOWED = "slow-kernel=npu_fused_infer_attention_score:20"
 
 
 def checked() -> dict[str, Model]:
-    """The models this check generates: every one, or CI_MODELS at ``CHECK_SCOPE=ci``."""
+    """The models this check generates: every one, or at ``CHECK_SCOPE=ci`` CI_MODELS, and the
+    32-layer benchmark where the release ships the UpdatableGraph it is measured against."""
     # the Ray executor's models need the cluster release/test_ray.py starts: that check runs them
-    return {
-        name: m for name, m in MODELS.items() if m.executor == "mp" and (check_scope() == "full" or name in CI_MODELS)
-    }
+    ci = CI_MODELS + (("deep",) if ships_updatable_graph() else ())
+    return {name: m for name, m in MODELS.items() if m.executor == "mp" and (check_scope() == "full" or name in ci)}
 
 
 PA_SIZES = [1, 2]
@@ -358,14 +373,16 @@ def generate(out_dir: Path, runs: int | None = None) -> None:
     """Each model and mode in its own process, into ``out_dir``: eager once, vllm-ascend's
     graphs and npugraph's once each for the other models and ``runs`` times, in turn, for
     the side-by-side's model (so that a drift of the machine over the minutes falls on both
-    alike): the 32-layer benchmark's, ``SIDE_BY_SIDE_RUNS`` times by default, where it runs,
-    else the Llama's, once.  The untimed runs go two at a time; the timed ones (the graph
-    modes of release/runs.py's TIMED) alone, last; the 32-layer benchmark's graph modes then
-    once more each with the ``SLOWED`` kernel (``deep.MODE.slowed.json``)."""
+    alike): the 32-layer benchmark's, ``SIDE_BY_SIDE_RUNS`` times by default at the full
+    scope and once at CI's, where it runs, else the Llama's, once.  The untimed runs go two
+    at a time; the timed ones (release/runs.py's ``timed``) alone, last; at the full scope the
+    32-layer benchmark's graph modes then once more each with the ``SLOWED`` kernel
+    (``deep.MODE.slowed.json``)."""
     repeated = "deep" if "deep" in checked() else "llama"
+    full = check_scope() == "full"
     if runs is None:
-        runs = SIDE_BY_SIDE_RUNS if repeated == "deep" else 1
-    shared, alone = side_by_side(order(tuple(checked()), MODES[1:], runs, repeated), TIMED)
+        runs = SIDE_BY_SIDE_RUNS if repeated == "deep" and full else 1
+    shared, alone = side_by_side(order(tuple(checked()), MODES[1:], runs, repeated), timed(checked()))
     clear_results(out_dir)
     for arch in checked():
         write_model(out_dir / arch)
@@ -389,7 +406,7 @@ def generate(out_dir: Path, runs: int | None = None) -> None:
             pool.shutdown(cancel_futures=True)
     for r in alone:
         one(*r)
-    if repeated == "deep":
+    if repeated == "deep" and full:
         for mode in MODES[1:]:
             one("deep", mode, 1, slowed=True)
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "run_logged",
     "run_to_the_end",
     "side_by_side",
+    "timed",
 ]
 
 # the models whose graph steps release/update_cost.py times (the Qwen3's are few: its graph
@@ -43,6 +45,15 @@ def check_scope() -> str:
     if scope not in SCOPES:
         raise SystemExit(f"CHECK_SCOPE must be one of {', '.join(SCOPES)}, not {scope!r}")
     return scope
+
+
+def timed(models: Iterable[str]) -> tuple[str, ...]:
+    """Of ``models`` (those a generation ran), the ones whose graph modes it times, each alone
+    on the machine: ``TIMED``'s, but at CI's scope, where the 32-layer benchmark runs, that
+    one alone (the two-layer models' graph modes then share the machine: CI's time)."""
+    given = set(models)
+    ran = tuple(m for m in TIMED if m in given)
+    return ("deep",) if check_scope() == "ci" and "deep" in ran else ran
 
 
 def clear_results(out_dir: Path) -> None:

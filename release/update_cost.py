@@ -23,8 +23,6 @@ from typing import Any
 
 import runs  # this folder's: the results' names, and the models whose graph steps are timed
 
-MODELS = runs.TIMED
-
 
 def _quantiles(xs: list[float]) -> dict[str, float]:
     q = statistics.quantiles(xs, n=4)
@@ -144,7 +142,7 @@ def main(argv: list[str]) -> int:
     results = Path(argv[1])
     pairs = [
         (model, acl, npg)
-        for model in MODELS
+        for model in runs.timed(m for m in runs.TIMED if runs.results(results, m, "npugraph"))
         for acl, npg in zip(runs.results(results, model, "aclgraph"), runs.results(results, model, "npugraph"))
     ]
     if not pairs:

@@ -275,6 +275,15 @@ def test_the_timed_runs_have_the_machine_alone_and_a_models_graph_modes_are_not_
     assert all(a[0] != b[0] for a, b in itertools.pairwise(graph))
 
 
+def test_at_cis_scope_the_32_layer_side_by_side_alone_is_timed_where_it_runs(monkeypatch):
+    runs = _release_module("runs")
+    monkeypatch.setenv("CHECK_SCOPE", "full")
+    assert runs.timed(["llama", "ngram", "mla", "deep"]) == ("llama", "ngram", "deep")
+    monkeypatch.setenv("CHECK_SCOPE", "ci")
+    assert runs.timed(["llama", "ngram", "mla", "deep"]) == ("deep",)
+    assert runs.timed(["llama", "ngram", "mla"]) == ("llama", "ngram"), "without it, the two-layer models are"
+
+
 def test_engine_counts_are_written_by_the_process_that_counts_and_read_back_one_per_rank(tmp_path):
     import json
     import os
