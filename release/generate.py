@@ -224,6 +224,13 @@ def checked() -> dict[str, Model]:
     return {name: m for name, m in MODELS.items() if m.executor == "mp" and (check_scope() == "full" or name in ci)}
 
 
+def eager_models() -> tuple[str, ...]:
+    """The models this check also runs eagerly: every one, but at CI's scope the 32-layer
+    benchmark (its eager engine takes about four minutes beside another; its graph modes'
+    tokens are compared with each other and with Hugging Face's float32 forward)."""
+    return tuple(m for m in checked() if not (m == "deep" and check_scope() == "ci"))
+
+
 PA_SIZES = [1, 2]
 # per model, (arrives at engine step, prompt length, new tokens): arrivals while others
 # decode, and different lengths, so requests finish at different steps and the batch grows
@@ -252,6 +259,10 @@ REQUESTS["tp2-ray"] = REQUESTS["pp2-ray"] = REQUESTS["tp2"]
 # one request alone, three more from step 20, twelve more from step 40: decode batches of 1,
 # 4 and 16 (each a captured size), about twenty steps each, all ending together
 REQUESTS["deep"] = [(0, 6, 62), *[(20, 5 + i, 42) for i in range(3)], *[(40, 4 + i, 22) for i in range(12)]]
+if check_scope() == "ci":
+    # CI's one run of each graph mode: about ten decode steps at each batch (update_cost.py's
+    # breakdown takes five), half the full scope's (an engine of it: about 75 s less)
+    REQUESTS["deep"] = [(0, 6, 32), *[(10, 5 + i, 22) for i in range(3)], *[(20, 4 + i, 12) for i in range(12)]]
 
 
 def write_model(path: Path) -> None:
@@ -370,7 +381,8 @@ def run(model: Path, mode: str) -> dict[str, Any]:
 
 
 def generate(out_dir: Path, runs: int | None = None) -> None:
-    """Each model and mode in its own process, into ``out_dir``: eager once, vllm-ascend's
+    """Each model and mode in its own process, into ``out_dir``: eager once (each model of
+    :func:`eager_models`), vllm-ascend's
     graphs and npugraph's once each for the other models and ``runs`` times, in turn, for
     the side-by-side's model (so that a drift of the machine over the minutes falls on both
     alike): the 32-layer benchmark's, ``SIDE_BY_SIDE_RUNS`` times by default at the full
@@ -382,7 +394,8 @@ def generate(out_dir: Path, runs: int | None = None) -> None:
     full = check_scope() == "full"
     if runs is None:
         runs = SIDE_BY_SIDE_RUNS if repeated == "deep" and full else 1
-    shared, alone = side_by_side(order(tuple(checked()), MODES[1:], runs, repeated), timed(checked()))
+    plan = order(tuple(checked()), MODES[1:], runs, repeated, eager=eager_models())
+    shared, alone = side_by_side(plan, timed(checked()))
     clear_results(out_dir)
     for arch in checked():
         write_model(out_dir / arch)

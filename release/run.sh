@@ -15,7 +15,9 @@
 #      speculative decoding, the Llama at tensor parallel 2, and DeepSeek's MLA (alone, with
 #      n-gram speculative decoding, at tensor parallel 2, and a DeepSeek-V3 with MTP, one and two
 #      draft tokens; at CHECK_SCOPE=ci, as .ci/run runs it, no Qwen3, and MLA alone and with
-#      MTP's one draft token only: release/generate.py's CI_MODELS): eager,
+#      MTP's one draft token only: release/generate.py's CI_MODELS; and where the release
+#      ships vllm-ascend's UpdatableGraph, 0.30.0rc2, the 32-layer side-by-side, once per graph
+#      mode, without eager; the full scope runs it five times per graph mode, and slowed): eager,
 #      vllm-ascend's ACL graph mode and npugraph's plugin, each in its own process;
 #      release/test_generate.py checks that every run's tokens are identical and Hugging
 #      Face's, and that npugraph did every update; release/update_cost.py prints the

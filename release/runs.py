@@ -97,14 +97,21 @@ def results(out_dir: Path, model: str, mode: str) -> list[Path]:
 
 
 def order(
-    models: tuple[str, ...], graph_modes: tuple[str, ...], runs: int, repeated: str
+    models: tuple[str, ...],
+    graph_modes: tuple[str, ...],
+    runs: int,
+    repeated: str,
+    *,
+    eager: Iterable[str] | None = None,
 ) -> list[tuple[str, str, int]]:
-    """The (model, mode, run) a generation runs, in order: eager once per model, the graph
-    modes once for each other model, then ``runs`` times, in turn, for ``repeated`` (the
-    update cost's verdict takes every run; a drift of the machine falls on both modes alike)."""
+    """The (model, mode, run) a generation runs, in order: eager once per model of ``eager``
+    (default: every one), the graph modes once for each other model, then ``runs`` times, in
+    turn, for ``repeated`` (the update cost's verdict takes every run; a drift of the machine
+    falls on both modes alike)."""
     if runs < 1:
         raise ValueError(f"runs must be at least 1, not {runs}")
-    plan = [(model, "eager", 1) for model in models]
+    eagerly = set(models if eager is None else eager)
+    plan = [(model, "eager", 1) for model in models if model in eagerly]
     plan += [(model, mode, 1) for model in models if model != repeated for mode in graph_modes]
     plan += [(repeated, mode, run) for run in range(1, runs + 1) for mode in graph_modes]
     return plan

@@ -243,6 +243,13 @@ def test_a_generation_plans_eager_once_and_the_repeated_models_graph_modes_in_tu
         ("llama", "aclgraph", 2),
         ("llama", "npugraph", 2),
     ]
+    assert runs.order(("llama", "deep"), ("aclgraph", "npugraph"), 1, "deep", eager=("llama",)) == [
+        ("llama", "eager", 1),
+        ("llama", "aclgraph", 1),
+        ("llama", "npugraph", 1),
+        ("deep", "aclgraph", 1),
+        ("deep", "npugraph", 1),
+    ], "a model left out of eager= runs its graph modes only"
     with pytest.raises(ValueError, match="runs must be at least 1"):
         runs.order(("llama",), ("aclgraph",), 0, "llama")
 
