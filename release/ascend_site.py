@@ -51,13 +51,15 @@ from npusim_hook import after_import
 
 def _needs_custom_ops() -> bool:
     """Whether this release's layers import ``vllm_ascend_C`` with no fallback (0.30 on)."""
-    from importlib.metadata import PackageNotFoundError, version
-
+    # release/ (runs.py) on the path for this one import: a user's process must not find
+    # release/'s other files before its own modules
+    here = str(Path(__file__).resolve().parent)
+    sys.path.insert(0, here)
     try:
-        major, minor = (int(x) for x in version("vllm_ascend").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return False
-    return (major, minor) >= (0, 30)
+        from runs import release_at_least
+    finally:
+        sys.path.remove(here)
+    return release_at_least(0, 30)
 
 
 def _settle_custom_ops(utils: Any) -> None:

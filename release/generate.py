@@ -83,6 +83,7 @@ from runs import (  # this folder's
     counts_folder,
     engine_env,
     order,
+    release_at_least,
     result_path,
     run_logged,
     side_by_side,
@@ -195,13 +196,7 @@ CI_MODELS = ("llama", "ngram", "tp2", "mla", "mla-mtp")
 
 def ships_updatable_graph() -> bool:
     """Whether this environment's vllm-ascend ships ``compilation/updatable_graph.py`` (0.30 on)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        major, minor = (int(x) for x in version("vllm_ascend").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return False
-    return (major, minor) >= (0, 30)
+    return release_at_least(0, 30)
 
 
 # The side-by-side's runs (release/update_cost.py's verdict takes every one): the 32-layer

@@ -20,6 +20,7 @@ __all__ = [
     "counts_folder",
     "engine_env",
     "order",
+    "release_at_least",
     "result_path",
     "results",
     "run_logged",
@@ -45,6 +46,19 @@ def check_scope() -> str:
     if scope not in SCOPES:
         raise SystemExit(f"CHECK_SCOPE must be one of {', '.join(SCOPES)}, not {scope!r}")
     return scope
+
+
+def release_at_least(major: int, minor: int) -> bool:
+    """Whether this environment's vllm-ascend is release ``major.minor`` or newer (``False``
+    where none is installed): 0.30 on ships ``compilation/updatable_graph.py``, and its layers
+    import ``vllm_ascend_C`` with no fallback."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = tuple(int(x) for x in version("vllm_ascend").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return found >= (major, minor)
 
 
 def timed(models: Iterable[str]) -> tuple[str, ...]:
