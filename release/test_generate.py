@@ -123,14 +123,13 @@ def test_vllm_ascend_updates_its_graphs_and_npugraph_does_every_update_with_the_
     have the same number of graph steps: the engine is its own process, and which client
     step a request arrives at can move by one between runs.)"""
     ranks = MODELS[model].tensor_parallel  # model processes: each rank's worker counts its own
-    # the engine steps of eager's run, or where there is none (generate.eager_models) of
-    # vllm-ascend's own graphs' first run
-    steps = _run(out_dir, model, "aclgraph")["engine_steps"]
     if model in eager_models():
         eager = _run(out_dir, model, "eager")
         assert not eager["vllm_ascend_update_seconds"] and not eager["npugraph_steps"], "eager replays no graph"
         assert not eager["graph_steps"]
         steps = eager["engine_steps"]
+    else:  # no eager run at this scope (generate.eager_models): vllm-ascend's own graphs' first run
+        steps = _run(out_dir, model, "aclgraph")["engine_steps"]
     least = steps // GRAPH_STEP_SHARE[model]
     drafting = MODELS[model].speculative is not None and MODELS[model].speculative["method"] == "mtp"
     for path in results(out_dir, model, "aclgraph"):

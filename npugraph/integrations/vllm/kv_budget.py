@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from npugraph.integrations.common import unwrap_method
-from npugraph.integrations.vllm.runner_v2 import PROFILED_FULL_TOKENS
+from npugraph.integrations.vllm.runner_v2 import CUDAGRAPH_UTILS, PROFILED_FULL_TOKENS
 from npugraph.integrations.vllm.wrapper import runtime_for
 
 __all__ = ["GraphMemoryEstimate", "estimate_graph_memory", "kv_budget_missing", "patch_kv_budget", "unpatch_kv_budget"]
@@ -175,7 +175,7 @@ def estimate_graph_memory_v2(runner: Any) -> GraphMemoryEstimate:
     the two largest FULL descriptors captured, here by npugraph's capture) runs, and npugraph's
     measure of those captures, extrapolated to every FULL size by the same formula, makes the
     estimate (vLLM's figure, which also counts the warm-ups' eager memory, is reported)."""
-    profile = __import__(_V2_PROFILE[0], fromlist=["_"]).profile_cudagraph_memory
+    profile = __import__(CUDAGRAPH_UTILS, fromlist=["_"]).profile_cudagraph_memory
     config = runner.vllm_config
     with _profiling(runner) as runtime:
         vllm_bytes = int(profile(runner))
@@ -186,8 +186,6 @@ def estimate_graph_memory_v2(runner: Any) -> GraphMemoryEstimate:
     return GraphMemoryEstimate.of([sizes], took, vllm_bytes)
 
 
-# vLLM's model runner v2's profiling of its graph memory
-_V2_PROFILE = ("vllm.v1.worker.gpu.cudagraph_utils", "profile_cudagraph_memory")
 # what estimate_graph_memory() uses of vllm-ascend and vLLM, by module: checked before patching
 _KV_BUDGET_NAMES = (
     (_WORKER[0], (_WORKER[1],)),

@@ -39,12 +39,21 @@ from npugraph.integrations.vllm.metadata import step_metadata
 from npugraph.integrations.vllm.wrapper import runtime_for
 from npugraph.runtime import Runtime
 
-__all__ = ["DRAFT_MANAGERS", "PROFILED_FULL_TOKENS", "GraphStep", "available", "install", "uninstall"]
+__all__ = [
+    "CUDAGRAPH_UTILS",
+    "DRAFT_MANAGERS",
+    "PROFILED_FULL_TOKENS",
+    "GraphStep",
+    "available",
+    "install",
+    "uninstall",
+]
 
 logger = logging.getLogger("vllm.npugraph")
 
-# vLLM's v2 graph manager (its capture loop) and vllm-ascend's subclass for the target model
-_CUDAGRAPH_UTILS = "vllm.v1.worker.gpu.cudagraph_utils"
+# vLLM's v2 graph manager (its capture loop; its profile of the graphs' memory, which
+# kv_budget runs) and vllm-ascend's subclass for the target model
+CUDAGRAPH_UTILS = "vllm.v1.worker.gpu.cudagraph_utils"
 _MANAGER = ("vllm_ascend.worker.v2.aclgraph_utils", "ModelAclGraphManager")
 # the draft models' managers under v2 speculative decoding: not served by npugraph yet
 DRAFT_MANAGERS = (
@@ -116,7 +125,7 @@ def _capture(manager: Any, create_forward_fn: Callable[..., Any]) -> None:
     from vllm.compilation.counter import compilation_counter
     from vllm.config import CUDAGraphMode
 
-    graph_capture = __import__(_CUDAGRAPH_UTILS, fromlist=["_"]).graph_capture
+    graph_capture = __import__(CUDAGRAPH_UTILS, fromlist=["_"]).graph_capture
     if getattr(manager, "ubatch_runner", None) is not None:
         raise ConfigError("npugraph: vLLM's micro-batched (DBO) graphs under model runner v2 are not served yet")
     runtime = runtime_for(manager.vllm_config)
@@ -201,7 +210,7 @@ def available() -> bool:
     return (
         manager is not None
         and "_updatable_graph_replay" in vars(manager)
-        and _class((_CUDAGRAPH_UTILS, "CudaGraphManager")) is not None
+        and _class((CUDAGRAPH_UTILS, "CudaGraphManager")) is not None
     )
 
 
@@ -211,9 +220,9 @@ def install() -> list[str]:
     if not available():
         return []
     manager = _class(_MANAGER)
-    wrap_method((_CUDAGRAPH_UTILS, "CudaGraphManager"), "capture", _capturing_loop)
-    replaced = [f"{_CUDAGRAPH_UTILS}.CudaGraphManager.capture"]
-    for name, replay in _replays(_class((_CUDAGRAPH_UTILS, "ModelCudaGraphManager")).run_fullgraph).items():
+    wrap_method((CUDAGRAPH_UTILS, "CudaGraphManager"), "capture", _capturing_loop)
+    replaced = [f"{CUDAGRAPH_UTILS}.CudaGraphManager.capture"]
+    for name, replay in _replays(_class((CUDAGRAPH_UTILS, "ModelCudaGraphManager")).run_fullgraph).items():
         if name in vars(manager) and not hasattr(manager, f"_npugraph_original_{name}"):
             setattr(manager, f"_npugraph_original_{name}", vars(manager)[name])
             setattr(manager, name, replay)
@@ -223,7 +232,7 @@ def install() -> list[str]:
 
 def uninstall() -> None:
     """Put back what :func:`install` replaced."""
-    unwrap_method((_CUDAGRAPH_UTILS, "CudaGraphManager"), "capture")
+    unwrap_method((CUDAGRAPH_UTILS, "CudaGraphManager"), "capture")
     manager = _class(_MANAGER)
     if manager is not None:
         for name in _REPLAYED:
