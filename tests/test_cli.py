@@ -118,6 +118,12 @@ def test_bench_json_schema(tmp_path):
     assert doc["summary"]["measured_off"]["unchecked_vs_floor"] == s["unchecked_vs_floor_median"]
     assert doc["summary"]["measured_off"]["minimal_vs_floor"] == s["minimal_vs_floor_median"]
     assert doc["summary"]["measured_off"]["npugraph_vs_minimal"] == s["npugraph_vs_minimal_median"]
+    assert doc["summary"]["measured_off"]["npugraph_vs_minimal_paired"] == s["npugraph_vs_minimal_paired_median"]
+    rows = [r for r in doc["rows"] if r["layers"] >= 32]
+    assert s["npugraph_vs_minimal_worst"] == max(r["npugraph_us"] / r["minimal_us"] for r in rows)
+    for row in rows:  # each round's ratio: the median lies within its quartiles
+        lo, hi = row["npugraph_vs_minimal_paired_spread"]
+        assert lo <= row["npugraph_vs_minimal_paired"] <= hi
     assert doc["machine"]["python_loop_ns"] > 0  # the modeled ratios depend on the host's Python speed
     modeled = doc["summary"]["modeled"]
     hb, sb, db = modeled["host_bound"], modeled["small_batch"], modeled["device_bound"]

@@ -254,11 +254,21 @@ def bench_update(
     for name in methods:
         ts = sorted(times[name])
         row[f"{name}_us"] = statistics.median(ts)
-        row[f"{name}_spread_us"] = [ts[len(ts) // 4], ts[(3 * len(ts)) // 4]]
+        row[f"{name}_spread_us"] = _quartiles(ts)
+    # paired: each round timed both in one shuffled pass, so the machine's drift between
+    # rounds cancels in their ratio (a narrower spread than the ratio of the two medians)
+    paired = sorted(a / b for a, b in zip(times["npugraph"], times["minimal"]))
+    row["npugraph_vs_minimal_paired"] = statistics.median(paired)
+    row["npugraph_vs_minimal_paired_spread"] = _quartiles(paired)
     row["calls"] = {name: sum(calls[name].values()) for name in methods}
     row["calls_detail"] = calls
     sim.configure()
     return row
+
+
+def _quartiles(sorted_values: Sequence[float]) -> list[float]:
+    n = len(sorted_values)
+    return [sorted_values[n // 4], sorted_values[(3 * n) // 4]]
 
 
 def _summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -273,6 +283,8 @@ def _summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "unchecked_vs_floor_median": statistics.median(r["unchecked_us"] / r["floor_us"] for r in sel),
             "minimal_vs_floor_median": statistics.median(r["minimal_us"] / r["floor_us"] for r in sel),
             "npugraph_vs_minimal_median": statistics.median(r["npugraph_us"] / r["minimal_us"] for r in sel),
+            "npugraph_vs_minimal_worst": max(r["npugraph_us"] / r["minimal_us"] for r in sel),
+            "npugraph_vs_minimal_paired_median": statistics.median(r["npugraph_vs_minimal_paired"] for r in sel),
         }
         for k in ("pa", "fia"):
             ks = [r for r in sel if r["kernel"] == k]

@@ -43,6 +43,8 @@ def run(
             "unchecked_vs_floor": measured["off"]["unchecked_vs_floor_median"],
             "minimal_vs_floor": measured["off"]["minimal_vs_floor_median"],
             "npugraph_vs_minimal": measured["off"]["npugraph_vs_minimal_median"],
+            "npugraph_vs_minimal_worst": measured["off"]["npugraph_vs_minimal_worst"],
+            "npugraph_vs_minimal_paired": measured["off"]["npugraph_vs_minimal_paired_median"],
         }
         if "off" in measured
         else {},
@@ -173,6 +175,7 @@ def _measured(layers: list[int], sizes: list[int], cost_models: list[bool], repe
             f"summary [{cm}] (32+ layers): npugraph/baseline {s['ratio_vs_baseline_median']:.2f}, "
             f"npugraph/floor {s['overhead_vs_floor_median']:.3f} "
             f"(validation off: {s['unchecked_vs_floor_median']:.3f}; the minimal validated update: "
-            f"{s['minimal_vs_floor_median']:.3f}, npugraph/minimal {s['npugraph_vs_minimal_median']:.3f})"
+            f"{s['minimal_vs_floor_median']:.3f}, npugraph/minimal {s['npugraph_vs_minimal_median']:.3f}, "
+            f"worst row {s['npugraph_vs_minimal_worst']:.3f}, paired by round {s['npugraph_vs_minimal_paired_median']:.3f})"
         )
     return result
