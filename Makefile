@@ -86,7 +86,8 @@ sglang-check:
 # `sglang.launch_server`, each in eager mode, with the engine's own graphs and with npugraph's
 # plugin, 16 concurrent openai-client streams for SOAK_S seconds each (default 600: about 75
 # minutes in all); fails unless npugraph's texts are Hugging Face's choices and its memory,
-# graphs, events and streams stay flat.  JSON and PNG into SOAK_OUT (default soak-results/).
+# graphs, events and streams stay flat.  JSON and PNG (matplotlib; the JSON keeps its series:
+# `release/soak.py plot REPORT.json OUT.png` redraws it) into SOAK_OUT (default soak-results/).
 SOAK_S ?= 600
 SOAK_OUT ?= soak-results
 RELEASE_ENV ?= .release-env
@@ -97,8 +98,10 @@ soak:
 	HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(abspath $(RELEASE_ENV))/hub $(RELEASE_ENV)/venv/bin/python release/soak.py vllm $(SOAK_OUT) $(SOAK_S)
 	$(SGLANG_ENV)/venv/bin/python release/soak.py sglang $(SOAK_OUT) $(SOAK_S)
 
+# The benchmarks (npugraph bench): tables on stdout, the JSON, and its chart beside it (matplotlib,
+# npugraph's plot extra, is in .venv's lock); `npugraph bench --plot PNG --from-json JSON` redraws one.
 bench: $(STAMP)
-	$(BIN)/npugraph bench --json bench.json
+	$(BIN)/npugraph bench --json bench.json --plot bench.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .lock-trial

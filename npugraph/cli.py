@@ -223,8 +223,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """The modeled timeline (npugraph vs UpdatableGraph vs the older loop), then the measured
     host cost of the update path against the floor, and validation's share."""
     # the benchmarks run on the simulator (npusim): imported by this command alone
-    from npugraph.bench import report
+    from npugraph.bench import plot, report
 
+    if args.plot:
+        plot.require_matplotlib()  # refused before minutes of work, not after
+    if args.from_json:
+        if not args.plot or args.json or args.timeline:
+            raise NpuGraphError("--from-json FILE runs no benchmark, it draws FILE's chart: give --plot PATH alone")
+        plot.plot_bench(read_json(args.from_json, "bench result"), args.plot, what=args.from_json)
+        print(f"chart of {args.from_json}: {args.plot}")
+        return 0
     host_costs = None
     if args.costs:
         host_costs = read_json(args.costs, "host-cost calibration")
@@ -243,6 +251,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     if args.json:
         write_text(args.json, json.dumps(result, indent=1))
+    if args.plot:
+        plot.plot_bench(result, args.plot)
+        print(f"chart: {args.plot}")
     return 0
 
 
@@ -364,6 +375,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_positive, default=15, help="measured steps per method (default 15)")
     b.add_argument("--extra", action="store_true", help="also measure capture cost and replay vs eager")
     b.add_argument("--json", metavar="PATH", type=_out_path, help="write rows and summary as JSON")
+    b.add_argument(
+        "--plot",
+        metavar="PATH",
+        type=_out_path,
+        help="draw the modeled steps/s as a PNG chart (needs matplotlib: pip install 'npugraph[plot]')",
+    )
+    b.add_argument(
+        "--from-json",
+        metavar="FILE",
+        type=_in_file,
+        help="with --plot: draw the chart of a JSON that --json wrote, running nothing",
+    )
     b.add_argument(
         "--costs", metavar="FILE", type=_in_file, help="model with these host costs (npugraph selftest --calibrate)"
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 from npugraph.errors import NpuGraphError
 
-__all__ = ["FileError", "MAX_JSON_BYTES", "check_writable", "write_text", "read_json"]
+__all__ = ["FileError", "MAX_JSON_BYTES", "check_writable", "write_bytes", "write_text", "read_json"]
 
 MAX_JSON_BYTES = 64 * 2**20  # a manifest of thousands of graphs is a few MiB
 
@@ -42,13 +42,18 @@ def check_writable(path: str) -> str:
 
 def write_text(path: str, text: str) -> None:
     """Write ``text`` to ``path`` (created or truncated), refusing to follow a symlink."""
+    write_bytes(path, text.encode())
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` (created or truncated), refusing to follow a symlink."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
         raise FileError(f"{path}: cannot write: {exc.strerror or exc}") from exc
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
     except OSError as exc:
         raise FileError(f"{path}: cannot write: {exc.strerror or exc}") from exc
 

@@ -1,6 +1,7 @@
 """A soak: a server as users start it, under sustained load for minutes (make soak).
 
     soak.py vllm|sglang OUT_DIR [SECONDS] [MODES]   MODES: a comma list (default every mode)
+    soak.py plot REPORT.json OUT.png                a report's plot drawn again
 
 Each mode's server (eager, the engine's own graphs, npugraph's plugin) starts on 127.0.0.1
 (release/serving.py) and serves 16 concurrent ``openai``-client streams for SECONDS (default
@@ -28,8 +29,10 @@ output tokens/s and time per output token (p50, p99) on the simulator, the memor
 figures, the forward passes by graph mode and batch size (a decode batch run eagerly is a
 fallback, explained by its size), and how many texts differ from the eager server's and how
 many variants a request had (concurrent batches differ from run to run, and bfloat16 can
-break a near tie either way; a variant that is not a near tie fails the check above).  And a
-plot, ``OUT_DIR/soak-ENGINE.png``: memory and time per output token over the run.
+break a near tie either way; a variant that is not a near tie fails the check above), and the
+series it plots.  The plot, ``OUT_DIR/soak-ENGINE.png`` (matplotlib, npugraph's ``plot`` extra,
+in the soak's environments' locks): memory and time per output token over the run, the second
+half shaded with each mode's fitted growth (:func:`plot`).
 """
 
 from __future__ import annotations
@@ -377,49 +380,95 @@ def variants(by_mode: dict[str, list[Request]]) -> dict[str, Any]:
     return out
 
 
-def plot(path: Path, runs: dict[str, dict[str, Any]]) -> None:
-    """Memory (the engine process's resident and the device's allocated, MiB) and time per
-    output token (ms, each completed stream at its end) over the run, one panel each, per mode."""
-    from PIL import Image, ImageDraw
+PLOT_SIZE, PLOT_DPI = (13.0, 10.0), 100  # the PNG: 1300 x 1000 pixels
+COLORS = {"eager": "#757575", "npugraph": "#c62828"}  # the engine's own graphs: OTHER
+OTHER = "#1565c0"
+PANELS = (
+    ("host_rss", "engine's resident memory\noutside the card's KV blocks (MiB)"),
+    ("device_bytes", "device bytes allocated (MiB)"),
+    ("tpot", "time per output token (ms)"),
+)
 
-    width, height, pad = 1000, 640, 60
-    img = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(img)
-    colors = {"eager": (120, 120, 120), "npugraph": (200, 40, 40)}
-    other = (40, 90, 200)
-    panels = [
-        ("engine resident memory outside the card's KV blocks, MiB", "host_rss", 0),
-        ("device bytes allocated, MiB", "device_bytes", 1),
-        ("time per output token, ms", "tpot", 2),
-    ]
-    panel_h = (height - pad) // len(panels)
-    for title, name, i in panels:
-        top, bottom = pad // 2 + i * panel_h, pad // 2 + (i + 1) * panel_h - 24
-        draw.rectangle([pad, top, width - 20, bottom], outline=(0, 0, 0))
-        draw.text((pad + 6, top + 4), title, fill=(0, 0, 0))
-        series = {mode: run["series"][name] for mode, run in runs.items() if run["series"][name]}
-        if not series:
-            continue
-        t_max = max(t for pts in series.values() for t, _ in pts) or 1.0
-        v_min = min(v for pts in series.values() for _, v in pts)
-        v_max = max(v for pts in series.values() for _, v in pts)
-        span = (v_max - v_min) or 1.0
-        draw.text((6, top), f"{v_max:.1f}", fill=(0, 0, 0))
-        draw.text((6, bottom - 12), f"{v_min:.1f}", fill=(0, 0, 0))
-        for k, (mode, pts) in enumerate(series.items()):
-            color = colors.get(mode, other)
-            xy = [
-                (pad + (width - 20 - pad) * t / t_max, bottom - (bottom - top - 20) * (v - v_min) / span)
-                for t, v in pts
-            ]
+
+def plot(path: Path, report: dict[str, Any]) -> None:
+    """The run's picture, drawn from its report (``soak-ENGINE.json``, each mode's ``series``)
+    with matplotlib (Agg, no display): the engine's resident memory, the device's allocated
+    bytes and the time per output token against seconds since the load began, one panel each,
+    one line (TPOT: a point per completed stream, at its end) per mode.  The second half, the
+    one the check judges, is shaded; each memory line's least-squares fit over it (:func:`trend`,
+    the judge's own) is drawn, its growth in the legend; TPOT's p50 and p99 are lines."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import ScalarFormatter
+
+    modes = report["modes"]
+    unrecorded = [mode for mode, m in modes.items() if "series" not in m]
+    if unrecorded:
+        raise ValueError(
+            f"modes {unrecorded} of this report have no series (reports before 2026-12-06 kept none): no plot"
+        )
+    fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(PANELS), 1, sharex=True)
+    half_from = min(m["second_half_from_s"] for m in modes.values())
+    # the load's end, or the last sample (the engine's, taken after the last request) if later
+    end = max(max([m["load_s"]] + [p[0] for points in m["series"].values() for p in points]) for m in modes.values())
+    for k, (ax, (name, label)) in enumerate(zip(axes, PANELS)):
+        ax.axvspan(half_from, end, color="#fff3c4", zorder=0, label="second half: judged" if k == 0 else None)
+        for mode, m in modes.items():
+            color = COLORS.get(mode, OTHER)
+            points = m["series"][name]
+            if not points:
+                continue
+            ts, vs = [p[0] for p in points], [p[1] for p in points]
             if name == "tpot":
-                for x, y in xy:
-                    draw.ellipse([x - 1.5, y - 1.5, x + 1.5, y + 1.5], fill=color)
-            elif len(xy) > 1:
-                draw.line(xy, fill=color, width=2)
-            draw.text((width - 200, top + 4 + 12 * k), mode, fill=color)
-    draw.text((pad, height - 18), "seconds since the load began (each mode its own run)", fill=(0, 0, 0))
-    img.save(path)
+                ax.scatter(ts, vs, s=9, alpha=0.6, color=color, lw=0, label=f"{mode}: a completed stream")
+                for q, style in (("p50", "--"), ("p99", ":")):
+                    if m["tpot_ms"].get(q) is not None:
+                        ax.axhline(
+                            m["tpot_ms"][q], color=color, ls=style, lw=1.2, label=f"{mode} {q}: {m['tpot_ms'][q]:g} ms"
+                        )
+                continue
+            ax.plot(ts, vs, color=color, lw=1, label=mode)
+            fit = second_half_fit(points, m["second_half_from_s"])
+            if fit is not None:
+                xs, ys, growth = fit
+                fitted = f"{mode}: fit over the second half, {growth:+.2%}"
+                ax.plot(xs, ys, color=color, ls="--", lw=2.2, label=fitted)
+        ax.set_ylabel(label)
+        formatter = ScalarFormatter(useOffset=False)
+        formatter.set_scientific(False)
+        ax.yaxis.set_major_formatter(formatter)
+        ax.grid(alpha=0.35)
+        ax.set_axisbelow(True)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    axes[-1].set_xlim(0, end)
+    axes[-1].set_xlabel("seconds since the load began (each mode its own run)")
+    verdict = "passed" if report.get("passed") else "FAILED"
+    fig.suptitle(
+        f"soak of {report['engine']}, {report['date']}: {report['seconds']:g} s of load per mode, "
+        f"{report['streams']} concurrent streams; {verdict}\nshaded: the second half, judged: npugraph's memory "
+        f"must grow under {GROWTH:.0%} over it\n(the rise of its least-squares line, relative to where the line "
+        "starts); the other modes are its comparison",
+        fontsize=11,
+    )
+    fig.savefig(path, format="png")
+
+
+def second_half_fit(points: list[list[float]], since: float) -> tuple[list[float], list[float], float] | None:
+    """The judge's line (:func:`trend`, as :func:`flatness` fits it) through the points from
+    ``since`` on: its two ends' times and values, and its growth; None under two points."""
+    late = [(t, v) for t, v in points if t >= since]
+    if len(late) < 2:
+        return None
+    first, last = trend([t for t, _ in late], [v for _, v in late])
+    return [late[0][0], late[-1][0]], [first, last], (last - first) / first if first else 0.0
+
+
+def _series(run: dict[str, Any]) -> dict[str, list[list[float]]]:
+    """The run's series for its report, rounded (0.1 KiB, 1 ms, 1 us): what the plot draws."""
+    digits = {"host_rss": 4, "device_bytes": 4, "tpot": 3}
+    return {name: [[round(t, 3), round(v, digits[name])] for t, v in points] for name, points in run["series"].items()}
 
 
 def _server(engine: str, mode: str, model_dir: Path, folder: Path) -> tuple[list[str], dict[str, str]]:
@@ -473,6 +522,7 @@ def under_load(
         "warm_up": warmed,
         "requests": requests,
         "elapsed": elapsed,
+        "second_half_from_s": elapsed / 2,  # what flatness judges, in the series' seconds
         "summary": summarize(requests, elapsed),
         "flat": flatness(samples, t0 + elapsed / 2),
         "forwards": samples[-1]["forwards"] if samples else {},
@@ -535,7 +585,20 @@ def failures(
     return why
 
 
+def replot(report_path: Path, png: Path) -> int:
+    """``soak.py plot REPORT PNG``: a report's plot drawn again (one line and exit 2 if it cannot be)."""
+    try:
+        plot(png, json.loads(report_path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"soak.py plot: {report_path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(f"soak.py plot: {png}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 4 and argv[1] == "plot":
+        return replot(Path(argv[2]), Path(argv[3]))
     if len(argv) not in (3, 4, 5) or argv[1] not in ENGINES:
         print(__doc__.splitlines()[2].strip(), file=sys.stderr)
         return 2
@@ -573,6 +636,10 @@ def main(argv: list[str]) -> int:
                 "flat": run["flat"],
                 "forwards": run["forwards"],
                 "stopped_by_sigint": run["stopped_by_sigint"],
+                # what the plot draws: soak.py plot REPORT PNG draws it again from this report
+                "load_s": round(run["elapsed"], 3),
+                "second_half_from_s": round(run["second_half_from_s"], 3),
+                "series": _series(run),
             }
             for mode, run in runs.items()
         },
@@ -589,7 +656,7 @@ def main(argv: list[str]) -> int:
     (out / f"soak-{engine}.requests.json").write_text(
         json.dumps({m: [asdict(r) for r in run["requests"]] for m, run in runs.items()})
     )
-    plot(out / f"soak-{engine}.png", runs)
+    plot(out / f"soak-{engine}.png", report)
     for line in why:
         print(line, file=sys.stderr)
     print(f"soak {engine}: {'passed' if not why else 'FAILED'} ({out / f'soak-{engine}.json'})", file=sys.stderr)

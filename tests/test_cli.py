@@ -95,14 +95,15 @@ def test_demo_on_npu_without_torch_npu_says_what_is_missing(capsys):
 
 
 def test_bench_json_schema(tmp_path):
-    path, trace = tmp_path / "bench.json", tmp_path / "timeline.json"
+    path, trace, chart = tmp_path / "bench.json", tmp_path / "timeline.json", tmp_path / "bench.png"
     code = main(
         [
             *("bench", "--layers", "2,32", "--sizes", "1", "--cost-model", "off", "--repeats", "2", "--seeds", "2"),
-            *("--json", str(path), "--timeline", str(trace)),
+            *("--json", str(path), "--timeline", str(trace), "--plot", str(chart)),
         ]
     )
     assert code == 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # its size: tests/test_plots.py
     doc = json.loads(path.read_text())
     assert len(doc["rows"]) == 4  # 2 layer counts x 1 size x 2 kernels
     for row in doc["rows"]:
@@ -151,6 +152,9 @@ def test_bench_json_schema(tmp_path):
         assert {"median", "min", "max"} <= set(threaded[config]["500"]["steps_per_s"])
         assert {"median", "min", "max"} <= set(threaded[config]["500"]["latency"])
     assert not any("@" in k for k in hb["steps_per_s"]), "the background-thread rows are reported apart"
+    for row in (hb, sb, db):  # each implementation's spread over the seeds: the chart's error bars
+        assert set(row["steps_per_s_spread"]) == set(row["steps_per_s"])
+        assert all(s["min"] <= s["median"] <= s["max"] and s["n"] == 2 for s in row["steps_per_s_spread"].values())
     events = json.loads(trace.read_text())["traceEvents"]
     processes = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert {f"{shape}: updatable_mrv2" for shape in ("host_bound", "small_batch", "device_bound")} <= processes

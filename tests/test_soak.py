@@ -5,6 +5,7 @@ The soak itself runs servers (make soak)."""
 from __future__ import annotations
 
 import json
+import struct
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 RELEASE = Path(__file__).parent.parent / "release"
+# a report cut down to what the plot reads (its series made up: tests/data/soak-small.json's note)
+SMALL_REPORT = Path(__file__).parent / "data" / "soak-small.json"
 
 
 @pytest.fixture(scope="module")
@@ -188,10 +191,42 @@ def test_the_engine_process_is_the_one_with_the_most_forward_passes(soak, tmp_pa
     assert soak.engine_samples(tmp_path) == rows
 
 
-def test_the_plot_is_a_png_of_three_panels(soak, tmp_path):
-    series = {"host_rss": [(0.0, 10.0), (1.0, 11.0)], "device_bytes": [(0.0, 5.0), (1.0, 5.0)], "tpot": [(0.5, 20.0)]}
-    soak.plot(tmp_path / "s.png", {"eager": {"series": series}, "npugraph": {"series": series}})
-    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_the_plot_of_a_small_report_is_a_png_of_its_size(soak, tmp_path):
+    # drawn again from the report alone, as soak.py plot REPORT PNG does (no pixel comparisons)
+    assert soak.main(["soak.py", "plot", str(SMALL_REPORT), str(tmp_path / "s.png")]) == 0
+    assert _png_size(tmp_path / "s.png") == (1300, 1000)
+    assert (soak.PLOT_SIZE[0] * soak.PLOT_DPI, soak.PLOT_SIZE[1] * soak.PLOT_DPI) == (1300, 1000)
+
+
+def test_a_report_without_series_is_refused_in_one_line(soak, tmp_path, capsys):
+    old = Path(__file__).parent.parent / "docs" / "soak" / "2026-12-05-vllm-600s.json"  # written before the series
+    assert soak.main(["soak.py", "plot", str(old), str(tmp_path / "s.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "have no series" in err and not (tmp_path / "s.png").exists()
+
+
+def test_the_plots_growth_is_the_judges(soak):
+    # the judge fits bytes against the probe's clock; the plot, MiB against seconds since the
+    # load began, from the report's series: the same line, so the same growth
+    t0 = 1_700_000_000.0
+    samples = _samples(100, rss=lambda i: 2**30 + (i % 3) * 2**20 + max(0, i - 40) * 2**18)
+    for s in samples:
+        s["t"] += t0
+    judged = soak.flatness(samples, since=t0 + 50.0)["host_rss"]["growth"]
+    points = [[s["t"] - t0, s["host_rss"] / 2**20] for s in samples]
+    xs, ys, growth = soak.second_half_fit(points, 50.0)
+    assert judged > soak.GROWTH and growth == pytest.approx(judged, rel=1e-9)
+    assert xs == [50.0, 99.0]
+    assert soak.second_half_fit(points, 99.0) is None
+    # the report keeps the series as JSON lists, rounded finer than the 1% the check judges
+    run = {"series": {"host_rss": [(1.23456, 1024.123456)], "device_bytes": [], "tpot": [(2.0, 30.12345)]}}
+    assert soak._series(run) == {"host_rss": [[1.235, 1024.1235]], "device_bytes": [], "tpot": [[2.0, 30.123]]}
 
 
 def test_the_probe_counts_what_is_alive_and_writes_a_line_a_period(tmp_path, monkeypatch):

@@ -8,7 +8,9 @@
 * :mod:`~npugraph.bench.modeled`: those recordings replayed on a model of the host and the
   device (``npugraph.timeline``) over the serving shapes;
 * :mod:`~npugraph.bench.sink`: the tiling-sink path, modeled;
-* :mod:`~npugraph.bench.report`: ``npugraph bench``, printing and returning them all.
+* :mod:`~npugraph.bench.report`: ``npugraph bench``, printing and returning them all;
+* :mod:`~npugraph.bench.plot`: ``npugraph bench --plot``, the modeled rows as a chart (matplotlib,
+  imported when one is drawn).
 """
 
 from npugraph.bench.measured import (

@@ -224,6 +224,8 @@ def modeled_summary(
             "other_us": shape.other_us,
             "device_time_source": shape.source,
             "steps_per_s": {k: round(statistics.median(v), 1) for k, v in _implementation_rows(sps).items()},
+            # each implementation's own spread over the seeds: the chart's error bars (npugraph bench --plot)
+            "steps_per_s_spread": {k: _spread(v) for k, v in _implementation_rows(sps).items()},
             "step_latency_us": {k: round(statistics.median(v), 1) for k, v in _implementation_rows(lat).items()},
             "npugraph_vs_updatable": ratio(DEFAULT, "updatable_mrv2"),
             "npugraph_vs_updatable_mrv1": ratio(DEFAULT, "updatable_mrv1"),
