@@ -34,13 +34,17 @@ interpreter is slow: about a millisecond per program instance).
 
 from __future__ import annotations
 
+import inspect
+import os
 import types
-from typing import Any
+import warnings
+from typing import Any, cast
 
 import torch
 
 from npusim.device import backend as _device
-from npusim.kernels import AI_CORES
+from npusim.kernels import AI_CORES, triton_substitutes
+from npusim.kernels.triton_substitutes import Substitute
 from npusim.runtime.launch import SimOp, launch
 
 __all__ = [
@@ -56,6 +60,8 @@ __all__ = [
 ]
 
 BACKEND_NAME = "npu"  # triton-ascend's backend name
+# NPUSIM_TRITON_SUBSTITUTES=0 runs every Triton kernel in the interpreter, substituted ones too
+SUBSTITUTES_ENV = "NPUSIM_TRITON_SUBSTITUTES"
 EXTENSION = "triton.language.extra.cann.extension"
 # an Atlas A2's cube (AI) and vector cores, what triton-ascend's driver reports
 _VECTOR_CORES = 2 * AI_CORES
@@ -181,7 +187,8 @@ def bfloat16_arithmetic(interpreter: types.ModuleType) -> None:
     ``a * b`` on them as integers: garbage (PyPI Triton 3.8: ``1.5 * 2.0`` gives ``0.0``).
     An NPU (and a GPU) computes it on the values, rounded to bfloat16.  So each float
     operation with a bfloat16 operand (binary, unary, fused multiply-add, clamp) runs here
-    in float32 and rounds to nearest even; a comparison returns its booleans.  Selects and
+    in float32 and rounds to nearest even, and so does a cast to bfloat16; a comparison
+    returns its booleans.  Selects and
     bit casts keep the patterns, as they should.  And any comparison's booleans are typed
     int1, bfloat16 or not (the interpreter types them as their left operand)."""
     import numpy as np
@@ -248,7 +255,21 @@ def bfloat16_arithmetic(interpreter: types.ModuleType) -> None:
             return rsqrt(self, arg)
         return result(1 / np.sqrt(widen(arg)), arg.dtype.scalar)
 
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        # A float cast to bfloat16 (``x.to(tl.bfloat16)``, and a store of float32 into a
+        # bfloat16 pointer) rounds to nearest even on a device (``arith.truncf``); the
+        # interpreter truncates the pattern (vllm-ascend's rope came out an ulp low), and
+        # casts from another float type by integer conversion.  Widening keeps the value.
+        to_bf16 = getattr(dst_type.scalar, "name", None) == "bf16"
+        if to_bf16 and not is_bf16(src) and src.data.dtype.kind == "f":
+            return handle(narrow(src.data.astype(np.float32)), dst_type.scalar)
+        if is_bf16(src) and getattr(dst_type.scalar, "name", None) in ("fp16", "fp32", "fp64"):
+            return handle(widen(src).astype(interpreter._get_np_dtype(dst_type)), dst_type.scalar)
+        return interpreted_cast(self, src, dst_type)
+
+    interpreted_cast = builder.cast_impl
     binary_op._npugraph_sim = True  # type: ignore[attr-defined]
+    builder.cast_impl = cast_impl
     builder.binary_op = binary_op
     builder.unary_op = unary_op
     builder.ternary_op = ternary_op
@@ -313,18 +334,52 @@ def launch_as_kernels(interpreter: types.ModuleType) -> None:
         tensors = tuple(k for k, v in params.items() if isinstance(v, torch.Tensor))
         if not tensors or all(params[k].device.type != "npu" for k in tensors):
             return run(self, *args, **kwargs)  # host tensors only: the interpreter as it is
+        substitute = _substitute(self.fn)
 
         def compute(host: dict[str, Any], info: dict[str, Any]) -> None:
-            run(
-                self,
-                *(host[f"arg{i}"] for i in range(len(args))),
-                **{k: host[f"kw_{k}"] for k in kwargs},
-            )
+            host_args = [host[f"arg{i}"] for i in range(len(args))]
+            host_kwargs = {k: host[f"kw_{k}"] for k in kwargs}
+            if substitute is None or os.environ.get(SUBSTITUTES_ENV, "1") == "0":
+                run(self, *host_args, **host_kwargs)
+                return
+            names = inspect.getfullargspec(self.fn).args  # what the interpreter binds, too
+            bound = inspect.getcallargs(self.fn, *host_args, **{k: v for k, v in host_kwargs.items() if k in names})
+            grid = self.grid(bound) if callable(self.grid) else self.grid
+            substitute.run(bound, (*grid, 1, 1, 1)[:3])
 
         launch(_kernel_op(self.fn.__name__, tensors, compute), params)
 
     call._npugraph_sim = True  # type: ignore[attr-defined]
     executor.__call__ = call
+
+
+def _substitute(fn: Any) -> Substitute | None:
+    """The torch substitute checked for kernel ``fn``'s source (found once per kernel: the
+    interpreter keeps one rewritten function per kernel); a kernel of a substituted name
+    whose source differs runs in the interpreter, said once."""
+    known = fn.__dict__.get("_npusim_substitute", _UNKNOWN)
+    if known is not _UNKNOWN:
+        return cast("Substitute | None", known)
+    found = None
+    if fn.__name__ in triton_substitutes.NAMES:
+        try:
+            source = inspect.getsource(fn)
+        except (OSError, TypeError):
+            source = ""
+        found = triton_substitutes.substitute_for(fn.__name__, source)
+        if found is None:
+            warnings.warn(
+                f"npusim: Triton kernel {fn.__name__} ({inspect.getsourcefile(fn)}) differs from every "
+                f"source its torch substitute was checked against "
+                f"({', '.join(s.origin for s in triton_substitutes.SUBSTITUTES.values() if s.kernel == fn.__name__)}): "
+                "it runs in Triton's interpreter (right, slower)",
+                stacklevel=2,
+            )
+    fn._npusim_substitute = found
+    return found
+
+
+_UNKNOWN = object()  # a kernel not looked up yet
 
 
 def _kernel_op(name: str, tensors: tuple[str, ...], compute: Any) -> SimOp:
