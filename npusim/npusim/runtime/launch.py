@@ -145,6 +145,10 @@ def host_copy(name: str, value: Any) -> Any:
         raise TypeError(f"argument {name!r} must be a list of ints, got {value!r}") from exc
 
 
+# argument values that carry no memory: neither placed nor aliased
+_SCALARS = frozenset((bool, int, float, str))
+
+
 def check_placement(op: SimOp, params: dict[str, Any]) -> None:
     """Refuse arguments on the wrong side, as a device does: device tensors on the device of
     the op's anchor argument (the query, for attention), host-side arguments (lengths) as
@@ -152,8 +156,11 @@ def check_placement(op: SimOp, params: dict[str, Any]) -> None:
     anchor = params.get(op.anchor)
     if not isinstance(anchor, torch.Tensor):
         return
+    host_args = op.host_args
     for name, value in params.items():
-        if name in op.host_args:
+        if value is None or type(value) in _SCALARS:
+            continue  # most of a kernel's arguments (FIA has 43): nothing placed
+        if name in host_args:
             if isinstance(value, torch.Tensor) and value.device.type != "cpu":
                 raise fail(
                     op.name,

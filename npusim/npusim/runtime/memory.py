@@ -301,6 +301,10 @@ class Memory:
         self._prune_bytes_at = self._eager_bytes + _PRUNE_BYTES
 
 
+# argument values that hold no memory (most of a kernel's keyword arguments)
+_SCALARS = frozenset((bool, int, float, str))
+
+
 def hold_tree(memory: Memory, name: str, v: Any, refs: list[ArgRef], *, checked: bool = True) -> Any:
     """Replace every tensor in ``v`` by a non-owning alias; note a liveness check for each.
 
@@ -328,7 +332,9 @@ def hold_params(memory: Memory, op: Any, params: dict[str, Any]) -> tuple[dict[s
     refs: list[ArgRef] = []
     with _disable_current_modes():
         held = {
-            k: v if k in op.host_args else hold_tree(memory, k, v, refs, checked=k != "workspace")
+            k: v
+            if v is None or k in op.host_args or type(v) in _SCALARS
+            else hold_tree(memory, k, v, refs, checked=k != "workspace")
             for k, v in params.items()
         }
     return held, tuple(refs)

@@ -238,10 +238,13 @@ def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any], info: dict[
             f"{where}: the op issued ({op.qualname}) differs from the op captured "
             f"({task.op.qualname}); number and type of tasks must match"
         )
+    captured = task.params
     for name, value in params.items():
         if name in op.host_args:
             continue
-        _check_same(where, name, task.params.get(name), value)
+        was = captured.get(name)
+        if value is not was or isinstance(value, (list, tuple)):  # an identical scalar (None) is the same
+            _check_same(where, name, was, value)
     op.check_workspace(params, where, info)
     held, refs = hold_params(rt.get_state().memory, op, params)
     st = rt.get_state()
