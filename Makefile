@@ -100,8 +100,10 @@ soak:
 
 # The benchmarks (npugraph bench): tables on stdout, the JSON, and its chart beside it (matplotlib,
 # npugraph's plot extra, is in .venv's lock); `npugraph bench --plot PNG --from-json JSON` redraws one.
+# Then the simulator's own cost of a kernel re-issued in an update session (python -m npusim.bench).
 bench: $(STAMP)
 	$(BIN)/npugraph bench --json bench.json --plot bench.png
+	$(BIN)/python -m npusim.bench --json bench-reissue.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .lock-trial
