@@ -30,7 +30,7 @@ from npusim.device.backend import on_host
 from npusim.errors import WorkspaceTooSmall
 from npusim.runtime import state as rt
 from npusim.runtime.capture import make_host_copy
-from npusim.runtime.memory import MEMORY
+from npusim.runtime.memory import MEMORY, SCALARS
 from npusim.runtime.taskgroups import (
     issue_update,
 )
@@ -145,10 +145,6 @@ def host_copy(name: str, value: Any) -> Any:
         raise TypeError(f"argument {name!r} must be a list of ints, got {value!r}") from exc
 
 
-# argument values that carry no memory: neither placed nor aliased
-_SCALARS = frozenset((bool, int, float, str))
-
-
 def check_placement(op: SimOp, params: dict[str, Any]) -> None:
     """Refuse arguments on the wrong side, as a device does: device tensors on the device of
     the op's anchor argument (the query, for attention), host-side arguments (lengths) as
@@ -158,7 +154,7 @@ def check_placement(op: SimOp, params: dict[str, Any]) -> None:
         return
     host_args = op.host_args
     for name, value in params.items():
-        if value is None or type(value) in _SCALARS:
+        if value is None or type(value) in SCALARS:
             continue  # most of a kernel's arguments (FIA has 43): nothing placed
         if name in host_args:
             if isinstance(value, torch.Tensor) and value.device.type != "cpu":

@@ -38,7 +38,7 @@ from npusim.errors import UseAfterFree
 # simulator, like a device, ignores the process's default torch device.
 MEMORY = torch.device("cpu")
 
-__all__ = ["Memory", "Owner", "Pool", "ArgRef", "check_refs", "hold_tree", "hold_params"]
+__all__ = ["Memory", "Owner", "Pool", "ArgRef", "SCALARS", "check_refs", "hold_tree", "hold_params"]
 
 _USE_COUNT = torch._C._storage_Use_Count
 
@@ -301,8 +301,9 @@ class Memory:
         self._prune_bytes_at = self._eager_bytes + _PRUNE_BYTES
 
 
-# argument values that hold no memory (most of a kernel's keyword arguments)
-_SCALARS = frozenset((bool, int, float, str))
+# argument values that hold no memory (most of a kernel's keyword arguments): neither
+# placed, nor compared as tensors, nor aliased
+SCALARS = frozenset((bool, int, float, str))
 
 
 def hold_tree(memory: Memory, name: str, v: Any, refs: list[ArgRef], *, checked: bool = True) -> Any:
@@ -333,7 +334,7 @@ def hold_params(memory: Memory, op: Any, params: dict[str, Any]) -> tuple[dict[s
     with _disable_current_modes():
         held = {
             k: v
-            if v is None or k in op.host_args or type(v) in _SCALARS
+            if v is None or k in op.host_args or type(v) in SCALARS
             else hold_tree(memory, k, v, refs, checked=k != "workspace")
             for k, v in params.items()
         }
