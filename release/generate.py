@@ -165,7 +165,10 @@ MODELS = {
 # at decode batches of 1 (PA), then 4 and 16 (FIA) for about twenty steps each
 # Its random logits are less decisive after 32 bfloat16 layers than after two: in every mode
 # alike (their tokens identical), a token came 0.16 below float32's best and 89% were its
-# argmax (2026-12-05): within 0.25, and 85% exactly, for it
+# argmax (2026-12-05); with bfloat16 casts in Triton kernels rounded to nearest even, as a
+# device rounds them (they were truncated), 0.283 and 90.5% (2026-12-06, CI's scope, 0.30.0rc2).
+# Hugging Face's own bfloat16 forward, teacher-forced on those tokens, chose up to 0.267 below
+# float32's best and 87.6% exactly: so within 0.35, and 85% exactly, for it
 MODELS["deep"] = Model(
     arch="llama_deep",
     head_dim=64,
@@ -174,7 +177,7 @@ MODELS["deep"] = Model(
     # 128, not 256, halves its profile run (32 layers of rope in Triton's interpreter: 2 minutes)
     max_num_batched_tokens=128,
     layers=tiny_model.DEEP_LAYERS,
-    hf_tolerance=0.25,
+    hf_tolerance=0.35,
     hf_exact_share=0.85,
 )
 # MTP with two draft tokens (the one MTP layer run twice, as vLLM does): the draft's graph
