@@ -88,7 +88,7 @@ def _vllm_ascend_rope(sin_from_padded_half: bool) -> Callable[[Mapping[str, Any]
             table = a["cos_sin_ptr"]
             stride = int(a["cos_sin_row_stride"])
             sin_at = int(a["pad_rope_dim"]) // 2 if sin_from_padded_half else half
-            span = int(pos.max()) + 1 if rows else 0
+            span = int(pos.max()) + 1
             cache = table.as_strided((span, sin_at + half), (stride, 1), table.storage_offset())[pos]
             cos, sin = cache[:, :half], cache[:, sin_at : sin_at + half]
         else:

@@ -12,6 +12,9 @@ the simulator they run in PyPI Triton's interpreter (``TRITON_INTERPRET=1``), wi
   the graph, replayed on the memory of the moment.  The interpreter by itself copies every
   argument's storage to the host and back at once, which a capture must refuse (the values
   only exist at replay) and which would order nothing on the stream;
+* a kernel whose source is one a torch substitute was checked against computed by that
+  substitute instead of the interpreter (:mod:`npusim.kernels.triton_substitutes`: vllm-ascend's
+  rope), through the same launch;
 * block shapes that are not powers of two (:func:`relax_block_shapes`), as triton-ascend
   allows them;
 * bfloat16 arithmetic on values, not on the interpreter's raw 16-bit patterns
