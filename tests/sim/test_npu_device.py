@@ -402,6 +402,54 @@ def test_torch_accelerator_synchronize_reaches_the_simulators_streams():
     assert y.cpu().tolist() == [2.0] * 4
 
 
+def test_torch_accelerator_empties_the_caches_as_vllms_shutdown_does():
+    """vLLM's cleanup_dist_env_and_memory, in every engine's exit, calls
+    ``torch.accelerator.empty_cache()`` and then ``empty_host_cache()``: torch asks
+    PrivateUse1's device allocator (an assert where it is no DeviceAllocator) and its host
+    allocator (a segfault where none is registered).  torch_npu registers both; its NPU
+    allocator is a DeviceAllocator from its release for torch 2.13."""
+    import torch
+
+    if not hasattr(getattr(torch, "accelerator", None), "empty_host_cache"):
+        pytest.skip("torch.accelerator.empty_host_cache is new in torch 2.9")
+    out = _run(
+        """
+        import faulthandler
+        faulthandler.enable()
+        import torch, torch_npu
+        a = torch.ones(1 << 20, dtype=torch.uint8, device="npu")
+        p = torch.arange(8.0).pin_memory()
+        q = torch.zeros(8, device="npu"); q.copy_(p, non_blocking=True)
+        version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+        if version >= (2, 13):
+            torch.accelerator.empty_cache()
+            assert torch.accelerator.memory_allocated() == torch.npu.memory_allocated() >= 1 << 20
+            assert torch.accelerator.memory_reserved() == torch.npu.memory_reserved()
+            assert torch.accelerator.get_memory_info() == torch.npu.mem_get_info()
+            b = torch.ones(1 << 20, dtype=torch.uint8, device="npu"); del b
+            assert torch.accelerator.max_memory_allocated() >= torch.accelerator.memory_allocated() + (1 << 20)
+            torch.accelerator.reset_peak_memory_stats()
+            assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated()
+        else:  # as strict as torch_npu for this torch, whose NPU allocator is no DeviceAllocator
+            try:
+                torch.accelerator.empty_cache()
+            except RuntimeError as e:
+                assert "not a DeviceAllocator" in str(e), e
+            else:
+                raise AssertionError("torch.accelerator.empty_cache() was accepted")
+        torch.accelerator.empty_host_cache()
+        # nothing was freed that is in use: pinned memory is still pinned, the copy still there
+        assert p.is_pinned() and not torch.empty(8).is_pinned()
+        assert q.cpu().tolist() == p.tolist() == list(range(8))
+        # a storage made from the device type is PrivateUse1's allocator's, as with torch_npu
+        s = torch.UntypedStorage(16, device="npu")
+        assert s.device.type == "npu" and s.nbytes() == 16
+        print("ok")
+        """
+    )
+    assert out.strip().endswith("ok")
+
+
 def test_an_engines_custom_op_with_an_npu_kernel_is_captured_op_by_op():
     """vLLM registers ``vllm::unified_attention_with_output`` with a Python kernel for the
     platform's device: captured in a graph, its code runs with the recorder on, so the ops

@@ -7,7 +7,8 @@
 // backend keeps a tensor's data outside its storage, so none of that holds there.
 //
 // What is here, and nothing else:
-// * an allocator (host memory labelled npu:N) and a pinned host allocator;
+// * an allocator (host memory labelled npu:N) and a pinned host allocator, PrivateUse1's
+//   device and host allocators as torch_npu's are;
 // * the ops a backend must own: empty, empty_strided, as_strided, view, _reshape_alias,
 //   resize_, set_, _copy_from, _copy_from_and_resize;
 // * a boxed fallback for every other op: npu arguments become CPU tensors over the same
@@ -34,7 +35,23 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
+// torch's allocator interfaces for an accelerator, and the torch each needs: at::HostAllocator
+// came in torch 2.8, and torch_npu's NPU allocator is a c10::DeviceAllocator from its release
+// for torch 2.13 (a plain c10::Allocator before, which torch.accelerator's memory calls refuse)
+#define NPUSIM_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+#define NPUSIM_HOST_ALLOCATOR NPUSIM_TORCH_AT_LEAST(2, 8)
+#define NPUSIM_DEVICE_ALLOCATOR NPUSIM_TORCH_AT_LEAST(2, 13)
+#if NPUSIM_HOST_ALLOCATOR
+#include <ATen/core/CachingHostAllocator.h>
+#endif
+#if NPUSIM_DEVICE_ALLOCATOR
+#include <c10/core/CachingDeviceAllocator.h>
+#endif
+
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <cstdio>
@@ -77,6 +94,7 @@ struct MemoryStats {
   int64_t allocations[64] = {};
   int64_t frees[64] = {};
   int64_t capacity = 0;  // bytes of each card (0: no limit), set from Python at install
+  bool used = false;     // torch_npu's allocator is initialized by the card's first use
 };
 
 // Allocations of this size or more ask the host whether it can back them (check_room) and
@@ -220,7 +238,16 @@ void check_room(c10::DeviceIndex dev, int64_t nbytes, bool ask_host = true) {
                    gib(capacity), ") or ask for less memory (vLLM: gpu_memory_utilization).");
 }
 
-struct NpuAllocator final : c10::Allocator {
+#if NPUSIM_DEVICE_ALLOCATOR
+using NpuAllocatorBase = c10::DeviceAllocator;
+#else
+using NpuAllocatorBase = c10::Allocator;
+#endif
+
+// PrivateUse1's allocator, as torch_npu's caching allocator is: torch.accelerator's memory
+// calls (empty_cache, memory_allocated, get_memory_info: vLLM's profiling and shutdown) and
+// storages made from the device type (torch.UntypedStorage(n, device="npu")) reach it there.
+struct NpuAllocator final : NpuAllocatorBase {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DeviceIndex dev = current_index;
     check_room(dev, static_cast<int64_t>(nbytes));
@@ -231,6 +258,7 @@ struct NpuAllocator final : c10::Allocator {
       s.sizes[p] = {dev, nbytes};
       s.allocated[dev] += static_cast<int64_t>(nbytes);
       s.allocations[dev] += 1;
+      s.used = true;
       if (s.allocated[dev] > s.peak[dev]) {
         s.peak[dev] = s.allocated[dev];
       }
@@ -243,23 +271,116 @@ struct NpuAllocator final : c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
+
+#if NPUSIM_DEVICE_ALLOCATOR
+  bool initialized() override {
+    MemoryStats& s = stats();
+    std::lock_guard<std::mutex> g(s.lock);
+    return s.used;
+  }
+  // Freed memory goes back to the host at once: there is no cache to empty, and no block
+  // waits for a stream before it is reused (the simulator's stream order is in Python).
+  void emptyCache(c10::MempoolId_t /*mempool_id*/ = {0, 0}) override {}
+  void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {}
+
+  // What torch_npu reports, from the counters torch.npu.memory_stats reads: with nothing
+  // cached, reserved and active are what is allocated; the pools are not told apart, and
+  // counts keep no peak of their own.
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    const c10::DeviceIndex dev = checked(device);
+    c10::CachingDeviceAllocator::DeviceStats d;
+    MemoryStats& s = stats();
+    std::lock_guard<std::mutex> g(s.lock);
+    constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    for (auto* bytes : {&d.allocated_bytes, &d.reserved_bytes, &d.active_bytes, &d.requested_bytes}) {
+      (*bytes)[all].current = s.allocated[dev];
+      (*bytes)[all].peak = s.peak[dev];
+    }
+    for (auto* count : {&d.allocation, &d.segment, &d.active}) {
+      (*count)[all].current = s.allocations[dev] - s.frees[dev];
+      (*count)[all].peak = (*count)[all].current;
+      (*count)[all].allocated = s.allocations[dev];
+      (*count)[all].freed = s.frees[dev];
+    }
+    d.num_device_alloc = s.allocations[dev];
+    d.num_device_free = s.frees[dev];
+    return d;
+  }
+  // the allocations still live stay counted: the current count is allocations less frees
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    const c10::DeviceIndex dev = checked(device);
+    MemoryStats& s = stats();
+    std::lock_guard<std::mutex> g(s.lock);
+    s.allocations[dev] -= s.frees[dev];
+    s.frees[dev] = 0;
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    const c10::DeviceIndex dev = checked(device);
+    MemoryStats& s = stats();
+    std::lock_guard<std::mutex> g(s.lock);
+    s.peak[dev] = s.allocated[dev];
+  }
+  // (free, total) as torch.npu.mem_get_info says them: the card's size less what is allocated
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    const c10::DeviceIndex dev = checked(device);
+    MemoryStats& s = stats();
+    std::lock_guard<std::mutex> g(s.lock);
+    const int64_t free = std::max<int64_t>(0, s.capacity - s.allocated[dev]);
+    return {static_cast<size_t>(free), static_cast<size_t>(s.capacity)};
+  }
+
+ private:
+  static c10::DeviceIndex checked(c10::DeviceIndex device) {
+    TORCH_CHECK(device >= 0 && device < device_count(), "npu:", static_cast<int>(device),
+                " is not a device of the simulator (it has ", static_cast<int>(device_count()),
+                "; NPUGRAPH_SIM_DEVICES sets how many)");
+    return device;
+  }
+#endif
 };
 
-NpuAllocator npu_allocator;
+// never destroyed: as PrivateUse1's allocator, torch may still ask for it at exit
+NpuAllocator& npu_allocator = *new NpuAllocator();
+
+#if NPUSIM_HOST_ALLOCATOR
+using PinnedAllocatorBase = at::HostAllocator;
+#else
+using PinnedAllocatorBase = c10::Allocator;
+#endif
 
 // Page-locked host memory: what Tensor.pin_memory() gives on Ascend.  A CPU cannot pin, so
-// the allocator remembers its pointers: is_pinned() asks it.
-struct PinnedAllocator final : c10::Allocator {
+// the allocator remembers its pointers: is_pinned() asks it.  From torch 2.8 it is also
+// PrivateUse1's host allocator, as torch_npu's caching host allocator is: with none, torch
+// dereferences a null one in torch.accelerator.empty_host_cache() (vLLM's shutdown).
+struct PinnedAllocator final : PinnedAllocatorBase {
   std::mutex lock;
-  std::unordered_set<void*> live;
+  std::unordered_map<void*, size_t> live;  // the bytes of each
+#if NPUSIM_HOST_ALLOCATOR
+  c10::CachingAllocator::Stat requests;
+  c10::CachingAllocator::Stat bytes;
+#endif
 
   static void release(void* p);
+
+  // the host allocator's stats: `nbytes` more (`in`) or fewer pinned; the caller holds `lock`
+  void count([[maybe_unused]] size_t nbytes, [[maybe_unused]] bool in) {
+#if NPUSIM_HOST_ALLOCATOR
+    if (in) {
+      requests.increase(1);
+      bytes.increase(nbytes);
+    } else {
+      requests.decrease(1);
+      bytes.decrease(nbytes);
+    }
+#endif
+  }
 
   c10::DataPtr allocate(size_t nbytes) override {
     void* p = c10::alloc_cpu(nbytes ? nbytes : 1);
     {
       std::lock_guard<std::mutex> g(lock);
-      live.insert(p);
+      live.emplace(p, nbytes);
+      count(nbytes, true);
     }
     return {p, p, &PinnedAllocator::release, c10::Device(c10::DeviceType::CPU)};
   }
@@ -273,6 +394,38 @@ struct PinnedAllocator final : c10::Allocator {
     std::lock_guard<std::mutex> g(lock);
     return live.count(const_cast<void*>(p)) != 0;
   }
+
+#if NPUSIM_HOST_ALLOCATOR
+  // Freed pinned memory goes back to the host at once: no block waits for a stream's copy
+  // before it is reused, and there is no cache to empty.
+  bool record_event(void* /*ptr*/, void* /*ctx*/, c10::Stream /*stream*/) override {
+    return true;
+  }
+  void empty_cache() override {}
+  at::HostStats get_stats() override {
+    std::lock_guard<std::mutex> g(lock);
+    at::HostStats s;
+    s.allocated_bytes = bytes;  // a field of HostStats in every torch that has it
+    s.num_host_alloc = requests.allocated;
+    s.num_host_free = requests.freed;
+#if NPUSIM_TORCH_AT_LEAST(2, 13)  // torch 2.8's stats had other fields
+    s.active_requests = requests;
+    s.active_bytes = bytes;
+    s.allocations = requests;
+#endif
+    return s;
+  }
+  void reset_accumulated_stats() override {
+    std::lock_guard<std::mutex> g(lock);
+    requests.reset_accumulated();
+    bytes.reset_accumulated();
+  }
+  void reset_peak_stats() override {
+    std::lock_guard<std::mutex> g(lock);
+    requests.reset_peak();
+    bytes.reset_peak();
+  }
+#endif
 };
 
 PinnedAllocator& pinned_allocator() {
@@ -284,10 +437,24 @@ void PinnedAllocator::release(void* p) {
   PinnedAllocator& a = pinned_allocator();
   {
     std::lock_guard<std::mutex> g(a.lock);
-    a.live.erase(p);
+    auto it = a.live.find(p);
+    if (it != a.live.end()) {
+      a.count(it->second, false);
+      a.live.erase(it);
+    }
   }
   c10::free_cpu(p);
 }
+
+bool register_allocators() {
+  c10::SetAllocator(kNpu, &npu_allocator);
+#if NPUSIM_HOST_ALLOCATOR
+  at::setHostAllocator(kNpu, &pinned_allocator());
+#endif
+  return true;
+}
+
+const bool allocators_registered = register_allocators();
 
 // ---- tensors over the same memory -----------------------------------------------------
 
@@ -350,6 +517,7 @@ c10::Storage storage_over(const c10::Storage& src, c10::Device device, c10::Allo
     std::lock_guard<std::mutex> g(s.lock);
     s.allocated[keep->dev] += nbytes;
     s.allocations[keep->dev] += 1;
+    s.used = true;
     if (s.allocated[keep->dev] > s.peak[keep->dev]) {
       s.peak[keep->dev] = s.allocated[keep->dev];
     }
