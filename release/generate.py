@@ -66,11 +66,11 @@ between runs is wider than within one (docs/vllm-ascend-release.md).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,7 @@ from runs import (  # this folder's
     run_logged,
     side_by_side,
     timed,
+    two_at_a_time,
 )
 
 MODES = ("eager", "aclgraph", "npugraph")
@@ -404,17 +405,8 @@ def generate(out_dir: Path, runs: int | None = None) -> None:
         else:
             run_one(out_dir, arch, mode, result_path(out_dir, arch, mode, run), f"run {run}")
 
-    # An engine keeps about one core busy (its processes take turns), so two untimed runs
-    # share this two-core machine; the timed ones then run alone (release/runs.py).
-    # The first failure ends the generation, as it did run by run: the runs not started are
-    # dropped, not run for a result nobody reads.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = [pool.submit(one, *r) for r in shared]
-        try:
-            for done in as_completed(futures):
-                done.result()
-        finally:
-            pool.shutdown(cancel_futures=True)
+    # the untimed runs two at a time; the timed ones then alone (release/runs.py)
+    two_at_a_time(functools.partial(one, *r) for r in shared)
     for r in alone:
         one(*r)
     if repeated == "deep" and full:
@@ -429,28 +421,34 @@ def slowed_path(out_dir: Path, model: str, mode: str) -> Path:
 
 def run_modes(out_dir: Path, model: str, modes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """``model`` in each of ``modes``, each in its own process as :func:`generate` runs them,
-    into ``out_dir`` (eager's result kept where release/run.sh's generation made it): each
-    mode's result."""
+    two at a time, into ``out_dir`` (eager's result kept where release/run.sh's generation
+    made it): each mode's result.
+
+    None of these runs is timed. Each mode compiles into a compile cache of its own: two
+    engines compiling one graph into one cache at once could read each other's half-written
+    files."""
     write_model(out_dir / model)
-    for mode in modes:
-        path = result_path(out_dir, model, mode)
-        if mode != "eager" or not path.is_file():
-            run_one(out_dir, model, mode, path, "run 1")
+    todo = [m for m in modes if m != "eager" or not result_path(out_dir, model, m).is_file()]
+    two_at_a_time(
+        functools.partial(run_one, out_dir, model, m, result_path(out_dir, model, m), "run 1", f"vllm-cache.{m}")
+        for m in todo
+    )
     return {mode: json.loads(result_path(out_dir, model, mode).read_text()) for mode in modes}
 
 
-def run_one(out_dir: Path, model: str, mode: str, out: Path, which: str, **env: str) -> None:
+def run_one(out_dir: Path, model: str, mode: str, out: Path, which: str, cache: str = "vllm-cache", **env: str) -> None:
     """``model`` (its checkpoint in ``out_dir``) in ``mode``, in a process of its own, its result
-    into ``out`` and its output beside it, ``env`` added to its environment; logged as
-    ``MODEL MODE (which)``."""
+    into ``out`` and its output beside it, its compile cache ``out_dir / cache``, ``env`` added
+    to its environment; logged as ``MODEL MODE (which)``."""
     args = [sys.executable, __file__, str(out_dir / model), mode, str(out)]
-    run_logged(args, out, process_env(out_dir, out) | env, f"{model} {mode} ({which})")
+    run_logged(args, out, process_env(out_dir, out, cache) | env, f"{model} {mode} ({which})")
 
 
-def process_env(out_dir: Path, out: Path) -> dict[str, str]:
+def process_env(out_dir: Path, out: Path, cache: str = "vllm-cache") -> dict[str, str]:
     """The environment of one run's process (``generate.py MODEL_DIR MODE OUT``): the
-    simulator as torch_npu, offline, and where its engine process writes its counts."""
-    return engine_env(out_dir / "vllm-cache", str(counts_folder(out)))
+    simulator as torch_npu, offline, its compile cache ``out_dir / cache``, and where its
+    engine process writes its counts."""
+    return engine_env(out_dir / cache, str(counts_folder(out)))
 
 
 def main(argv: list[str]) -> int:

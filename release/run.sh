@@ -59,6 +59,10 @@ PYTHON="$ENV_DIR/venv/bin/python"
 RESULTS="$ENV_DIR/results"
 rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 export NPUGRAPH_SIM_TORCH_NPU=1 HF_HUB_OFFLINE=1 HF_HUB_CACHE="$ENV_DIR/hub" TRANSFORMERS_OFFLINE=1
+# vLLM's model-inspection cache, one for every engine of this check, as a user's ~/.cache/vllm
+# keeps it between starts (release/runs.py's share_model_info); the check's first engines
+# compute it from nothing.  Their compile caches stay each check's own, as they were.
+export NPUGRAPH_CHECK_MODELINFOS="$RESULTS/modelinfos"
 
 status=0
 # shellcheck source=release/step.sh
@@ -107,29 +111,50 @@ fi
 # for a second or two of tests (2026-12-05); a file that fails to collect still leaves the
 # others run.  The rest (the precision tests, under tests/e2e's own conftest) run one by one.
 # JUnit's xunit1 family names each case's file: release/table.py counts them per file.
+# Two streams side by side: the last of those files (0.30's MLA precision cases, about three
+# minutes of the tests' own bfloat16 weights drawn and multiplied, mostly in one thread), and
+# the others in turn.  One pytest kept this two-core machine about 60% busy (2026-12-06).
 UNIT=()
 ALONE=()
 for f in "${FILES[@]}"; do
     if [[ "$f" == tests/ut/* && -z "${DESELECT[$f]:-}" ]]; then UNIT+=("$f"); else ALONE+=("$f"); fi
 done
-run_files() {  # NAME [-k EXPR] FILE...: one pytest, its log and JUnit XML into $RESULTS/NAME.*
-    local name="$1"
+run_files() {  # NAME [-k EXPR] FILE...: one pytest, its log and JUnit XML into $RESULTS/NAME.*; fails as it fails
+    local name="$1" began=$SECONDS rc=0
     shift
     (cd "$SRC" && "$PYTHON" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
         --continue-on-collection-errors -o junit_family=xunit1 --junitxml="$RESULTS/$name.xml" "$@" \
-        >"$RESULTS/$name.log" 2>&1) || status=1
-    tail -n 1 "$RESULTS/$name.log"
+        >"$RESULTS/$name.log" 2>&1) || rc=1
+    echo "    $name: $(tail -n 1 "$RESULTS/$name.log") ($((SECONDS - began)) s)"
+    return $rc
 }
+run_file() {  # FILE: one of the release's own test files alone, with what DESELECT leaves out of it
+    local only=()
+    [ -n "${DESELECT[$1]:-}" ] && only=(-k "${DESELECT[$1]}")
+    run_files "$(basename "$1" .py)" "${only[@]}" "$1"
+}
+BESIDE=()
+if [ ${#ALONE[@]} -gt 0 ] && [ $((${#UNIT[@]} + ${#ALONE[@]})) -gt 1 ]; then
+    BESIDE=("${ALONE[-1]}")
+    unset 'ALONE[-1]'
+fi
+described=()
+[ ${#UNIT[@]} -gt 0 ] && described+=("its unit tests together (${UNIT[*]})")
+for f in "${ALONE[@]}" "${BESIDE[@]}"; do described+=("$f${DESELECT[$f]:+ (-k '${DESELECT[$f]}')}"); done
+step "vllm-ascend's own tests${BESIDE[*]:+, ${BESIDE[*]} beside the others}: ${described[*]}"
+if [ ${#BESIDE[@]} -gt 0 ]; then
+    run_file "${BESIDE[0]}" &
+    beside=$!
+fi
 if [ ${#UNIT[@]} -gt 0 ]; then
-    step "vllm-ascend's unit tests, together: ${UNIT[*]}"
-    run_files unit-tests "${UNIT[@]}"
+    run_files unit-tests "${UNIT[@]}" || status=1
 fi
 for f in "${ALONE[@]}"; do
-    step "vllm-ascend $f${DESELECT[$f]:+ (-k '${DESELECT[$f]}')}"
-    only=()
-    [ -n "${DESELECT[$f]:-}" ] && only=(-k "${DESELECT[$f]}")
-    run_files "$(basename "$f" .py)" "${only[@]}" "$f"
+    run_file "$f" || status=1
 done
+if [ ${#BESIDE[@]} -gt 0 ]; then
+    wait "$beside" || status=1
+fi
 "$PYTHON" "$HERE/table.py" "$RESULTS" "${FILES[@]}" | tee "$RESULTS/table.md"
 
 step "npugraph's plugin against vllm-ascend $(basename "$SRC")"

@@ -3,12 +3,14 @@ each in a process of its own, its output kept beside its result."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ __all__ = [
     "run_to_the_end",
     "side_by_side",
     "timed",
+    "two_at_a_time",
 ]
 
 # the models whose graph steps release/update_cost.py times (the Qwen3's are few: its graph
@@ -156,9 +159,51 @@ def counts_folder(out: Path) -> Path:
     return folder
 
 
+def two_at_a_time(jobs: Iterable[Callable[[], None]]) -> None:
+    """Run ``jobs`` (each an engine in processes of its own) two at a time, in order.
+
+    An engine keeps about one core busy (its processes take turns), so two share this two-core
+    machine. The first failure raises: the jobs not started by then are dropped, not run for a
+    result nobody reads."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        try:
+            for done in as_completed(futures):
+                done.result()
+        finally:
+            pool.shutdown(cancel_futures=True)
+
+
+# The folder where every engine of one check run keeps vLLM's model-inspection cache
+# (release/run.sh sets it; unset, each compile cache keeps its own)
+MODELINFOS = "NPUGRAPH_CHECK_MODELINFOS"
+
+
+def share_model_info(cache: Path) -> None:
+    """Point vLLM's model-inspection cache in ``cache`` (``modelinfos``) at the check's one
+    folder (``$NPUGRAPH_CHECK_MODELINFOS``), as a user's ``~/.cache/vllm`` keeps it between
+    starts.
+
+    Without it, every engine whose compile cache is new inspects its architecture in a
+    subprocess that imports vLLM and the model (about 22 s a start here). Each file holds one
+    architecture's interface facts keyed by the hash of its module's source, so a changed
+    model is inspected again. The check's first engines compute it from nothing, and vLLM
+    writes each file atomically, so engines side by side may share it."""
+    shared = os.environ.get(MODELINFOS)
+    link = cache / "modelinfos"
+    if not shared or link.is_symlink() or link.exists():
+        return
+    Path(shared).mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):  # the engine beside this one linked it first
+        link.symlink_to(Path(shared).resolve(), target_is_directory=True)
+
+
 def engine_env(cache: Path, counts: str = "", **extra: str) -> dict[str, str]:
     """The environment of one engine's process: the simulator as torch_npu, offline, vLLM's
-    compile cache in ``cache``, its counts (release/ascend_site.py) into ``counts`` if given."""
+    compile cache in ``cache`` (its model-inspection cache the check's: :func:`share_model_info`),
+    its counts (release/ascend_site.py) into ``counts`` if given."""
+    share_model_info(cache)
     return {
         **os.environ,
         "NPUGRAPH_SIM_TORCH_NPU": "1",

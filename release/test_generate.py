@@ -173,9 +173,12 @@ def _records(tasks: int) -> int:
 
 def test_no_run_printed_a_traceback_or_an_error(out_dir: Path) -> None:
     """As a user runs it, start-up, serving and shutdown (vLLM's engine process included)
-    say no error: each run's whole output is kept beside its result."""
+    say no error: each run's whole output is kept beside its result.  No process crashed
+    either: vLLM 0.30's engine core segfaulted at exit in torch.accelerator.empty_host_cache()
+    (the simulator had no host allocator) while its results and this test's words were fine."""
     logs = sorted(p.with_suffix(".log") for model in checked() for mode in MODES for p in results(out_dir, model, mode))
     assert logs and all(log.is_file() for log in logs), logs
     for log in logs:
         text = log.read_text()
         assert "Traceback" not in text and " ERROR " not in text, f"{log.name} printed an error"
+        assert "Segfault encountered" not in text and "Fatal Python error" not in text, f"{log.name}: a process crashed"
