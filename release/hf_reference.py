@@ -12,18 +12,25 @@ def greedy_choices(
     model_dir: Path | str, prompts: list[list[int]], generations: list[list[int]]
 ) -> list[tuple[float, int]]:
     """Per request, teacher-forced through the checkpoint in float32: how far its worst token's
-    logit is below the best one at that step, and how many of its tokens are the argmax."""
+    logit is below the best one at that step, and how many of its tokens are the argmax.
+
+    A text served more than once (a soak repeats its prompts, and greedy serving mostly gives
+    the same text again) is forwarded once: the same tokens give the same answer."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seen: dict[tuple[int, ...], tuple[float, int]] = {}
     out = []
     for prompt, tokens in zip(prompts, generations):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
-        chosen = logits.gather(1, torch.tensor(tokens).view(-1, 1)).view(-1)
-        gap = float((logits.max(-1).values - chosen).max())
-        out.append((gap, int((logits.argmax(-1) == torch.tensor(tokens)).sum())))
+        key = (len(prompt), *prompt, *tokens)  # where the prompt ends is part of the question
+        if key not in seen:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
+            chosen = logits.gather(1, torch.tensor(tokens).view(-1, 1)).view(-1)
+            gap = float((logits.max(-1).values - chosen).max())
+            seen[key] = (gap, int((logits.argmax(-1) == torch.tensor(tokens)).sum()))
+        out.append(seen[key])
     return out
 
 

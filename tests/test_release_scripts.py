@@ -368,3 +368,84 @@ def test_a_ray_clusters_stop_ends_every_process_of_its_sessions_by_their_ids():
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_two_at_a_time_runs_two_at_once_and_the_first_failure_drops_what_has_not_started():
+    """release/runs.py's pool for engines that may share the machine: never more than two at
+    once, and a failure raises, leaving the jobs not started unrun."""
+    import threading
+
+    runs = _release_module("runs")
+    lock, running, most, ran = threading.Lock(), [0], [0], []
+
+    def job(i, fail=False):
+        def run():
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 1
+                ran.append(i)
+            if fail:
+                raise RuntimeError(f"job {i} failed")
+
+        return run
+
+    runs.two_at_a_time(job(i) for i in range(5))
+    assert sorted(ran) == list(range(5)) and most[0] == 2
+    ran.clear()
+    with pytest.raises(RuntimeError, match="job 0 failed"):
+        runs.two_at_a_time([job(0, fail=True), job(1), *(job(i) for i in range(2, 8))])
+    assert 0 in ran and len(ran) < 8
+
+
+def test_every_engine_of_a_check_shares_vllms_model_inspection_cache(tmp_path, monkeypatch):
+    """release/runs.py links each compile cache's ``modelinfos`` to the check's one folder, as a
+    user's ~/.cache/vllm keeps it; unset, each cache keeps its own."""
+    runs = _release_module("runs")
+    monkeypatch.delenv(runs.MODELINFOS, raising=False)
+    env = runs.engine_env(tmp_path / "alone")
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "alone") and not (tmp_path / "alone").exists()
+    shared = tmp_path / "check" / "modelinfos"
+    monkeypatch.setenv(runs.MODELINFOS, str(shared))
+    for name in ("vllm-cache", "vllm-cache.fault"):
+        runs.engine_env(tmp_path / name)
+        runs.engine_env(tmp_path / name)  # again: the link stays
+    (tmp_path / "vllm-cache" / "modelinfos" / "llama.json").write_text("{}")
+    assert (tmp_path / "vllm-cache.fault" / "modelinfos" / "llama.json").read_text() == "{}"
+    assert [p.name for p in shared.iterdir()] == ["llama.json"]
+
+
+def test_hugging_faces_check_forwards_a_text_served_twice_once_with_the_same_answer(tmp_path):
+    """release/hf_reference.py: a repeated (prompt, text) gets the answer its first forward gave,
+    and texts that differ, if only in where the prompt ends, are each forwarded."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tiny = _release_module("tiny_model")
+    hf = _release_module("hf_reference")
+    tiny.write(tmp_path, *_llama_classes(), torch.float32, 64, head_dim=16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+
+    def argmax(ids):
+        with torch.no_grad():
+            return int(model(torch.tensor([ids])).logits[0, -1].argmax())
+
+    # a third token that is not the argmax after the first two, then the greedy text after it
+    third = (argmax([3, 4]) + 1) % 64
+    greedy = [argmax([3, 4, third])]
+    greedy.append(argmax([3, 4, third, *greedy]))
+    prompts = [[3, 4, third], [3, 4], [3, 4, third], [9]]
+    texts = [greedy, [third, *greedy], greedy, [8, 8, 8]]
+    got = hf.greedy_choices(tmp_path, prompts, texts)
+    assert got == [hf.greedy_choices(tmp_path, [p], [t])[0] for p, t in zip(prompts, texts)]
+    assert got[0] == got[2] == (0.0, 2)
+    assert got[1][0] > 0  # the same ids as the first, split elsewhere: its own forward
+
+
+def _llama_classes():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaConfig, LlamaForCausalLM
