@@ -3,8 +3,7 @@
     generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | sglang | npugraph
     generate.py OUT_DIR [RUNS]                 each model and mode in its own process, into
                                                OUT_DIR; the Llama's graph modes RUNS times
-                                               (default 3, or 1 at CHECK_SCOPE=ci), in turn,
-                                               alone; the other runs two at a time
+                                               (default 3, or 1 at CHECK_SCOPE=ci), in turn
 
 ``sglang.Engine(model_path=..., device="npu")`` with SGLang's NPU defaults and nothing else
 (its own engine: the scheduler in its own process), on tiny Llama and Qwen3 checkpoints
@@ -25,7 +24,6 @@ release/sglang/test_generate.py compares the modes and Hugging Face's float32 fo
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import sys
@@ -36,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # release/: tiny_model.py, runs.py, engine_counts.py
 import engine_counts
 import tiny_model
-from runs import check_scope, clear_results, counts_folder, order, result_path, run_logged, side_by_side, two_at_a_time
+from runs import check_scope, clear_results, counts_folder, order, result_path, run_logged
 
 MODES = ("eager", "sglang", "npugraph")
 MODELS = ("llama", "qwen3")
@@ -131,24 +129,20 @@ RUNS = {"full": 3, "ci": 1}
 def generate(out_dir: Path, runs: int = 1) -> None:
     """Each model and mode in its own process, into ``out_dir``: eager once, SGLang's graphs
     and npugraph's once each for Qwen3 and ``runs`` times, in turn, for the Llama (the update
-    cost's verdict takes every run). The untimed runs go two at a time; the Llama's graph
-    modes, whose update cost release/sglang/update_cost.py reads in host time, alone, last."""
+    cost's verdict takes every run)."""
     plan = order(MODELS, MODES[1:], runs, "llama")
-    shared, alone = side_by_side(plan, ("llama",))
+    # One at a time, unlike vLLM's untimed runs: an SGLang engine keeps both cores busy (its
+    # scheduler, tokenizer and detokenizer processes), and two side by side took about 100 s
+    # each where one alone takes about 45 (2026-12-06)
     clear_results(out_dir)
     for arch in MODELS:
         write_model(out_dir / arch, arch)
-
-    def one(arch: str, mode: str, run: int) -> None:
+    for arch, mode, run in plan:
         out = result_path(out_dir, arch, mode, run)
         counts = counts_folder(out)
         env = {**os.environ, "NPUGRAPH_SIM_TORCH_NPU": "1", "NPUGRAPH_SGLANG_COUNTS": str(counts)}
         args = [sys.executable, __file__, str(out_dir / arch), mode, str(out)]
         run_logged(args, out, env, f"{arch} {mode} (run {run})")
-
-    two_at_a_time(functools.partial(one, *r) for r in shared)
-    for r in alone:
-        one(*r)
 
 
 def main(argv: list[str]) -> int:
