@@ -95,6 +95,16 @@ struct MemoryStats {
   int64_t frees[64] = {};
   int64_t capacity = 0;  // bytes of each card (0: no limit), set from Python at install
   bool used = false;     // torch_npu's allocator is initialized by the card's first use
+
+  // `nbytes` more of card `dev`'s memory in use, one allocation more; the caller holds `lock`
+  void count_in(c10::DeviceIndex dev, int64_t nbytes) {
+    allocated[dev] += nbytes;
+    allocations[dev] += 1;
+    used = true;
+    if (allocated[dev] > peak[dev]) {
+      peak[dev] = allocated[dev];
+    }
+  }
 };
 
 // Allocations of this size or more ask the host whether it can back them (check_room) and
@@ -256,12 +266,7 @@ struct NpuAllocator final : NpuAllocatorBase {
       MemoryStats& s = stats();
       std::lock_guard<std::mutex> g(s.lock);
       s.sizes[p] = {dev, nbytes};
-      s.allocated[dev] += static_cast<int64_t>(nbytes);
-      s.allocations[dev] += 1;
-      s.used = true;
-      if (s.allocated[dev] > s.peak[dev]) {
-        s.peak[dev] = s.allocated[dev];
-      }
+      s.count_in(dev, static_cast<int64_t>(nbytes));
     }
     return {p, p, &npu_free, c10::Device(kNpu, dev)};
   }
@@ -515,12 +520,7 @@ c10::Storage storage_over(const c10::Storage& src, c10::Device device, c10::Allo
   if (nbytes) {
     MemoryStats& s = stats();
     std::lock_guard<std::mutex> g(s.lock);
-    s.allocated[keep->dev] += nbytes;
-    s.allocations[keep->dev] += 1;
-    s.used = true;
-    if (s.allocated[keep->dev] > s.peak[keep->dev]) {
-      s.peak[keep->dev] = s.allocated[keep->dev];
-    }
+    s.count_in(keep->dev, nbytes);
   }
   c10::DataPtr ptr(const_cast<void*>(src.data()), keep, &release_kept, device);
   return c10::Storage(c10::Storage::use_byte_size_t(), src.nbytes(), std::move(ptr), allocator,
