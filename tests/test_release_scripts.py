@@ -52,6 +52,27 @@ def test_each_engine_run_says_how_long_it_took_in_the_log_and_in_cis_list(tmp_pa
     assert len(times.read_text().splitlines()) == 2  # a failed run's time is listed too
 
 
+def test_a_failed_part_of_a_check_is_named_in_cis_list_of_steps(tmp_path):
+    # CI's log keeps only its tail and the list of steps: a failure in the middle of a check must
+    # name itself there, with its step, and fail the check
+    times = tmp_path / "times.txt"
+    script = (
+        f"HERE={RELEASE}; status=0; source {RELEASE / 'step.sh'}; "
+        "step 'a generation'; true || failed generate.py; false || failed generate.py; "
+        "step 'a server'; echo status=$status"
+    )
+    done = subprocess.run(
+        ["bash", "-c", script], env={**os.environ, "CHECK_TIMES": str(times)}, capture_output=True, text=True
+    )
+    listed = times.read_text().splitlines()
+    assert [line.split("] ", 1)[1] for line in listed] == [
+        "a generation",
+        "FAILED: generate.py, in a generation",
+        "a server",
+    ]
+    assert done.stdout.strip().endswith("status=1")
+
+
 def test_the_table_counts_what_junit_says(tmp_path):
     # two files in one pytest (run.sh's unit-test files), a third alone, as run.sh runs them
     (tmp_path / "x").mkdir()
