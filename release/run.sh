@@ -69,7 +69,7 @@ status=0
 source "$HERE/step.sh"
 if [ "$VLLM_ASCEND_VERSION" = 0.23.0.post1 ]; then  # the case was this release's (transformers 5.5.4)
     step "the environment's self-check stops a broken environment in one line (the kernels case)"
-    (cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider release/test_env_check.py) || failed
+    (cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider release/test_env_check.py) 2>&1 | tee "$STEP_LOG" || failed
 fi
 
 cp "$HERE/conftest_ut.py" "$SRC/tests/ut/conftest.py"
@@ -147,29 +147,29 @@ if [ ${#BESIDE[@]} -gt 0 ]; then
     beside=$!
 fi
 if [ ${#UNIT[@]} -gt 0 ]; then
-    run_files unit-tests "${UNIT[@]}" || failed "the unit tests"
+    run_files unit-tests "${UNIT[@]}" || failed "the unit tests" "$RESULTS/unit-tests.log"
 fi
 for f in "${ALONE[@]}"; do
-    run_file "$f" || failed "$f"
+    run_file "$f" || failed "$f" "$RESULTS/$(basename "$f" .py).log"
 done
 if [ ${#BESIDE[@]} -gt 0 ]; then
-    wait "$beside" || failed "${BESIDE[0]}"
+    wait "$beside" || failed "${BESIDE[0]}" "$RESULTS/$(basename "${BESIDE[0]}" .py).log"
 fi
 "$PYTHON" "$HERE/table.py" "$RESULTS" "${FILES[@]}" | tee "$RESULTS/table.md"
 
 step "npugraph's plugin against vllm-ascend $(basename "$SRC")"
 (cd "$REPO" && NPUGRAPH_REQUIRE_VLLM_ASCEND=1 NPUGRAPH_VLLM_ASCEND_SRC="$SRC" "$PYTHON" -m pytest -q \
-    -p no:cacheprovider tests/test_vllm_ascend.py -k real_vllm_ascend) || failed
+    -p no:cacheprovider tests/test_vllm_ascend.py -k real_vllm_ascend) 2>&1 | tee "$STEP_LOG" || failed
 step "triton-ascend's language extension in Triton's interpreter (vllm-ascend's fused kernels use it); the simulator's torch substitutes for this release's Triton kernels against the interpreter"
 (cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider tests/sim/test_triton_ascend.py \
-    tests/sim/test_triton_substitutes.py) || failed
+    tests/sim/test_triton_substitutes.py) 2>&1 | tee "$STEP_LOG" || failed
 step "vllm-ascend's own test of its fused q/k-norm + rope Triton kernel (its nightly's; 1 and 16 tokens)"
 OPS="$RESULTS/ops"
 mkdir -p "$OPS"
 cp "$SRC/tests/e2e/nightly/single_node/ops/singlecard_ops/triton/test_split_qkv_rmsnorm_rope.py" "$OPS/"
 cp "$HERE/conftest_ops.py" "$OPS/conftest.py"
 # 1,024 and 10,240 tokens left out: Triton's interpreter runs them for hours
-(cd "$OPS" && "$PYTHON" -m pytest -q -p no:cacheprovider test_split_qkv_rmsnorm_rope.py -k "not 1024") || failed
+(cd "$OPS" && "$PYTHON" -m pytest -q -p no:cacheprovider test_split_qkv_rmsnorm_rope.py -k "not 1024") 2>&1 | tee "$STEP_LOG" || failed
 
 step "a real generation on vllm-ascend's platform: eager, ACL graph, npugraph"
 GENERATED="$RESULTS/generate"
@@ -177,10 +177,10 @@ mkdir -p "$GENERATED"
 # each model and mode once (a fresh engine of two to three minutes on the simulator): the
 # update cost's noise between runs is wider than within one, and its verdict takes both the
 # Llama's and the n-gram Llama's run (release/update_cost.py)
-"$PYTHON" "$HERE/generate.py" "$GENERATED" || failed generate.py
-(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider release/test_generate.py) \
+"$PYTHON" "$HERE/generate.py" "$GENERATED" 2>&1 | tee "$STEP_LOG" || failed generate.py
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider release/test_generate.py) 2>&1 | tee "$STEP_LOG" \
     || failed release/test_generate.py
-"$PYTHON" "$HERE/update_cost.py" "$GENERATED" || failed update_cost.py
+"$PYTHON" "$HERE/update_cost.py" "$GENERATED" 2>&1 | tee -a "$STEP_LOG" || failed update_cost.py
 
 if [ "${CHECK_SCOPE:-full}" = ci ] && [ "$VLLM_ASCEND_VERSION" != 0.23.0.post1 ]; then
     # the faults are npugraph's and the simulator's behaviour in an engine: CI checks them on the
@@ -189,27 +189,27 @@ if [ "${CHECK_SCOPE:-full}" = ci ] && [ "$VLLM_ASCEND_VERSION" != 0.23.0.post1 ]
 else
     step "faults in a real engine (npugraph's plugin): each ends the engine cleanly and says where"
     (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
-        release/test_faults.py) || failed
+        release/test_faults.py) 2>&1 | tee "$STEP_LOG" || failed
 fi
 
 step "graph memory and the KV-cache budget: vllm-ascend's own graph mode, npugraph's, side by side"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
-    release/test_graph_memory.py) || failed
+    release/test_graph_memory.py) 2>&1 | tee "$STEP_LOG" || failed
 
 step "vLLM's default compilation config (FULL_AND_PIECEWISE), without and with npugraph's plugin"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
-    release/test_default_mode.py) || failed
+    release/test_default_mode.py) 2>&1 | tee "$STEP_LOG" || failed
 
 step "vLLM's model runner v2 (VLLM_USE_V2_MODEL_RUNNER=1), vllm-ascend's graphs and npugraph's (0.30.0rc2 on)"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
-    release/test_runner_v2.py) || failed
+    release/test_runner_v2.py) 2>&1 | tee "$STEP_LOG" || failed
 
 step "vLLM's Ray executor on a two-node Ray cluster: tensor parallel 2 (and pipeline parallel 2 but at CHECK_SCOPE=ci), eager and npugraph"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
-    release/test_ray.py) || failed
+    release/test_ray.py) 2>&1 | tee "$STEP_LOG" || failed
 
 step "vllm serve with npugraph's plugin, driven by the openai client: eager's and vllm-ascend's texts, bad requests, a burst, a soak, SIGINT"
 (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider \
-    release/test_server.py) || failed
+    release/test_server.py) 2>&1 | tee "$STEP_LOG" || failed
 step "done (status $status)"
 exit $status

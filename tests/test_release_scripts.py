@@ -57,17 +57,20 @@ def test_a_failed_part_of_a_check_is_named_in_cis_list_of_steps(tmp_path):
     # name itself there, with its step, and fail the check
     times = tmp_path / "times.txt"
     script = (
-        f"HERE={RELEASE}; status=0; source {RELEASE / 'step.sh'}; "
-        "step 'a generation'; true || failed generate.py; false || failed generate.py; "
+        f"set -euo pipefail; RESULTS={tmp_path}; HERE={RELEASE}; status=0; source {RELEASE / 'step.sh'}; "
+        "step 'a generation'; true || failed generate.py; "
+        "(echo served; echo 'RuntimeError: generate.py llama npugraph (run 1) failed'; exit 1) 2>&1 "
+        '| tee "$STEP_LOG" || failed generate.py; '
         "step 'a server'; echo status=$status"
     )
     done = subprocess.run(
         ["bash", "-c", script], env={**os.environ, "CHECK_TIMES": str(times)}, capture_output=True, text=True
     )
     listed = times.read_text().splitlines()
-    assert [line.split("] ", 1)[1] for line in listed] == [
+    assert [line.split("] ", 1)[-1].strip() for line in listed] == [
         "a generation",
         "FAILED: generate.py, in a generation",
+        "RuntimeError: generate.py llama npugraph (run 1) failed",  # why, in the failure's own words
         "a server",
     ]
     assert done.stdout.strip().endswith("status=1")

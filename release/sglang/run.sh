@@ -34,17 +34,17 @@ status=0
 # shellcheck source=release/step.sh
 source "$(dirname "$HERE")/step.sh"
 step "npugraph's plugin against SGLang's classes and hook registry"
-(cd "$REPO" && NPUGRAPH_SIM_TORCH_NPU=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_sglang.py) || failed
+(cd "$REPO" && NPUGRAPH_SIM_TORCH_NPU=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_sglang.py) 2>&1 | tee "$STEP_LOG" || failed
 step "a real generation with SGLang $("$PYTHON" -c 'import importlib.metadata as m; print(m.version("sglang"))'): eager, SGLang's NPU graphs, npugraph"
-"$PYTHON" "$HERE/generate.py" "$RESULTS" || failed generate.py
-(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_generate.py) \
+"$PYTHON" "$HERE/generate.py" "$RESULTS" 2>&1 | tee "$STEP_LOG" || failed generate.py
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_generate.py) 2>&1 | tee "$STEP_LOG" \
     || failed release/sglang/test_generate.py
-"$PYTHON" "$HERE/update_cost.py" "$RESULTS" || failed update_cost.py
+"$PYTHON" "$HERE/update_cost.py" "$RESULTS" 2>&1 | tee -a "$STEP_LOG" || failed update_cost.py
 step "SGLang's server (launch_server) with npugraph's plugin, driven by the openai client"
-(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_server.py) \
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_server.py) 2>&1 | tee "$STEP_LOG" \
     || failed
 step "faults through SGLang's server (npugraph's plugin): each ends the server in seconds and says where"
-(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_faults.py) \
+(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_faults.py) 2>&1 | tee "$STEP_LOG" \
     || failed
 step "done (status $status)"
 exit $status
