@@ -16,18 +16,18 @@ from typing import Any
 
 import torch
 
-from npugraph import demo
 from npugraph._version import __version__
 from npugraph.device import load_device
 from npugraph.dump import cli as dump_cli
 from npugraph.errors import NpuGraphError
 from npugraph.files import FileError, check_writable, read_json, write_text
-from npugraph.measure import measure_policy
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.policy import KernelPolicy, MeasuredPolicy, StaticPolicy, load_policy
 from npugraph.runtime import Runtime
-from npugraph.selftest import CheckResult, calibrate_costs, run_selftest, versions
+from npugraph.tools import demo
+from npugraph.tools.measure import measure_policy
+from npugraph.tools.selftest import CheckResult, calibrate_costs, run_selftest, versions
 
 __all__ = ["main", "build_parser"]
 
@@ -316,7 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="npugraph", description=__doc__)
     p.add_argument("--version", action="version", version=f"npugraph {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    _demo_parser(sub)
+    _selftest_parser(sub)
+    _bench_parser(sub)
+    dump_cli.add_parser(sub)
+    _policy_parser(sub)
+    return p
 
+
+def _demo_parser(sub: Any) -> None:
+    """`npugraph demo`."""
     d = sub.add_parser("demo", help="capture a decoder and decode with replay, checked against eager")
     _model_args(d)
     d.add_argument(
@@ -354,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.set_defaults(func=cmd_demo)
 
+
+def _selftest_parser(sub: Any) -> None:
+    """`npugraph selftest`."""
     t = sub.add_parser("selftest", help="check the device behaviours npugraph relies on (run this first on Ascend)")
     t.add_argument("--device", default="sim", choices=["sim", "npu"])
     t.add_argument("--json", metavar="PATH", type=_out_path, help="write the results as JSON")
@@ -365,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=cmd_selftest)
 
+
+def _bench_parser(sub: Any) -> None:
+    """`npugraph bench`."""
     b = sub.add_parser("bench", help="modeled step timeline and measured update cost, npugraph vs baselines")
     b.add_argument("--layers", type=_sizes, default=[32, 64], help="measured: layer counts (default 32,64)")
     b.add_argument("--sizes", type=_sizes, default=[1, 8], help="measured: batch sizes (default 1,8)")
@@ -393,8 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seeds", type=_positive, default=5, help="modeled: runs per shape, for the spread (default 5)")
     b.set_defaults(func=cmd_bench)
 
-    dump_cli.add_parser(sub)
 
+def _policy_parser(sub: Any) -> None:
+    """`npugraph policy measure | show`."""
     pol = sub.add_parser("policy", help="measure, save and show the PA/FIA choice per size")
     ps = pol.add_subparsers(dest="policy_command", required=True)
     m = ps.add_parser("measure", help="time PA and FIA per size and write a policy file")
@@ -406,7 +422,6 @@ def build_parser() -> argparse.ArgumentParser:
     s = ps.add_parser("show", help="print a policy file's choice per size")
     s.add_argument("file", type=_in_file)
     pol.set_defaults(func=cmd_policy)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

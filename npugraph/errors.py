@@ -12,6 +12,7 @@ __all__ = [
     "CaptureFailed",
     "UnknownKeyError",
     "MetadataError",
+    "BatchRefused",
     "NotReplayableError",
     "UpdateFailed",
     "ReplayFailed",
@@ -52,6 +53,13 @@ class UnknownKeyError(NpuGraphError, KeyError):
 
 class MetadataError(NpuGraphError, ValueError):
     """The step's metadata is missing a layer or holds invalid lengths or block ids."""
+
+
+class BatchRefused(MetadataError):
+    """The graph's padding rule refuses the step's batch (:func:`npugraph.metadata.batch_refusal`):
+    too many requests or query tokens for the graph, spare tokens with no padding row, or several
+    query tokens per request for a kernel that runs one.  Raised before any device call; an
+    engine that runs such a batch eagerly steps with ``refusable=True`` and catches it."""
 
 
 class NotReplayableError(NpuGraphError):

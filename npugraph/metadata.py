@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import torch
 
-from npugraph.errors import MetadataError
+from npugraph.errors import BatchRefused, MetadataError
 
 __all__ = [
     "AttentionMetadata",
@@ -103,17 +103,17 @@ def convert(
     r = real_requests(kv)
     kv = kv[:r]
     if r > batch:  # before the table's rows are checked against r (batch_refusal says it)
-        raise MetadataError(f"{where}: {batch_refusal(batch, tokens, r, 0)}")
+        raise BatchRefused(f"{where}: {batch_refusal(batch, tokens, r, 0)}")
     table = _checked_table(meta.block_table, r, table_device, where)
     q_ends = _query_ends(meta, kv, given, tokens_per_request, where)
     refused = batch_refusal(batch, tokens, r, q_ends[-1] if q_ends else 0)
     if refused is not None:
-        raise MetadataError(f"{where}: {refused}")
+        raise BatchRefused(f"{where}: {refused}")
     # batch_refusal's one-token rule, naming the request (without query_start_loc the graph's
     # own tokens per request apply: one, for a kernel that runs one)
     if one_query_token and meta.query_start_loc is not None and list(q_ends) != list(range(1, r + 1)):
         many, n = next((i, b - a) for i, (a, b) in enumerate(itertools.pairwise([0, *q_ends])) if b - a != 1)
-        raise MetadataError(
+        raise BatchRefused(
             f"{where}: request {many} has {n} query tokens, but "
             "the captured kernel runs one query token per request (PA, or FIA captured without a causal mask); "
             "run this batch on a graph captured for several tokens per request"

@@ -311,6 +311,7 @@ class Runtime:
         *,
         namespace: str = "main",
         pad_values: Mapping[str, float] | None = None,
+        refusable: bool = False,
     ) -> Any:
         """Copy ``inputs`` into the captured buffers, then update and replay; return the outputs.
 
@@ -325,13 +326,38 @@ class Runtime:
         :class:`~npugraph.errors.UnknownKeyError` listing the captured keys, or runs
         ``eager_fallback(key, metadata, inputs)`` when one was configured.  Bad metadata
         is refused before any device call; after any error the next good step succeeds.
+
+        ``refusable=True``: the caller runs a batch this graph's padding rule refuses some
+        other way (eagerly: vLLM's wrapper, whose batch vLLM padded to a descriptor it chose),
+        and gets :class:`~npugraph.errors.BatchRefused` for it, before any device call and
+        before ``inputs`` are copied, not reported as a fault: one call per engine step,
+        the metadata resolved once (:meth:`refusal` asks the same without stepping).
         """
-        if self.eager_fallback is not None and not self.manager.has(namespace, key):
-            return self.eager_fallback(key, metadata, inputs or {})
-        entry = self.manager.entry(namespace, key)  # the step's one lookup
-        if inputs:
+        entry = self.find(key, namespace=namespace)  # the step's one lookup
+        if entry is None:
+            if self.eager_fallback is not None:
+                return self.eager_fallback(key, metadata, inputs or {})
+            entry = self.manager.entry(namespace, key)  # raises, listing the captured keys
+        return self.step_graph(entry, metadata, inputs, pad_values=pad_values, refusable=refusable)
+
+    def find(self, key: Hashable, *, namespace: str = "main") -> CapturedGraph | None:
+        """The captured graph of ``key``, or ``None``: an engine's one lookup per step, whose
+        graph it then steps with :meth:`step_graph` (or captures, where there is none)."""
+        return self.manager.find(namespace, key)
+
+    def step_graph(
+        self,
+        entry: CapturedGraph,
+        metadata: StepMetadata,
+        inputs: Mapping[str, torch.Tensor] | None = None,
+        *,
+        pad_values: Mapping[str, float] | None = None,
+        refusable: bool = False,
+    ) -> Any:
+        """:meth:`step` of a graph :meth:`find` returned."""
+        if inputs:  # (a refused step leaves them in buffers no replay reads: the next step's overwrite them)
             self.copy_inputs(entry, inputs, pad_values)
-        return self.updater.step_entry(entry, metadata)
+        return self.updater.step_entry(entry, metadata, refusable=refusable)
 
     def copy_inputs(
         self,

@@ -87,14 +87,17 @@ def _unbundled_fusion_pass_compile(module: Any) -> None:
     module.fusion_pass_compile = fusion_pass_compile
 
 
-def _count(folder: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # release/: engine_counts.py
-    from engine_counts import EngineCounts
+class _Counting:
+    """What the check counts and times in vllm-ascend's own update and graph steps, each
+    hooked as its module finishes loading (``after_import``), into ``counts``."""
 
-    counts = EngineCounts(folder)
-    step_timers: list[Any] = []  # vllm-ascend 0.30's per-step UpdatableGraph timer (acl_graph's), for the v2 runner's
+    def __init__(self, counts: Any) -> None:
+        self.counts = counts
+        # vllm-ascend 0.30's per-step UpdatableGraph timer (acl_graph's), for the v2 runner's
+        self.step_timers: list[Any] = []
 
-    def acl_graph(module: Any) -> None:
+    def acl_graph(self, module: Any) -> None:
+        counts = self.counts
         # replaced as the module finishes loading: every vllm-ascend module that imports the
         # name by value (``from ...acl_graph import update_full_graph_params``) gets this one
         whole = module.update_full_graph_params
@@ -118,9 +121,11 @@ def _count(folder: str) -> None:
                 return run(attn_backend, *args, **kwargs)
 
             module.update_full_graph_params = update_full_graph_params
-            _time_updatable_graph(module, tokens)
+            self._time_updatable_graph(module, tokens)
 
-    def _time_updatable_graph(module: Any, tokens: list[int]) -> None:
+    def _time_updatable_graph(self, module: Any, tokens: list[int]) -> None:
+        counts = self.counts
+        step_timers = self.step_timers
         # vllm-ascend 0.30's update of FIA and PA: the graph's tasks resolved from the step's
         # metadata before its replay, and re-issued after it (ACLGraphWrapper's
         # _updatable_graph_replay); the two parts' host seconds are one step's update
@@ -161,7 +166,9 @@ def _count(folder: str) -> None:
         wrapper_cls._updatable_graph_replay = one_step(wrapper_cls._updatable_graph_replay, batch_tokens)
         step_timers.append(one_step)
 
-    def v2_manager(v2: Any) -> None:
+    def v2_manager(self, v2: Any) -> None:
+        counts = self.counts
+        step_timers = self.step_timers
         # vLLM's model runner v2: vllm-ascend's ModelAclGraphManager updates as ACLGraphWrapper
         # does (its _updatable_graph_replay(desc, attn_metadata), timed alike: its module
         # imports acl_graph first), and each FULL replay is a graph step
@@ -182,7 +189,8 @@ def _count(folder: str) -> None:
 
         manager.run_fullgraph = run_fullgraph
 
-    def graph_steps(cls: type, key: str) -> None:
+    def graph_steps(self, cls: type, key: str) -> None:
+        counts = self.counts
         # vllm-ascend's own decision that a step replays a full graph (in both graph modes:
         # under npugraph's plugin the update it then calls is npugraph's no-op), once vLLM
         # has finished capturing (npugraph's wrapper marks the forward context as capturing
@@ -204,18 +212,24 @@ def _count(folder: str) -> None:
 
         cls._update_full_graph_params_if_needed = counted
 
-    def model_runner(module: Any) -> None:
-        graph_steps(module.NPUModelRunner, "graph_steps")
+    def model_runner(self, module: Any) -> None:
+        self.graph_steps(module.NPUModelRunner, "graph_steps")
 
-    def proposer(module: Any) -> None:
+    def proposer(self, module: Any) -> None:
         # the draft model's (MTP) own decision: a second graph per speculative step
-        graph_steps(module.AscendSpecDecodeBaseProposer, "draft_graph_steps")
+        self.graph_steps(module.AscendSpecDecodeBaseProposer, "draft_graph_steps")
 
-    after_import("vllm_ascend.compilation.acl_graph", acl_graph)
-    after_import("vllm_ascend.worker.model_runner_v1", model_runner)
-    after_import("vllm_ascend.worker.v2.aclgraph_utils", v2_manager)
-    after_import("vllm_ascend.spec_decode.llm_base_proposer", proposer)
-    counts.npugraph(after_import, write_each_step=True)
+
+def _count(folder: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # release/: engine_counts.py
+    from engine_counts import EngineCounts
+
+    counting = _Counting(EngineCounts(folder))
+    after_import("vllm_ascend.compilation.acl_graph", counting.acl_graph)
+    after_import("vllm_ascend.worker.model_runner_v1", counting.model_runner)
+    after_import("vllm_ascend.worker.v2.aclgraph_utils", counting.v2_manager)
+    after_import("vllm_ascend.spec_decode.llm_base_proposer", counting.proposer)
+    counting.counts.npugraph(after_import, write_each_step=True)
 
 
 def _host_copy_in_every_mlp(llama: Any) -> None:

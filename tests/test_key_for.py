@@ -11,13 +11,14 @@ from __future__ import annotations
 import itertools
 import random
 
+import attrs
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from npugraph import AttentionMetadata
-from npugraph.errors import MetadataError, UnknownKeyError
+from npugraph.errors import BatchRefused, MetadataError, UnknownKeyError
 from npugraph.metadata import batch_refusal
 from npugraph.reference import paged_attention_reference
 
@@ -42,13 +43,18 @@ def _meta(q_lens, rng):
 
 
 def _runs(h, key, meta, q):
-    """Whether step() runs ``meta`` on ``key``'s graph; a refusal must be the padding rule's."""
+    """Whether step() runs ``meta`` on ``key``'s graph; a refusal must be the padding rule's,
+    typed BatchRefused, and what ``Runtime.refusal`` says without stepping."""
+    said = h.rt.refusal(key, {"default": meta})
     try:
         out = h.step(key, {"default": meta}, q)
     except MetadataError as err:
-        why = ("do not fit", "need a padding row", "runs one query token per request")
+        assert isinstance(err, BatchRefused), err
+        why = ("do not fit", "need a padding row", "runs one query token per request", "query tokens, but")
         assert any(w in str(err) for w in why), err
+        assert said == str(err), (said, str(err))
         return None
+    assert said is None, said
     return out.clone()
 
 
@@ -118,3 +124,29 @@ def test_batch_refusal_is_the_padding_rule(r, n, rows, tokens_per_request):
     tokens = rows * tokens_per_request
     ok = batch_refusal(rows, tokens, r, n) is None
     assert ok == (r <= rows and n <= tokens and (r < rows or n == tokens))
+
+
+def test_a_refusable_step_is_refused_before_the_device_unreported_and_the_next_step_is_right(tmp_path):
+    """An engine that runs a refused batch eagerly (vLLM's wrapper) makes one call: the step
+    raises BatchRefused before any device call, writes no post-mortem, and the graph serves the
+    next batch right.  Without ``refusable`` the same refusal is a reported MetadataError."""
+    h = Harness([2], layers=2, tokens_per_request=2, postmortem_dir=str(tmp_path))
+    spare = attrs.evolve(  # 3 of 4 tokens, both rows real
+        h.random_meta(2, [40, 70]), query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32)
+    )
+    work = h.rt.device.device_seconds()
+    with pytest.raises(BatchRefused, match="need a padding row"):
+        h.rt.step(2, {"default": spare}, refusable=True)
+    h.rt.synchronize()
+    assert h.rt.device.device_seconds() == work, "no device work for a refused step"
+    assert not list(tmp_path.iterdir()), "a refusal the caller handles is no fault"
+    with pytest.raises(BatchRefused):
+        h.rt.step(2, {"default": spare})
+    assert list(tmp_path.iterdir()), "an unhandled refusal is reported"
+    # the next good step runs, and right: one request of two tokens, a padding row
+    good = h.random_meta(1, [90])
+    q = query_for(h, 2, 0)
+    out = h.step(2, {"default": good}, q)
+    for i, name in enumerate(h.names):
+        ref = h.reference(name, q[0], good)
+        assert (out[0, i, :2].cpu().double() - ref).abs().max().item() < TOL[h.dtype]

@@ -9,9 +9,9 @@ import torch
 
 import npusim as sim
 from npugraph.errors import CaptureFailed, PolicyError
-from npugraph.measure import measure_policy
 from npugraph.ops import AttentionCall
 from npugraph.policy import StaticPolicy, load_policy
+from npugraph.tools.measure import measure_policy
 
 from .helpers import build, run
 

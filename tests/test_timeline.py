@@ -14,7 +14,7 @@ import pytest
 
 import npusim as sim
 from npugraph.bench import measured, modeled, rivals
-from npugraph.timeline import Call, Costs, RecordingDevice, StepLog, chrome_trace, min_log, model_steps
+from npugraph.bench.timeline import Call, Costs, RecordingDevice, StepLog, chrome_trace, min_log, model_steps
 
 COSTS = Costs(attention_us=60.0)
 FIA_LAYER = 22 + 120 + 30 + 12  # begin + op + end + record, the fused call's total

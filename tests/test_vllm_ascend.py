@@ -33,8 +33,8 @@ import npusim as sim
 from npugraph import Runtime
 from npugraph.errors import ConfigError
 from npugraph.integrations import vllm as integ
-from npugraph.integrations import vllm_ascend as ascend
 from npugraph.integrations.vllm import kv_budget, plugin
+from npugraph.integrations.vllm import vllm_ascend as ascend
 from npugraph.reference import paged_attention_reference
 
 pytestmark = pytest.mark.vllm
@@ -207,7 +207,7 @@ def test_the_generation_is_detected_and_every_name_replaced(generation):
     assert model_runner_v1.update_full_graph_params is ascend._noop, "the runner's own imported copy too"
     assert acl_graph.update_full_graph_params is ascend._noop
     assert AscendAttentionBackendImpl.update_graph_params is ascend._noop
-    assert AscendAttentionBackendImpl.full_graph_pa.__module__ == "npugraph.integrations.vllm_ascend"
+    assert AscendAttentionBackendImpl.full_graph_pa.__module__ == "npugraph.integrations.vllm.vllm_ascend"
 
 
 @pytest.mark.parametrize("convention", ["vllm", "vllm-ascend"])

@@ -6,7 +6,7 @@
   vllm-ascend's ``UpdatableGraph``, the older loop, torch_npu's ``NPUGraph.update``), each
   recording its device-API calls;
 * :mod:`~npugraph.bench.modeled`: those recordings replayed on a model of the host and the
-  device (``npugraph.timeline``) over the serving shapes;
+  device (``npugraph.bench.timeline``) over the serving shapes;
 * :mod:`~npugraph.bench.sink`: the tiling-sink path, modeled;
 * :mod:`~npugraph.bench.report`: ``npugraph bench``, printing and returning them all;
 * :mod:`~npugraph.bench.plot`: ``npugraph bench --plot``, the modeled rows as a chart (matplotlib,

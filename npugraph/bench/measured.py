@@ -372,6 +372,24 @@ def bench_replay_vs_eager(steps: int = 40, layers: int = 8) -> dict[str, Any]:
     return {"eager_us_median": e, "replay_us_median": r, "replay_over_eager": r / e}
 
 
+def _validation_runtime(r: int, layers: int, max_len: int, block: int) -> tuple[Runtime, torch.Tensor]:
+    """A FIA stack of ``layers`` captured for ``r`` requests (update-first: its updates are
+    never replayed), and its device block table."""
+    sim.configure()
+    rt = Runtime("sim", max_model_len=max_len, policy=FixedPolicy("fia"), order="update-first")
+    stack = AttentionStack(rt, layers=layers, block_size=block, num_blocks=64)
+    dev = rt.device.memory
+    table = torch.zeros(r, max_len // block, dtype=torch.int32, device=dev)
+    q = torch.randn(r, stack.heads, stack.head_size, device="cpu").to(dtype=stack.dtype, device=dev)
+    rt.capture(
+        stack,
+        q,
+        AttentionMetadata(seq_lens=torch.ones(r, dtype=torch.int32, device="cpu"), block_table=table),
+        key=r,
+    )
+    return rt, table
+
+
 def bench_validation(
     requests: Sequence[int] = (64, 256), layers: int = 32, repeats: int = 10, seed: int = 0
 ) -> list[dict[str, Any]]:
@@ -387,20 +405,8 @@ def bench_validation(
     rows = []
     max_len, block = 32768, 128
     for r in requests:
-        sim.configure()
-        rt = Runtime("sim", max_model_len=max_len, policy=FixedPolicy("fia"), order="update-first")
-        stack = AttentionStack(rt, layers=layers, block_size=block, num_blocks=64)
-        cols = max_len // block
-        dev = rt.device.memory
-        table = torch.zeros(r, cols, dtype=torch.int32, device=dev)
-        q = torch.randn(r, stack.heads, stack.head_size, device="cpu").to(dtype=stack.dtype, device=dev)
-        rt.capture(
-            stack,
-            q,
-            AttentionMetadata(seq_lens=torch.ones(r, dtype=torch.int32, device="cpu"), block_table=table),
-            key=r,
-        )
-        entry = rt.entry(r)
+        rt, table = _validation_runtime(r, layers, max_len, block)
+        cols, dev, entry = int(table.shape[1]), rt.device.memory, rt.entry(r)
         rng = random.Random(seed)
         conv, upd, dev_check, decode_check = [], [], [], []
         check = BlockIdCheck.on(dev, cols)  # keeps nothing between steps: one serves both draws

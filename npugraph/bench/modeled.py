@@ -1,6 +1,6 @@
 """Modeled (:func:`modeled_summary`): each implementation's device-API calls and own Python
 (:mod:`npugraph.bench.rivals`), recorded and replayed on a model of the host and the device
-(``npugraph.timeline``), over the serving shapes of :data:`SHAPES`.
+(``npugraph.bench.timeline``), over the serving shapes of :data:`SHAPES`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import npusim as sim
 from npugraph.bench.measured import _MAX_MODEL_LEN, _setup
 from npugraph.bench.rivals import DEFAULT, HEADLINE, TORCH_NPU, _implementations, _sink_step, _step_input
+from npugraph.bench.timeline import Call, Costs, StepLog, TimelineResult, min_log, model_steps
 from npugraph.runtime import Runtime
-from npugraph.timeline import Call, Costs, StepLog, TimelineResult, min_log, model_steps
 
 
 @attrs.frozen(kw_only=True)
@@ -202,65 +202,7 @@ def modeled_summary(
     for shape in SHAPES:
         runs = [bench_timeline(shape, seed=seed, host_costs=host_costs) for seed in range(seeds)]
         traces[shape.label] = _implementation_rows(runs[0])
-        sps = {k: [r[k].steps_per_s for r in runs] for k in runs[0]}
-        lat = {k: [r[k].step_latency_us for r in runs] for k in runs[0]}
-
-        def ratio(
-            a: str, b: str, lat: dict[str, list[float]] = lat, sps: dict[str, list[float]] = sps
-        ) -> dict[str, Any]:
-            return _spread([x / y for x, y in zip(sps[a], sps[b])])
-
-        default_is = (
-            "FIA with lengths on the device (tiling sink), replay-first"
-            if shape.kernel == "fia"
-            else f"updated per layer, one ExternalEvent per {shape.event_group} layers (auto), replay-first"
-        )
-        row: dict[str, Any] = {
-            "headline": f"{DEFAULT}: Runtime() as a user who sets nothing gets it: {default_is}, one update thread",
-            "layers": shape.layers,
-            "size": shape.size,
-            "kernel": shape.kernel,
-            "attention_us": shape.attention_us,
-            "other_us": shape.other_us,
-            "device_time_source": shape.source,
-            "steps_per_s": {k: round(statistics.median(v), 1) for k, v in _implementation_rows(sps).items()},
-            # each implementation's own spread over the seeds: the chart's error bars (npugraph bench --plot)
-            "steps_per_s_spread": {k: _spread(v) for k, v in _implementation_rows(sps).items()},
-            "step_latency_us": {k: round(statistics.median(v), 1) for k, v in _implementation_rows(lat).items()},
-            "npugraph_vs_updatable": ratio(DEFAULT, "updatable_mrv2"),
-            "npugraph_vs_updatable_mrv1": ratio(DEFAULT, "updatable_mrv1"),
-            "npugraph_grouped_vs_updatable": ratio(HEADLINE, "updatable_mrv2"),
-            "npugraph_per_layer_vs_updatable": ratio("npugraph", "updatable_mrv2"),
-            "legacy_vs_updatable": ratio("legacy", "updatable_mrv2"),
-            "npugraph_vs_torch_npu_update": ratio(DEFAULT, TORCH_NPU),
-            # per layer, lengths on the host as torch_npu's: what is left without the tiling sink
-            "npugraph_grouped_vs_torch_npu_update": ratio(HEADLINE, TORCH_NPU),
-            "latency_vs_torch_npu_update": _spread([x / y for x, y in zip(lat[DEFAULT], lat[TORCH_NPU])]),
-            "latency_vs_updatable": _spread([x / y for x, y in zip(lat[DEFAULT], lat["updatable_mrv2"])]),
-            "grouped_latency_vs_updatable": _spread([x / y for x, y in zip(lat[HEADLINE], lat["updatable_mrv2"])]),
-            "npugraph_vs_api_floor": ratio(HEADLINE, "api_floor"),
-            "npugraph_vs_device_limit": _spread([x / shape.device_limit for x in sps[DEFAULT]]),
-            "device_limit_steps_per_s": round(shape.device_limit, 1),
-        }
-
-        def threaded(name: str, lat: dict[str, list[float]] = lat) -> dict[str, Any]:
-            """Per engine_us: steps/s and step latency with a background update thread over in line."""
-            out: dict[str, Any] = {}
-            for e in ENGINE_US:
-                a, b = f"{name}@{e:g}+thread", f"{name}@{e:g}"
-                out[f"{e:g}"] = {
-                    "steps_per_s": ratio(a, b),
-                    "latency": _spread([x / y for x, y in zip(lat[a], lat[b])]),
-                }
-            return out
-
-        row["background_thread"] = {
-            "engine_us": list(ENGINE_US),
-            "engine_chunk_us": ENGINE_CHUNK_US,
-            "handoff_us": HANDOFF_US,
-            "default": threaded("npugraph"),
-            "grouped": threaded(HEADLINE),
-        }
+        row = _shape_row(shape, runs)
         for key in (
             "npugraph_vs_updatable",
             "npugraph_vs_updatable_mrv1",
@@ -283,3 +225,63 @@ def modeled_summary(
     out["seeds"] = seeds
     out["host_costs"] = dict(host_costs) if host_costs else "atlas_a2 (vllm-ascend #13058, #15579, #4233)"
     return out, traces
+
+
+def _shape_row(shape: ModeledShape, runs: Sequence[dict[str, TimelineResult]]) -> dict[str, Any]:
+    """One shape's row: each implementation's steps/s and latency (medians, spreads over the
+    runs) and the ratios the summary states."""
+    sps = {k: [r[k].steps_per_s for r in runs] for k in runs[0]}
+    lat = {k: [r[k].step_latency_us for r in runs] for k in runs[0]}
+
+    def ratio(a: str, b: str, of: dict[str, list[float]] = sps) -> dict[str, Any]:
+        return _spread([x / y for x, y in zip(of[a], of[b])])
+
+    def threaded(name: str) -> dict[str, Any]:
+        """Per engine_us: steps/s and step latency with a background update thread over in line."""
+        return {
+            f"{e:g}": {
+                "steps_per_s": ratio(f"{name}@{e:g}+thread", f"{name}@{e:g}"),
+                "latency": ratio(f"{name}@{e:g}+thread", f"{name}@{e:g}", lat),
+            }
+            for e in ENGINE_US
+        }
+
+    default_is = (
+        "FIA with lengths on the device (tiling sink), replay-first"
+        if shape.kernel == "fia"
+        else f"updated per layer, one ExternalEvent per {shape.event_group} layers (auto), replay-first"
+    )
+    return {
+        "headline": f"{DEFAULT}: Runtime() as a user who sets nothing gets it: {default_is}, one update thread",
+        "layers": shape.layers,
+        "size": shape.size,
+        "kernel": shape.kernel,
+        "attention_us": shape.attention_us,
+        "other_us": shape.other_us,
+        "device_time_source": shape.source,
+        "steps_per_s": {k: round(statistics.median(v), 1) for k, v in _implementation_rows(sps).items()},
+        # each implementation's own spread over the seeds: the chart's error bars (npugraph bench --plot)
+        "steps_per_s_spread": {k: _spread(v) for k, v in _implementation_rows(sps).items()},
+        "step_latency_us": {k: round(statistics.median(v), 1) for k, v in _implementation_rows(lat).items()},
+        "npugraph_vs_updatable": ratio(DEFAULT, "updatable_mrv2"),
+        "npugraph_vs_updatable_mrv1": ratio(DEFAULT, "updatable_mrv1"),
+        "npugraph_grouped_vs_updatable": ratio(HEADLINE, "updatable_mrv2"),
+        "npugraph_per_layer_vs_updatable": ratio("npugraph", "updatable_mrv2"),
+        "legacy_vs_updatable": ratio("legacy", "updatable_mrv2"),
+        "npugraph_vs_torch_npu_update": ratio(DEFAULT, TORCH_NPU),
+        # per layer, lengths on the host as torch_npu's: what is left without the tiling sink
+        "npugraph_grouped_vs_torch_npu_update": ratio(HEADLINE, TORCH_NPU),
+        "latency_vs_torch_npu_update": ratio(DEFAULT, TORCH_NPU, lat),
+        "latency_vs_updatable": ratio(DEFAULT, "updatable_mrv2", lat),
+        "grouped_latency_vs_updatable": ratio(HEADLINE, "updatable_mrv2", lat),
+        "npugraph_vs_api_floor": ratio(HEADLINE, "api_floor"),
+        "npugraph_vs_device_limit": _spread([x / shape.device_limit for x in sps[DEFAULT]]),
+        "device_limit_steps_per_s": round(shape.device_limit, 1),
+        "background_thread": {
+            "engine_us": list(ENGINE_US),
+            "engine_chunk_us": ENGINE_CHUNK_US,
+            "handoff_us": HANDOFF_US,
+            "default": threaded("npugraph"),
+            "grouped": threaded(HEADLINE),
+        },
+    }

@@ -10,9 +10,9 @@ from typing import Any
 from npugraph.bench.measured import bench_capture, bench_replay_vs_eager, bench_validation, python_loop_ns, run_bench
 from npugraph.bench.modeled import modeled_summary
 from npugraph.bench.sink import bench_sink
+from npugraph.bench.timeline import chrome_trace
 from npugraph.errors import NpuGraphError
 from npugraph.files import write_text
-from npugraph.timeline import chrome_trace
 
 __all__ = ["run"]
 

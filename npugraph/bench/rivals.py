@@ -1,5 +1,5 @@
 """The implementations the modeled timeline compares, each recording its device-API calls
-and own Python on a :class:`~npugraph.timeline.RecordingDevice`: npugraph (default and
+and own Python on a :class:`~npugraph.bench.timeline.RecordingDevice`: npugraph (default and
 grouped), vllm-ascend's ``UpdatableGraph`` as merged in #16798 under the MRV1 (synchronize
 before each FULL replay, #15125) and MRV2 runners, the runner's older loop (#4233, #15579),
 and torch_npu's own ``NPUGraph.update`` (its op-handler registry, SGLang's path).
@@ -17,10 +17,10 @@ import torch
 
 import npusim as sim
 from npugraph.bench.measured import _legacy_loop
+from npugraph.bench.timeline import RecordingDevice, ShadowGraph
 from npugraph.metadata import AttentionMetadata
 from npugraph.replay import ReplayUpdater
 from npugraph.runtime import Runtime
-from npugraph.timeline import RecordingDevice, ShadowGraph
 from npusim.surfaces.graphs import _GraphDispatchRecord, update_records
 
 
@@ -242,6 +242,24 @@ _OP_NAME = {"pa": "_npu_paged_attention.default", "fia": "npu_fused_infer_attent
 _UPDATE_KEY = {"pa": "context_lens", "fia": "actual_seq_lengths_kv"}
 
 
+def _dispatch_records(shadow: Any, dev: RecordingDevice, kernel: str) -> list[_GraphDispatchRecord]:
+    """What torch_npu's capture with ``auto_dispatch_capture=True`` left: one record per
+    attention op of the shadow graph (its positional and keyword arguments, its event and task
+    group), on the recording device."""
+    op = _RecordedOverload(_OP_NAME[kernel], shadow.tasks[0].spec.kernel_fn(dev))
+    positional = _POSITIONAL[kernel]
+    records: list[_GraphDispatchRecord] = []
+    for t in shadow.tasks:
+        args = [
+            dev.weak_ref_tensor(t.args[n]) if isinstance(t.args[n], torch.Tensor) else t.args[n] for n in positional
+        ]
+        kwargs = {k: v for k, v in t.args.items() if k not in positional and v is not None}
+        records.append(
+            _GraphDispatchRecord(event=t.event, handle=t.handle, kwargs=kwargs, args=args, op_cache_entry=op)
+        )
+    return records
+
+
 def _torch_npu_update(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDevice, Callable[[Any], None]]:
     """torch_npu's ``NPUGraph.update`` as SGLang 0.5.23 drives it, line for line in host cost.
 
@@ -265,17 +283,7 @@ def _torch_npu_update(rt: Runtime, size: int, kernel: str) -> tuple[RecordingDev
     npu = dev.npu
     npu.Stream()  # SGLang's capture stream, made before the first NPUGraph ...
     update_stream = npu.Stream()  # ... makes _GraphDispatchMode's one update stream
-    op = _RecordedOverload(_OP_NAME[kernel], shadow.tasks[0].spec.kernel_fn(dev))
-    positional = _POSITIONAL[kernel]
-    records: list[_GraphDispatchRecord] = []
-    for t in shadow.tasks:
-        args = [
-            dev.weak_ref_tensor(t.args[n]) if isinstance(t.args[n], torch.Tensor) else t.args[n] for n in positional
-        ]
-        kwargs = {k: v for k, v in t.args.items() if k not in positional and v is not None}
-        records.append(
-            _GraphDispatchRecord(event=t.event, handle=t.handle, kwargs=kwargs, args=args, op_cache_entry=op)
-        )
+    records = _dispatch_records(shadow, dev, kernel)
     log = logging.getLogger("torch_npu.npu.graphs")
     attr_name = _UPDATE_KEY[kernel]
     as_tensor = kernel == "pa"

@@ -14,7 +14,7 @@ import npusim as sim
 from npugraph.bench.measured import _MAX_MODEL_LEN, _setup
 from npugraph.bench.modeled import ModeledShape, _modeled_runtimes, _spread
 from npugraph.bench.rivals import _implementations, _sink_step, _step_input
-from npugraph.timeline import Costs, StepLog, TimelineResult, min_log, model_steps
+from npugraph.bench.timeline import Costs, StepLog, TimelineResult, min_log, model_steps
 
 SINK_LAYERS = (20, 32, 61)
 # the metadata op's AI-CPU time per step, as vllm-ascend #15336 measured it (130-320 us)
@@ -79,28 +79,7 @@ def bench_sink(
                 costs = _sink_costs(host_costs, m)
                 for name, (_, _, by) in chosen.items():
                     per_cost[m][name].append(model_steps(best[name], costs, kernel="fia", layers=n, recorded_by=by))
-        rows = []
-        for m in metadata_us:
-            r = per_cost[m]
-
-            def ratio(a: str, b: str, r: dict[str, list[TimelineResult]] = r) -> dict[str, Any]:
-                return _spread([x.steps_per_s / y.steps_per_s for x, y in zip(r[a], r[b])])
-
-            lat = _spread(
-                [x.step_latency_us / y.step_latency_us for x, y in zip(r["npugraph_sink"], r["updatable_mrv2"])]
-            )
-            rows.append(
-                {
-                    "metadata_us": m,
-                    "steps_per_s": {k: round(statistics.median(x.steps_per_s for x in v), 1) for k, v in r.items()},
-                    "step_latency_us": {
-                        k: round(statistics.median(x.step_latency_us for x in v), 1) for k, v in r.items()
-                    },
-                    "sink_vs_updatable": ratio("npugraph_sink", "updatable_mrv2"),
-                    "sink_vs_npugraph_grouped": ratio("npugraph_sink", "npugraph_grouped"),
-                    "sink_latency_vs_updatable": lat,
-                }
-            )
+        rows = [_cost_row(m, per_cost[m]) for m in metadata_us]
         out["rows"].append(
             {
                 "layers": n,
@@ -134,3 +113,21 @@ def _break_even(best: dict[str, StepLog], chosen: dict[str, Any], layers: int, h
             return m
         m += 25.0
     return None
+
+
+def _cost_row(m: float, r: dict[str, list[TimelineResult]]) -> dict[str, Any]:
+    """One metadata-op device time's row: each implementation's medians and the sink's ratios."""
+
+    def ratio(a: str, b: str) -> dict[str, Any]:
+        return _spread([x.steps_per_s / y.steps_per_s for x, y in zip(r[a], r[b])])
+
+    return {
+        "metadata_us": m,
+        "steps_per_s": {k: round(statistics.median(x.steps_per_s for x in v), 1) for k, v in r.items()},
+        "step_latency_us": {k: round(statistics.median(x.step_latency_us for x in v), 1) for k, v in r.items()},
+        "sink_vs_updatable": ratio("npugraph_sink", "updatable_mrv2"),
+        "sink_vs_npugraph_grouped": ratio("npugraph_sink", "npugraph_grouped"),
+        "sink_latency_vs_updatable": _spread(
+            [x.step_latency_us / y.step_latency_us for x, y in zip(r["npugraph_sink"], r["updatable_mrv2"])]
+        ),
+    }

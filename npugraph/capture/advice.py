@@ -4,8 +4,12 @@ and what a device's capture error means."""
 from __future__ import annotations
 
 import traceback
+from collections.abc import Sequence
 
-__all__ = ["advice_for", "raised_at"]
+from npugraph.capture.records import TaskRecord
+from npugraph.errors import CaptureFailed
+
+__all__ = ["advice_for", "capture_failed", "raised_at"]
 
 # What a device's capture error means, by the code or message torch_npu and CANN report
 # (matched in lower case; vllm-ascend's issues #1168, #2182, the torch_npu builds without
@@ -53,3 +57,21 @@ def raised_at(exc: BaseException, skip: tuple[str, ...]) -> str:
     mine = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
     f = mine[-1]
     return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def capture_failed(
+    where: str, layer: str | None, tasks: Sequence[TaskRecord], cause: BaseException, library: tuple[str, ...]
+) -> CaptureFailed:
+    """The error of a capture of ``where`` the callable (or the device) failed, in ``layer``
+    (None: between attention calls, after ``tasks``): where, and what to do."""
+    last = tasks[-1].layer if tasks else None
+    at = (
+        f" in layer {layer!r}"
+        if layer
+        else (f" after layer {last!r} (the last attention call recorded)" if last else "")
+    )
+    return CaptureFailed(
+        f"capture of {where} failed{at} at {raised_at(cause, library)}: "
+        f"{type(cause).__name__}: {str(cause).rstrip('.')}. Nothing was registered for this key."
+        + advice_for(str(cause))
+    )

@@ -3,98 +3,44 @@
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import gc
 import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
 import torch
-import torch.utils._pytree as pytree
 from tqdm import tqdm
 
-from npugraph.capture.advice import advice_for, raised_at
+from npugraph.capture.advice import capture_failed
+from npugraph.capture.attempt import (
+    MOST_TRIES,
+    Capture,
+    How,
+    Request,
+    alias,
+    alias_tree,
+    batch_of,
+    call_shape,
+    host_tuple,
+)
 from npugraph.capture.events import EventSchedule, group_size
 from npugraph.capture.records import CapturedGraph, TaskRecord
 from npugraph.capture.report import capture_report
+from npugraph.capture.sink import SINK_MIN_LAYERS, SinkCapture, mark_recorder, refusal, upgrade
 from npugraph.device import Device
 from npugraph.errors import CaptureFailed, ConfigError, UnknownKeyError
 from npugraph.metadata import StepLens
-from npugraph.ops import FIA_SINK, SPECS, AttentionCall, LensArena, LensGroup, OpSpec
+from npugraph.ops import SPECS, AttentionCall, OpSpec
 from npugraph.policy import KernelChoice, KernelPolicy, StaticPolicy
 
 __all__ = ["CaptureManager", "SINK_MIN_LAYERS"]
 
-# Below this many attention layers a graph keeps FIA's per-layer update: one FIA layer's
-# update costs ~184 us of host time (begin + re-issue + end + record, vllm-ascend #13058),
-# the tiling-sink step ~150-190 us of launches for the metadata op and the length copy
-# (#15336) plus one event record, so the sink path saves host time from the second layer.
-SINK_MIN_LAYERS = 2
 
 logger = logging.getLogger("npugraph")
-
-
-@attrs.frozen
-class _How:
-    """How a capture tries: its event schedule, why the tiling-sink path is refused (empty:
-    it is not), and the room its device lengths get (None: the namespace's default)."""
-
-    schedule: EventSchedule | None
-    sink_refusal: str = ""
-    lens_room: tuple[int, int] | None = None
-
-
-# A bound, not a count: each reason to try again (_try_capture's list) is settled by the
-# next try, and only the lengths' room can come back, once, after the task count's.
-_MOST_TRIES = 8
-
-
-@attrs.define
-class _Capture:
-    """State of the one capture in progress."""
-
-    namespace: str
-    key: Hashable
-    tokens: int
-    choices: dict[tuple[Any, ...], tuple[OpSpec, KernelChoice]] = attrs.field(factory=dict)
-    needs: dict[tuple[Any, ...], int] = attrs.field(factory=dict)
-    workspace: torch.Tensor | None = None  # allocated inside the capture: the graph's pool owns it
-    tasks: list[TaskRecord] = attrs.field(factory=list)
-    layer: str | None = None
-    seen: set[tuple[int, str]] = attrs.field(factory=set)
-    # event grouping: which task indices start a group (the graph waits there) and end one
-    # (the update records there); None: one event per task
-    schedule: EventSchedule | None = None
-    group_event: Any = None  # the ExternalEvent of the group being recorded
-    device_lengths: bool = True  # whether FIA may take the tiling-sink path in this capture
-    sink_refusal: str = ""  # why not, when it may not
-    lens_groups: dict[tuple[Any, ...], LensGroup] = attrs.field(factory=dict)
-    lens_event: Any = None  # the one ExternalEvent of the graph's tiling-sink tasks
-    lens_arena: LensArena | None = None  # their device memory, allocated before the capture
-    lens_short: tuple[int, int] | None = None  # (groups, rows) the arena lacked: capture again
-
-    @property
-    def choice(self) -> KernelChoice | None:
-        return next(iter(self.choices.values()))[1] if self.choices else None
-
-
-def _shape(call: AttentionCall) -> tuple[Any, ...]:
-    """What a kernel choice depends on: calls alike in all of it share one choice."""
-    return (
-        tuple(call.query.shape),
-        tuple(call.key_cache.shape),
-        tuple(call.value_cache.shape),
-        tuple(call.block_table.shape),
-        call.query.dtype,
-        call.tokens_per_request,
-        call.window,
-        None if call.query_rope is None else tuple(call.query_rope.shape),
-    )
 
 
 class CaptureManager:
@@ -156,7 +102,7 @@ class CaptureManager:
         self.on_captured = on_captured
         self._entries: dict[tuple[str, Hashable], CapturedGraph] = {}
         self._pool: Any = None
-        self._ctx: _Capture | None = None
+        self._ctx: Capture | None = None
         self._by_event: dict[int, tuple[CapturedGraph, TaskRecord]] = {}
         self.configured: dict[str, list[Hashable]] = {}
         self._warned_order: set[str] = set()  # namespaces warned about a smaller-first capture
@@ -214,27 +160,32 @@ class CaptureManager:
         ctx.seen.add((ubatch, layer))
         ctx.layer = layer
         spec, need = self._prepare(ctx, call, lens)
-        if spec.lens_on_device:
-            self._attention_on_device(ctx, spec, layer, group, call, lens, ubatch)
-            ctx.layer = None
-            return
-        kwargs = spec.arguments(call, lens, ctx.workspace)
         npu = self.device.npu
         stream = npu.current_stream()
-        index = len(ctx.tasks)
-        schedule = ctx.schedule
-        waits = schedule is None or schedule.waits(index)
-        records = schedule is None or schedule.records(index)
-        if waits:
-            event = ctx.group_event = npu.ExternalEvent()
-            event.wait(stream)  # no reset(): a no-op on every CANN with task groups, which npugraph needs
-            self.device.name_in_reports(event, f"{ctx.namespace}/{ctx.key!r}/{layer}")
-        else:
-            event = ctx.group_event
-        npu.graph_task_group_begin(stream)
-        spec.launch(self.device, kwargs)
-        handle = npu.graph_task_group_end(stream)
-        self.device.name_in_reports(handle, f"layer {layer!r}")
+        name = f"{ctx.where}/{layer}"
+        lens_group = None
+        if spec.sink is None:  # a task group the update re-issues, waiting on its group's event
+            kwargs = spec.arguments(call, lens, ctx.workspace)
+            index, schedule = len(ctx.tasks), ctx.schedule
+            waits = schedule is None or schedule.waits(index)
+            records = schedule is None or schedule.records(index)
+            if waits:
+                event = ctx.group_event = npu.ExternalEvent()
+                event.wait(stream)  # no reset(): a no-op on every CANN with task groups, which npugraph needs
+                self.device.name_in_reports(event, name)
+            else:
+                event = ctx.group_event
+            npu.graph_task_group_begin(stream)
+            spec.launch(self.device, kwargs)
+            handle = npu.graph_task_group_end(stream)
+            self.device.name_in_reports(handle, f"layer {layer!r}")
+        else:  # the kernel alone, reading its group's lengths and plan; the graph waits once, first
+            lens_group = ctx.sink.buffers(spec, call, group, ubatch)
+            event, waits = ctx.sink.wait_event(self.device, stream, ctx.where)
+            records = False  # the graph's last tiling-sink task records (mark_recorder, once captured)
+            kwargs = spec.arguments(call, lens, None, buffers=lens_group)
+            spec.launch(self.device, kwargs)
+            handle = None
         ctx.tasks.append(
             TaskRecord(
                 index=len(ctx.tasks),
@@ -244,98 +195,28 @@ class CaptureManager:
                 spec=spec,
                 handle=handle,
                 event=event,
-                args={k: self._alias(v) for k, v in kwargs.items()},
-                host_at_capture={k: _host_tuple(kwargs[k]) for k in spec.host_args},
+                args={k: alias(self.device, v) for k, v in kwargs.items()},
+                host_at_capture={k: host_tuple(kwargs[k]) for k in spec.host_args},
                 workspace_bytes=need,
                 waits=waits,
                 records=records,
+                lens=lens_group,
             )
         )
         ctx.layer = None
 
-    def _attention_on_device(
-        self, ctx: _Capture, spec: OpSpec, layer: str, group: str, call: AttentionCall, lens: StepLens, ubatch: int
-    ) -> None:
-        """Record a tiling-sink task: the kernel alone, reading the lengths and plan of its
-        KV-cache group's :class:`LensGroup`; the graph waits for one event before the first."""
-        slot = group if ubatch == 0 else f"{group}#ubatch{ubatch}"
-        assert spec.plan_args is not None  # a lens_on_device declaration names its plan arguments
-        plan_args = spec.plan_args(call)
-        batch = int(call.block_table.shape[0])
-        gkey = (slot, batch, tuple(sorted(plan_args.items())))
-        buffers = ctx.lens_groups.get(gkey)
-        if buffers is None:
-            # from the arena made before the capture (never the graph's pool), held by the record
-            found = ctx.lens_arena.take(batch, plan_args, slot) if ctx.lens_arena is not None else None
-            if found is None:  # the arena is too small: this capture is discarded and run again
-                groups, rows = ctx.lens_short or (0, 0)
-                ctx.lens_short = (max(groups, len(ctx.lens_groups) + 1), max(rows, batch))
-                found = LensGroup.make(call.query.device, batch, plan_args, slot)
-            buffers = ctx.lens_groups[gkey] = found
-        npu = self.device.npu
-        first = ctx.lens_event is None
-        if first:
-            ctx.lens_event = npu.ExternalEvent()
-            ctx.lens_event.wait(npu.current_stream())
-            self.device.name_in_reports(ctx.lens_event, f"{ctx.namespace}/{ctx.key!r}/device lengths")
-        kwargs = spec.arguments(call, lens, None, buffers=buffers)
-        spec.launch(self.device, kwargs)
-        ctx.tasks.append(
-            TaskRecord(
-                index=len(ctx.tasks),
-                layer=layer,
-                ubatch=ubatch,
-                group=group,
-                spec=spec,
-                handle=None,
-                event=ctx.lens_event,
-                args={k: self._alias(v) for k, v in kwargs.items()},
-                host_at_capture={},
-                workspace_bytes=0,
-                waits=first,
-                records=False,  # the graph's last tiling-sink task records (set when the capture ends)
-                lens=buffers,
-            )
-        )
-
-    def _upgrade(self, ctx: _Capture, choice: KernelChoice, call: AttentionCall) -> KernelChoice:
-        """FIA with host lengths becomes the tiling-sink kernel where that is possible; a
-        tiling-sink kernel chosen as it is must be possible."""
-        if choice.kernel != "fia_sink" and (choice.fixed or choice.kernel not in ("fia", "fia_v2")):
-            return choice
-        why: str | None
-        if self.device.device_length_ops is None:
-            why = "the device has no tiling-sink FIA (torch.ops._C_ascend without PRs #15215/#15336)"
-        else:
-            why = FIA_SINK.unsupported(call)
-        if choice.kernel == "fia_sink":
-            if why is not None:
-                raise CaptureFailed(
-                    f"capture of {ctx.namespace}/{ctx.key!r}: the kernel policy chose fia_sink, but {why}; "
-                    "choose fia (lengths updated per layer) for this graph"
-                )
-            return choice
-        if not self.device_lengths:
-            return choice
-        if why is None and not ctx.device_lengths:
-            why = ctx.sink_refusal
-        if why is None:
-            return KernelChoice(
-                kernel="fia_sink", reason=f"{choice.reason}; lengths on the device, no per-layer update"
-            )
-        return KernelChoice(kernel=choice.kernel, reason=f"{choice.reason}; per-layer update: {why}")
-
-    def _prepare(self, ctx: _Capture, call: AttentionCall, lens: StepLens) -> tuple[OpSpec, int]:
+    def _prepare(self, ctx: Capture, call: AttentionCall, lens: StepLens) -> tuple[OpSpec, int]:
         """The kernel for this call's shape, and a workspace that covers it (grown if needed)."""
-        shape = _shape(call)
+        shape = call_shape(call)
         found = ctx.choices.get(shape)
         if found is None:
-            choice = self._upgrade(ctx, self.policy.choose(ctx.namespace, ctx.key, ctx.tokens, [call]), call)
+            chosen = self.policy.choose(ctx.namespace, ctx.key, ctx.tokens, [call])
+            choice = upgrade(self.device, self.device_lengths, ctx.sink, ctx.where, chosen, call)
             if choice.kernel not in SPECS:
                 raise CaptureFailed(f"kernel policy chose {choice.kernel!r}; expected one of {sorted(SPECS)}")
             found = ctx.choices[shape] = (SPECS[choice.kernel], choice)
         spec = found[0]
-        if spec.lens_on_device:
+        if spec.sink is not None:
             return spec, 0  # no workspace: its plan is its tiling
         need = ctx.needs.get(shape)
         if need is None:
@@ -348,29 +229,6 @@ class CaptureManager:
             # earlier layers keep the smaller one, which covers them.
             ctx.workspace = torch.empty(need, dtype=torch.uint8, device=call.query.device)
         return spec, need
-
-    def _alias(self, v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return self.device.weak_ref_tensor(v)
-        if isinstance(v, list) and v and all(isinstance(x, torch.Tensor) for x in v):
-            return [self.device.weak_ref_tensor(x) for x in v]
-        return v
-
-    def _alias_tree(self, v: Any) -> Any:
-        """``v`` with every tensor a non-owning alias, its structure kept: any pytree
-        (tuples, namedtuples, lists, dicts) and dataclasses."""
-
-        def leaf(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                return self.device.weak_ref_tensor(x)
-            if dataclasses.is_dataclass(x) and not isinstance(x, type):
-                y = copy.copy(x)
-                for f in dataclasses.fields(x):
-                    object.__setattr__(y, f.name, self._alias_tree(getattr(x, f.name)))
-                return y
-            return x
-
-        return pytree.tree_map(leaf, v)
 
     # --- capture ---------------------------------------------------------------------
     def capture(
@@ -412,22 +270,30 @@ class CaptureManager:
         # The schedule needs the namespace's task count: its first capture counts them.  A try
         # whose graph turns out to need another way of capturing is dropped (nothing was
         # registered) and the callable is captured again that way: see _try_capture.
-        how = _How(schedule=self._schedule(namespace))
+        how = How(schedule=self._schedule(namespace))
         for spec in SPECS.values():
             spec.prepare(self.device.memory)  # outside the graph: not from its pool
-        free_before = self._free_memory()  # a capture done again counts from before its first try
-        for _ in range(_MOST_TRIES):
-            done = self._try_capture(
-                fn, args, kwargs, namespace, key, int(tokens), static_inputs, require_attention, how, free_before
-            )
-            if isinstance(done, _How):
+        request = Request(
+            fn=fn,
+            args=args,
+            kwargs=kwargs,
+            namespace=namespace,
+            key=key,
+            tokens=int(tokens),
+            static_inputs=static_inputs,
+            require_attention=require_attention,
+            free_before=self._free_memory(),
+        )
+        for _ in range(MOST_TRIES):
+            done = self._try_capture(request, how)
+            if isinstance(done, How):
                 how = done
                 continue
             entry, outputs = done
             break
         else:
             raise CaptureFailed(
-                f"capture of {namespace}/{key!r}: still asked to capture again after {_MOST_TRIES} tries "
+                f"capture of {namespace}/{key!r}: still asked to capture again after {MOST_TRIES} tries "
                 f"(last: {how}); this is a bug in npugraph: please report it with the capture report"
             )
         smaller = [e.key for e in self.entries(namespace) if e.tokens < entry.tokens]
@@ -452,19 +318,7 @@ class CaptureManager:
     def _schedule(self, namespace: str) -> EventSchedule | None:
         return EventSchedule.of(self._task_counts.get(namespace), self.group_size(namespace))
 
-    def _try_capture(
-        self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        namespace: str,
-        key: Hashable,
-        tokens: int,
-        static_inputs: Mapping[str, torch.Tensor] | None,
-        require_attention: bool,
-        how: _How,
-        free_before: int,
-    ) -> tuple[CapturedGraph, Any] | _How:
+    def _try_capture(self, request: Request, how: How) -> tuple[CapturedGraph, Any] | How:
         """Capture the callable once, ``how`` says; return its graph (not registered yet) and
         outputs, or, where the graph shows it must be captured another way, that way (this
         graph reset).  The reasons to capture again, each settled by the next try:
@@ -475,20 +329,16 @@ class CaptureManager:
           under event grouping): the kernels read their lengths from the host instead;
         * the graph has another task count than its namespace's first: one event per task.
         """
-        schedule, sink_refusal, lens_room = how.schedule, how.sink_refusal, how.lens_room
+        namespace, key, tokens = request.namespace, request.key, request.tokens
         npu = self.device.npu
-        ctx = _Capture(
+        room = how.lens_room or (self._lens_groups.get(namespace, 1), tokens)
+        ctx = Capture(
             namespace=namespace,
             key=key,
             tokens=tokens,
-            schedule=schedule,
-            device_lengths=not sink_refusal,
-            sink_refusal=sink_refusal,
+            schedule=how.schedule,
+            sink=SinkCapture.start(self.device, self.device_lengths, how.sink_refusal, room, tokens),
         )
-        if self.device_lengths and self.device.device_length_ops is not None and not sink_refusal:
-            # outside the graph's pool: a step writes it from outside the graph
-            groups, rows = lens_room or (self._lens_groups.get(namespace, 1), tokens)
-            ctx.lens_arena = LensArena.make(self.device.memory, groups, max(rows, tokens))
         graph = npu.NPUGraph()
         self.device.name_in_reports(graph, f"{namespace}/{key!r}")
 
@@ -500,12 +350,12 @@ class CaptureManager:
             # sharing a pool must be
             with npu.graph(graph, pool=self.pool):
                 try:
-                    outputs = fn(*args, **kwargs)
+                    outputs = request.fn(*request.args, **request.kwargs)
                 except BaseException as exc:
                     failure = exc  # the graph context still ends the capture (as torch_npu's does)
             if failure is not None:
                 raise failure
-            if not ctx.tasks and require_attention:
+            if not ctx.tasks and request.require_attention:
                 raise CaptureFailed(
                     f"capture of {namespace}/{key!r}: the callable made no attention call "
                     "through the runtime; nothing would be updated"
@@ -521,14 +371,14 @@ class CaptureManager:
                 choice=ctx.choice or KernelChoice(kernel="none", reason="no attention in this graph"),
                 tasks=tuple(ctx.tasks),
                 tokens=ctx.tokens,
-                batch=_batch_of(ctx.tasks),
+                batch=batch_of(ctx.tasks),
                 workspace_bytes=max(ctx.needs.values(), default=0),
-                outputs=self._alias_tree(outputs),
-                static_inputs=dict(static_inputs or {}),
+                outputs=alias_tree(self.device, outputs),
+                static_inputs=dict(request.static_inputs or {}),
                 capture_seconds=time.perf_counter() - t0,
                 pool=self.pool,
-                lens_groups=tuple(ctx.lens_groups.values()),
-                memory_bytes=max(0, free_before - self._free_memory()),
+                lens_groups=tuple(ctx.sink.groups.values()),
+                memory_bytes=max(0, request.free_before - self._free_memory()),
             )
             if self.on_captured is not None:
                 self.on_captured(entry)
@@ -540,12 +390,12 @@ class CaptureManager:
                 if cause is exc:
                     raise  # Ctrl-C stays itself; our own errors already say where
                 raise cause from None
-            raise self._failed(ctx, cause) from cause
+            raise capture_failed(ctx.where, ctx.layer, ctx.tasks, cause, self._library_code) from cause
         finally:
             self._ctx = None
         return entry, outputs
 
-    def _another_way(self, ctx: _Capture, how: _How) -> _How | None:
+    def _another_way(self, ctx: Capture, how: How) -> How | None:
         """The way a just-captured graph must be captured again (see :meth:`_try_capture`), or
         None where it stands as captured (its tiling-sink event marked)."""
         namespace, key, schedule = ctx.namespace, ctx.key, how.schedule
@@ -554,34 +404,15 @@ class CaptureManager:
             learned = self._schedule(namespace)
             if schedule is None and learned is not None and any(t.lens is None for t in ctx.tasks):
                 return attrs.evolve(how, schedule=learned)
-        if ctx.lens_short is not None:
-            self._lens_groups[namespace] = max(self._lens_groups.get(namespace, 1), ctx.lens_short[0])
-            return attrs.evolve(how, lens_room=ctx.lens_short)
-        on_device = [t for t in ctx.tasks if t.lens is not None]
-        forced = any(c.fixed and c.kernel == "fia_sink" for _, c in ctx.choices.values())
-        mixed = on_device and schedule is not None and len(on_device) < len(ctx.tasks)
-        if forced and mixed:
-            raise CaptureFailed(
-                f"capture of {namespace}/{key!r}: the kernel policy chose fia_sink for some layers and "
-                "another kernel, updated per layer, for others, with event grouping on; capture with "
-                "event_group=1 or one kernel for every layer"
-            )
-        refused = ""
-        if forced:
-            pass  # the policy's choice, taken as it is
-        elif on_device and len(on_device) < SINK_MIN_LAYERS:
-            refused = (
-                f"{len(on_device)} attention layer(s): below the {SINK_MIN_LAYERS} from which the "
-                "tiling-sink path saves host time"
-            )
-        elif mixed:
-            refused = "the graph mixes tiling-sink and per-layer tasks, and event grouping is on"
+        room = ctx.sink.room()
+        if room is not None:
+            self._lens_groups[namespace] = max(self._lens_groups.get(namespace, 1), room[0])
+            return attrs.evolve(how, lens_room=room)
+        refused = refusal(ctx.tasks, (c for _, c in ctx.choices.values()), schedule, ctx.where)
         if refused:
             sched = schedule if schedule is not None else self._schedule(namespace)
             return attrs.evolve(how, schedule=sched, sink_refusal=refused)
-        if on_device:  # the graph's last tiling-sink task records the shared event
-            last = on_device[-1].index
-            ctx.tasks[last] = attrs.evolve(ctx.tasks[last], records=True)
+        mark_recorder(ctx.tasks)
         if schedule is not None and len(ctx.tasks) != schedule.tasks:
             # this graph has another task count than its namespace's first: its last group
             # would never record; capture it again with one event per task
@@ -593,20 +424,6 @@ class CaptureManager:
             )
             return attrs.evolve(how, schedule=None, lens_room=None)
         return None
-
-    def _failed(self, ctx: _Capture, cause: BaseException) -> CaptureFailed:
-        """The error of a capture the callable (or the device) failed: where, and what to do."""
-        layer = ctx.layer or (ctx.tasks[-1].layer if ctx.tasks else None)
-        where = (
-            f" in layer {ctx.layer!r}"
-            if ctx.layer
-            else (f" after layer {layer!r} (the last attention call recorded)" if layer else "")
-        )
-        return CaptureFailed(
-            f"capture of {ctx.namespace}/{ctx.key!r} failed{where} at {raised_at(cause, self._library_code)}: "
-            f"{type(cause).__name__}: {str(cause).rstrip('.')}. Nothing was registered for this key."
-            + advice_for(str(cause))
-        )
 
     def capture_all(
         self,
@@ -658,10 +475,7 @@ class CaptureManager:
     # --- lookup ----------------------------------------------------------------------
     def entry(self, namespace: str, key: Hashable) -> CapturedGraph:
         """The captured graph of ``(namespace, key)``; raises listing the captured keys."""
-        try:
-            entry = self._entries.get((namespace, key))
-        except TypeError:
-            entry = None  # an unhashable key was never captured
+        entry = self.find(namespace, key)
         if entry is None:
             have = sorted(repr(k) for (ns, k) in self._entries if ns == namespace)
             raise UnknownKeyError(
@@ -669,6 +483,13 @@ class CaptureManager:
                 f"[{', '.join(have)}]. Pad the batch to a captured size or capture this key."
             )
         return entry
+
+    def find(self, namespace: str, key: Hashable) -> CapturedGraph | None:
+        """The captured graph of ``(namespace, key)``, or None."""
+        try:
+            return self._entries.get((namespace, key))
+        except TypeError:
+            return None  # an unhashable key was never captured
 
     def has(self, namespace: str, key: Hashable) -> bool:
         """Whether ``(namespace, key)`` has a captured graph."""
@@ -707,17 +528,6 @@ class CaptureManager:
                 self._by_event.pop(id(t.event), None)
             entry.graph.reset()
             del self._entries[(ns, k)]
-
-
-def _host_tuple(v: Any) -> tuple[int, ...]:
-    if isinstance(v, torch.Tensor):
-        return tuple(int(x) for x in v.tolist())
-    return tuple(int(x) for x in v)
-
-
-def _batch_of(tasks: Sequence[TaskRecord]) -> int:
-    """The graph's request slots: rows of its first task's block table (0 without attention)."""
-    return int(tasks[0].args[tasks[0].spec.refreshed_buffers[0]].shape[0]) if tasks else 0
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ class TaskRecord:
     (``Device.weak_ref_tensor``): the graph's pool keeps the memory of its own
     intermediates, and the model keeps its KV caches; the record keeps nothing alive.
     ``host_at_capture`` are the host-side arguments the task was captured with.
-    A tiling-sink task (``spec.lens_on_device``) has no task group (``handle`` is None) and
+    A tiling-sink task (``spec.sink`` set) has no task group (``handle`` is None) and
     reads ``lens``; all of a graph's such tasks share one event, waited before the first.
     """
 

@@ -17,7 +17,32 @@ import torch
 
 from npugraph.errors import DeviceUnavailable
 
-__all__ = ["SINK_OPS", "Device", "load_device"]
+__all__ = ["SINK_OPS", "Device", "DeviceFault", "FaultSite", "load_device"]
+
+
+@attrs.frozen(kw_only=True)
+class FaultSite:
+    """One place a device error names, in the device's own objects (``None`` where it names none):
+    the device ``graph`` a replay ran in, the ``event`` a stream waited on or raced on, the
+    ``task_group`` of the task, and the ExternalEvents whose waits a cancelled replay skipped."""
+
+    graph: Any = None
+    event: Any = None
+    task_group: Any = None
+    skipped_waits: tuple[Any, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class DeviceFault:
+    """What a device error says of where it happened, as :meth:`Device.fault_info` reads it.
+
+    ``sites``: each stuck stream's wait (a hang), or the error's own place (a race, a fault);
+    ``later``: the further replay faults the same synchronize found.  Empty on hardware,
+    whose errors name no object (an error code and a text).
+    """
+
+    sites: tuple[FaultSite, ...] = ()
+    later: tuple[FaultSite, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -110,6 +135,22 @@ class Device:
         group = self.task_group(handle)
         return group is not None and f"task group #{group.group_id})" in message
 
+    def fault_info(self, exc: BaseException) -> DeviceFault:
+        """Where a device error happened, as a record npugraph reads (the rest of npugraph
+        knows no device's error fields): the simulator's hang lists each stuck stream
+        (``blocked``), its race and replay fault carry their ``graph``, ``event``,
+        ``task_group`` and skipped waits, a fault the ``others`` the same synchronize found.
+        Hardware's errors carry none of them: an empty record."""
+        blocked = getattr(exc, "blocked", None)
+        if blocked:
+            return DeviceFault(
+                sites=tuple(
+                    FaultSite(graph=b.get("graph"), event=b.get("event"), task_group=b.get("task_group"))
+                    for b in blocked
+                )
+            )
+        return DeviceFault(sites=(_fault_site(exc),), later=tuple(_fault_site(o) for o in getattr(exc, "others", ())))
+
     def weak_ref_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """A non-owning alias of ``t`` (same data pointer, shape, stride, dtype).
 
@@ -117,6 +158,16 @@ class Device:
         model) keeps it.  This is what "weak reference" means for a captured tensor.
         """
         return self.ops._C._weak_ref_tensor(t)  # type: ignore[no-any-return]
+
+
+def _fault_site(exc: BaseException) -> FaultSite:
+    """The place one device error carries itself (the simulator's race and replay fault)."""
+    return FaultSite(
+        graph=getattr(exc, "graph", None),
+        event=getattr(exc, "event", None),
+        task_group=getattr(exc, "task_group", None),
+        skipped_waits=tuple(getattr(exc, "waits_skipped", ())),
+    )
 
 
 # The tiling-sink pair (vllm-ascend PRs #15215 / #15336): both or neither.

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from npugraph.capture import CaptureManager
+from npugraph.capture import CapturedGraph, CaptureManager
 from npugraph.dump.trace import UpdateTrace
 from npugraph.errors import NpuGraphError
 from npugraph.files import FileError, read_json, write_text
-from npugraph.replay import ReplayUpdater
+from npugraph.replay import GraphState, ReplayUpdater
 
 __all__ = ["SCHEMA_VERSION", "ManifestError", "build_manifest", "load_manifest", "save_manifest", "schema_problems"]
 
@@ -88,44 +88,7 @@ def build_manifest(
     for ns in manager.namespaces():
         keys = []
         for e in manager.entries(ns):
-            tasks = []
             state = updater.state(e) if updater is not None else None
-            steps = state.steps if state is not None else 0
-            # a tiling-sink task's lengths are its group's, written once (at its first task)
-            writer = {id(t.lens): t.index for t in reversed(e.tasks) if t.lens is not None}
-            for t in e.tasks:
-                kw = t.kwargs()
-                i = writer.get(id(t.lens), t.index) if t.lens is not None else t.index
-                applied = state.applied[i] if state is not None else None
-                host_now = None
-                if applied is not None:  # this task's own lengths, as last written into it
-                    host_now = {
-                        k: list(v) if isinstance(v, tuple) else [int(x) for x in v.tolist()] for k, v in applied.items()
-                    }
-                slot_lens = state.last_lens.get(t.slot) if state is not None else None
-                tasks.append(
-                    {
-                        "index": t.index,
-                        "layer": t.layer,
-                        "group": t.group,
-                        "ubatch": t.ubatch,
-                        "op": t.spec.name,
-                        "kernel": t.spec.kernel + (f".{t.spec.overload}" if t.spec.overload else ""),
-                        "task_group": None if t.handle is None else _obj_id(t.handle),
-                        "event": _obj_id(t.event),
-                        "waits": t.waits,
-                        "records": t.records,
-                        "lens_on_device": None
-                        if t.lens is None
-                        else {"lengths": _arg(t.lens.lens, False), "plan": _arg(t.lens.meta, False)},
-                        "args": {k: _arg(v, k in t.spec.host_args) for k, v in kw.items()},
-                        "host_at_capture": {k: list(v) for k, v in t.host_at_capture.items()},
-                        "workspace_required": t.workspace_bytes,
-                        "num_reqs": None if slot_lens is None else slot_lens.num_reqs,
-                        "last_update": None if host_now is None else {"step": steps, "host": host_now},
-                    }
-                )
-            recs = trace.records(ns, e.key) if trace is not None else []
             out_bytes = _tensor_bytes(e.outputs)
             keys.append(
                 {
@@ -143,11 +106,11 @@ def build_manifest(
                     },
                     "output_bytes": out_bytes,
                     "replays": state.replays if state is not None else 0,
-                    "steps": steps,
+                    "steps": state.steps if state is not None else 0,
                     "replayable": state.replayable if state is not None else True,
                     "phase": state.phase.value if state is not None else "idle",
-                    "tasks": tasks,
-                    "trace": [r.to_json() for r in recs],
+                    "tasks": _tasks(e, state),
+                    "trace": [r.to_json() for r in (trace.records(ns, e.key) if trace is not None else [])],
                 }
             )
             totals["graphs"] += 1
@@ -169,6 +132,47 @@ def build_manifest(
         "totals": totals,
         "namespaces": namespaces,
     }
+
+
+def _tasks(e: CapturedGraph, state: GraphState | None) -> list[dict[str, Any]]:
+    """Each captured task of ``e``: what it was captured with, and what it was last given."""
+    steps = state.steps if state is not None else 0
+    # a tiling-sink task's lengths are its group's, written once (at its first task)
+    writer = {id(t.lens): t.index for t in reversed(e.tasks) if t.lens is not None}
+    tasks = []
+    for t in e.tasks:
+        kw = t.kwargs()
+        i = writer.get(id(t.lens), t.index) if t.lens is not None else t.index
+        applied = state.applied[i] if state is not None else None
+        host_now = None
+        if applied is not None:  # this task's own lengths, as last written into it
+            host_now = {
+                k: list(v) if isinstance(v, tuple) else [int(x) for x in v.tolist()] for k, v in applied.items()
+            }
+        slot_lens = state.last_lens.get(t.slot) if state is not None else None
+        tasks.append(
+            {
+                "index": t.index,
+                "layer": t.layer,
+                "group": t.group,
+                "ubatch": t.ubatch,
+                "op": t.spec.name,
+                "kernel": t.spec.kernel + (f".{t.spec.overload}" if t.spec.overload else ""),
+                "task_group": None if t.handle is None else _obj_id(t.handle),
+                "event": _obj_id(t.event),
+                "waits": t.waits,
+                "records": t.records,
+                "lens_on_device": None
+                if t.lens is None
+                else {"lengths": _arg(t.lens.lens, False), "plan": _arg(t.lens.meta, False)},
+                "args": {k: _arg(v, k in t.spec.host_args) for k, v in kw.items()},
+                "host_at_capture": {k: list(v) for k, v in t.host_at_capture.items()},
+                "workspace_required": t.workspace_bytes,
+                "num_reqs": None if slot_lens is None else slot_lens.num_reqs,
+                "last_update": None if host_now is None else {"step": steps, "host": host_now},
+            }
+        )
+    return tasks
 
 
 def save_manifest(doc: dict[str, Any], path: str) -> None:

@@ -1,6 +1,6 @@
 """One declaration per attention kernel (:class:`OpSpec`); capture and update use only these."""
 
-from npugraph.ops.base import AttentionCall, LensArena, LensGroup, OpSpec
+from npugraph.ops.base import AttentionCall, DeviceLengths, LensArena, LensGroup, OpSpec
 from npugraph.ops.fia import FIA
 from npugraph.ops.fia_sink import FIA_SINK
 from npugraph.ops.fia_v2 import FIA_V2
@@ -15,6 +15,7 @@ __all__ = [
     "PA",
     "SPECS",
     "AttentionCall",
+    "DeviceLengths",
     "LensArena",
     "LensGroup",
     "OpSpec",

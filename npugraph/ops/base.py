@@ -11,7 +11,7 @@ import torch
 from npugraph.errors import ConfigError
 from npugraph.metadata import StepLens
 
-__all__ = ["AttentionCall", "LensArena", "LensGroup", "OpSpec"]
+__all__ = ["AttentionCall", "DeviceLengths", "LensArena", "LensGroup", "OpSpec"]
 
 
 @attrs.frozen(kw_only=True)
@@ -123,6 +123,17 @@ def _no_constants(memory: torch.device) -> None:
 
 
 @attrs.frozen(kw_only=True)
+class DeviceLengths:
+    """What a kernel that reads its lengths (and a tiling plan) from device memory declares
+    beside its arguments: the metadata op a step issues once per :class:`LensGroup` to plan
+    them (``metadata_kernel``, on the device's ``device_length_ops``), and the shape
+    arguments it takes (``plan_args(call)``)."""
+
+    metadata_kernel: str
+    plan_args: Callable[[AttentionCall], dict[str, Any]]
+
+
+@attrs.frozen(kw_only=True)
 class OpSpec:
     """One attention kernel, declared once.
 
@@ -145,10 +156,11 @@ class OpSpec:
     * ``prepare(memory)``: make the per-device constants its arguments share across
       graphs (FIA's causal mask) — called before every capture, since a tensor made
       inside one comes from that graph's pool and is written only by its replay;
-    * ``lens_on_device``: the kernel reads its lengths (and a tiling plan) from device memory
-      (a :class:`LensGroup`, passed to ``arguments`` as ``buffers``): it is captured with no
-      task group, and a step writes the group's lengths and issues ``metadata_kernel`` once
-      (``plan_args(call)``: its shape arguments), with no per-layer update.
+    * ``sink``: set (a :class:`DeviceLengths`) where the kernel reads its lengths and a
+      tiling plan from device memory (a :class:`LensGroup`, passed to ``arguments`` as
+      ``buffers``): it is captured with no task group, and a step writes the group's lengths
+      and issues the declared metadata op once, with no per-layer update.  ``None``: the
+      lengths are host arguments, rewritten per layer.
     """
 
     name: str
@@ -157,7 +169,7 @@ class OpSpec:
     host_args: tuple[str, ...]
     refreshed_buffers: tuple[str, ...]
     cache_arg: str
-    # (call, lens, workspace) -> kwargs; a lens_on_device kernel also takes ``buffers=``
+    # (call, lens, workspace) -> kwargs; a tiling-sink kernel also takes ``buffers=``
     arguments: Callable[..., dict[str, Any]]
     host_values: Callable[[StepLens], dict[str, Any]]
     workspace_bytes: Callable[[Any, dict[str, Any], int], int]
@@ -165,13 +177,11 @@ class OpSpec:
     fused_update: bool = False
     prepare: Callable[[torch.device], object] = _no_constants
     runs_one_query_token: Callable[[Mapping[str, Any]], bool] = _never
-    lens_on_device: bool = False
-    metadata_kernel: str | None = None
-    plan_args: Callable[[AttentionCall], dict[str, Any]] | None = None
+    sink: DeviceLengths | None = None
 
     def kernel_fn(self, device: Any) -> Callable[..., Any]:
         """Resolve the entry point on ``device`` (once per capture, not per step)."""
-        fn = getattr(device.device_length_ops if self.lens_on_device else device.ops, self.kernel)
+        fn = getattr(device.ops if self.sink is None else device.device_length_ops, self.kernel)
         return getattr(fn, self.overload) if self.overload else fn
 
     def launch(self, device: Any, kwargs: dict[str, Any]) -> None:
@@ -179,19 +189,20 @@ class OpSpec:
         self.kernel_fn(device)(**kwargs)
 
     def issue_metadata(self, device: Any, group: LensGroup) -> None:
-        """Issue the metadata op of a ``lens_on_device`` kernel on the current stream: the plan
-        for the lengths in ``group`` (outside any graph: a captured one is not re-run)."""
-        fn = getattr(device.device_length_ops, self.metadata_kernel or "")
+        """Issue the metadata op of a tiling-sink kernel on the current stream: the plan for
+        the lengths in ``group`` (outside any graph: a captured one is not re-run)."""
+        if self.sink is None:
+            raise TypeError(f"{self.name} reads its lengths from the host: it has no metadata op")
+        fn = getattr(device.device_length_ops, self.sink.metadata_kernel)
         fn(group.qlen, group.kvlen, meta_data=group.meta, **group.plan_args)
 
     def run_eager(self, device: Any, call: AttentionCall, lens: StepLens) -> None:
         """Run the kernel outside a graph on ``lens`` (a tiling-sink kernel gets its lengths
         in fresh device memory, copied from page-locked memory, and its plan first)."""
-        if not self.lens_on_device:
+        if self.sink is None:
             self.launch(device, self.arguments(call, lens, None))
             return
-        assert self.plan_args is not None  # a lens_on_device declaration names its plan arguments
-        group = LensGroup.make(call.query.device, len(lens.kv_lens), self.plan_args(call), "eager")
+        group = LensGroup.make(call.query.device, len(lens.kv_lens), self.sink.plan_args(call), "eager")
         host = device.staged(torch.tensor([list(lens.q_ends), list(lens.kv_lens)], dtype=torch.int32, device="cpu"))
         group.lens.copy_(host, non_blocking=True)
         self.issue_metadata(device, group)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from npugraph.metadata import StepLens
-from npugraph.ops.base import AttentionCall, LensGroup, OpSpec
+from npugraph.ops.base import AttentionCall, DeviceLengths, LensGroup, OpSpec
 from npugraph.ops.fia import causal_mask, fia_arguments, fia_runs_one_query_token
 
 __all__ = ["FIA_SINK"]
@@ -87,7 +87,5 @@ FIA_SINK = OpSpec(
     unsupported=_unsupported,
     prepare=causal_mask,
     runs_one_query_token=fia_runs_one_query_token,
-    lens_on_device=True,
-    metadata_kernel="_npu_fused_infer_attention_score_v2_sink_metadata",
-    plan_args=_plan_args,
+    sink=DeviceLengths(metadata_kernel="_npu_fused_infer_attention_score_v2_sink_metadata", plan_args=_plan_args),
 )

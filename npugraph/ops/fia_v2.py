@@ -10,11 +10,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import attrs
 import torch
 
 from npugraph.metadata import StepLens
-from npugraph.ops.base import AttentionCall, OpSpec
-from npugraph.ops.fia import causal_mask, fia_arguments, fia_runs_one_query_token, fia_workspace_bytes
+from npugraph.ops.base import AttentionCall
+from npugraph.ops.fia import FIA, fia_arguments, fia_workspace_bytes
 
 __all__ = ["FIA_V2"]
 
@@ -41,19 +42,18 @@ def _unsupported(call: AttentionCall) -> str | None:
     return None
 
 
-FIA_V2 = OpSpec(
+# FIA's declaration under v2's names: the same refreshed table, cache, mask and one-token rule;
+# its own kernel, host arguments and workspace helper, and no 4-in-1 update
+FIA_V2 = attrs.evolve(
+    FIA,
     name="fia_v2",
     kernel="npu_fused_infer_attention_score_v2",
-    overload="out",
     host_args=("actual_seq_qlen", "actual_seq_kvlen"),
-    refreshed_buffers=("block_table",),
-    cache_arg="key",
     arguments=_arguments,
     host_values=_host_values,
     workspace_bytes=functools.partial(
         fia_workspace_bytes, "_npu_fused_infer_attention_score_v2_get_max_workspace", "actual_seq_kvlen"
     ),
     unsupported=_unsupported,
-    prepare=causal_mask,
-    runs_one_query_token=fia_runs_one_query_token,
+    fused_update=False,
 )

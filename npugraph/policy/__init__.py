@@ -6,7 +6,7 @@ once per attention shape of a graph at capture:
 * :class:`StaticPolicy` (the default) — PA for padded sizes in ``pa_sizes``
   (default ``{1, 2, 3, 4}``, vllm-ascend's ``pa_shape_list``), FIA otherwise;
 * :class:`MeasuredPolicy` — the faster kernel per size, as timed by
-  :func:`npugraph.measure.measure_policy` and saved to / loaded from a JSON file so that
+  :func:`npugraph.tools.measure.measure_policy` and saved to / loaded from a JSON file so that
   every rank (and the next start) makes the same choice without measuring.
 
 Both pick FIA whenever PA cannot run the graph: more than one query token per

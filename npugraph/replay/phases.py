@@ -1,7 +1,7 @@
 """The step table's state: where each captured graph is in its step protocol.
 
 A captured graph's per-step state is one :class:`GraphState`, whose :class:`StepPhase` says
-which call may come next (the table is :class:`~npugraph.replay.updater.ReplayUpdater`'s);
+which call may come next (the table is :class:`StepPhase`'s);
 what capture recorded stays frozen in :class:`~npugraph.capture.CapturedGraph`.
 """
 
@@ -24,7 +24,35 @@ ORDERS = ("replay-first", "update-first")
 
 
 class StepPhase(enum.Enum):
-    """Where a captured graph is in its step protocol (see :class:`ReplayUpdater`)."""
+    """Where a captured graph is in its step protocol (:class:`~npugraph.replay.ReplayUpdater`'s).
+
+    The phases, and the call that moves a graph from each (``order`` decides the two calls
+    a step makes):
+
+    =================  =======================  ==================================
+    phase              call                     next phase
+    =================  =======================  ==================================
+    IDLE               update                   UPDATED
+    IDLE               replay (replay-first)    REPLAY_QUEUED
+    IDLE               replay (update-first)    refused: update first
+    UPDATED            replay (update-first)    IDLE (the replay runs the update)
+    UPDATED            replay (replay-first)    REPLAY_QUEUED (the stale update's
+                                                events are consumed first)
+    UPDATED            update                   UPDATED (the earlier update's
+                                                events are consumed first)
+    UPDATED            another graph's update   BROKEN (it rewrote a block-table
+                       into a shared buffer     buffer this update's lengths read)
+    REPLAY_QUEUED      update (replay-first)    IDLE (the waiting replay runs it)
+    REPLAY_QUEUED      update (update-first)    UPDATED (the waiting replay of an
+                                                earlier step is released first)
+    REPLAY_QUEUED      replay                   REPLAY_QUEUED (the waiting one is
+                                                released first)
+    BROKEN             update                   UPDATED (stale events consumed,
+                                                every task re-issued)
+    BROKEN             replay (replay-first)    REPLAY_QUEUED (likewise)
+    BROKEN             replay (update-first)    refused: update first
+    =================  =======================  ==================================
+    """
 
     IDLE = "idle"  # no update pending, no replay waiting
     UPDATED = "updated"  # an update landed; the next replay runs it

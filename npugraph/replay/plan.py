@@ -28,6 +28,13 @@ class Geometry:
     table_cols: int  # columns of its captured block-table buffer
     batch: int  # request rows of the graph (its table's rows)
     tokens: int  # query tokens of the graph
+    # query tokens per request where the step's metadata gives no query_start_loc (1: decode;
+    # more: speculative verification), the graph's tokens over its rows
+    tokens_per_request: int = attrs.field(init=False)
+
+    @tokens_per_request.default
+    def _tokens_per_request(self) -> int:
+        return max(1, self.tokens // max(1, self.batch))
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -18,13 +18,13 @@ import attrs
 import torch
 
 from npugraph.capture import CapturedGraph, CaptureManager
-from npugraph.errors import MetadataError
+from npugraph.errors import BatchRefused, MetadataError
 from npugraph.metadata import AttentionMetadata, StepLens, convert
-from npugraph.replay.blockcheck import DeferredCheck
+from npugraph.replay.blockcheck import DeferredBlockChecks, DeferredCheck
 from npugraph.replay.phases import GraphState, StepMetadata
-from npugraph.replay.plan import UpdatePlan
+from npugraph.replay.plan import Geometry, TaskPlan, UpdatePlan
 
-__all__ = ["PreparedStep", "StepPreparer", "resolve", "same_table"]
+__all__ = ["PreparedStep", "StepPreparer", "resolve", "same_table", "stage"]
 
 
 @attrs.frozen(kw_only=True)
@@ -119,40 +119,62 @@ class StepPreparer:
         """Validate and pad the metadata of task ``i`` (and of every task sharing it)."""
         t = plan.tasks[i]
         geometry = t.geometry
-        bs, nblocks, batch, tokens = geometry.block_size, geometry.num_blocks, geometry.batch, geometry.tokens
-        where = t.where
         defer = self.validate and self.resident(meta)
-        lens = convert(
-            meta,
-            batch=batch,
-            tokens=tokens,
-            max_model_len=self.manager.max_model_len,
-            block_size=bs,
-            num_blocks=nblocks,
-            capacity_blocks=geometry.table_cols,
-            table_device=self.device.memory,
-            where=where,
-            validate=self.validate,
-            check_block_ids=not defer,
-            tokens_per_request=max(1, tokens // max(1, batch)),
-            one_query_token=t.one_query_token,
-        )
+        lens = self.task_lens(t, meta, validate=self.validate, check_block_ids=not defer)
         if defer and lens.num_reqs:
             deferred.append(
                 DeferredCheck(
                     table=meta.block_table,
                     kv=lens.kv_lens[: lens.num_reqs],
-                    block_size=bs,
-                    num_blocks=nblocks,
+                    block_size=geometry.block_size,
+                    num_blocks=geometry.num_blocks,
                     columns=geometry.table_cols,
                     step=state.steps + 1,
-                    where=where,
+                    where=t.where,
                 )
             )
         prev = state.lens_of[i]
         if prev is not None and prev.kv_lens == lens.kv_lens and prev.q_ends == lens.q_ends:
             return prev  # unchanged: identity lets tasks skip the re-issue
         return lens
+
+    def task_lens(self, t: TaskPlan, meta: Any, *, validate: bool, check_block_ids: bool) -> StepLens:
+        """``meta`` checked against task ``t``'s graph and padded to it (:func:`convert`: the one
+        place the padding rule is applied to a step, so a refusal is a :class:`BatchRefused`)."""
+        geometry = t.geometry
+        return convert(
+            meta,
+            batch=geometry.batch,
+            tokens=geometry.tokens,
+            max_model_len=self.manager.max_model_len,
+            block_size=geometry.block_size,
+            num_blocks=geometry.num_blocks,
+            capacity_blocks=geometry.table_cols,
+            table_device=self.device.memory,
+            where=t.where,
+            validate=validate,
+            check_block_ids=check_block_ids,
+            tokens_per_request=geometry.tokens_per_request,
+            one_query_token=t.one_query_token,
+        )
+
+    def refusal(self, entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> str | None:
+        """Why the graph cannot run the batch ``metadata`` holds (the step's own
+        :class:`~npugraph.errors.BatchRefused`), or ``None`` (malformed metadata too: the step
+        refuses it with its reason); no state is touched."""
+        if not plan.tasks:
+            return None
+        try:
+            seen: set[tuple[int, Geometry, bool]] = set()
+            for t, meta in zip(plan.tasks, resolve(entry, plan, metadata)):
+                if (id(meta), t.geometry, t.one_query_token) not in seen:
+                    seen.add((id(meta), t.geometry, t.one_query_token))
+                    self.task_lens(t, meta, validate=False, check_block_ids=False)
+        except BatchRefused as refused:
+            return str(refused)
+        except MetadataError:
+            return None
+        return None
 
     def resident(self, meta: Any) -> bool:
         """Whether ``meta``'s block table is device memory, which the host must not read
@@ -241,3 +263,16 @@ def resolve(entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> l
             "pass metadata for every captured layer"
         )
     return metas  # type: ignore[return-value]
+
+
+def stage(device: Any, checks: DeferredBlockChecks, step: PreparedStep) -> None:
+    """Queue the step's block-id checks and block-table copies on the current stream (each
+    table copied into its captured buffer once, from page-locked memory where it is the host's)."""
+    for check in step.deferred:
+        checks.flag(check)
+    for buf, meta in step.copies:
+        src = meta.block_table
+        if buf.data_ptr() != src.data_ptr():
+            rows = min(int(src.shape[0]), int(buf.shape[0]))
+            cols = min(int(src.shape[1]), int(buf.shape[1]))
+            buf[:rows, :cols].copy_(device.staged(src[:rows, :cols]), non_blocking=True)

@@ -13,31 +13,37 @@ docs/step-protocol.md); device errors name their graph and layer (:mod:`.diagnos
 from __future__ import annotations
 
 import time
-import warnings
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import attrs
 
 from npugraph.capture import CapturedGraph, CaptureManager
 from npugraph.errors import (
+    BatchRefused,
     ConfigError,
     GraphDeadlock,
     GraphRace,
     MetadataError,
-    NotReplayableError,
     NpuGraphError,
     ReplayFailed,
-    StepOrderWarning,
-    UpdateFailed,
 )
-from npugraph.metadata import batch_refusal, real_batch
 from npugraph.replay.blockcheck import DeferredBlockChecks
-from npugraph.replay.diagnose import caller_level, describe_device_error, failed_task
+from npugraph.replay.diagnose import (
+    describe_device_error,
+    faulted_replays,
+    not_replayable,
+    release_stuck,
+    replay_error,
+    replay_fault_message,
+    unissued_update,
+    update_error,
+)
+from npugraph.replay.misorder import ABANDONED_REPLAY, DISCARDED_UPDATE, SECOND_REPLAY, Misorders
 from npugraph.replay.phases import ORDERS, GraphState, StepMetadata, StepPhase
-from npugraph.replay.plan import Geometry, UpdatePlan, build_plan
-from npugraph.replay.prepare import PreparedStep, StepPreparer, resolve
+from npugraph.replay.plan import UpdatePlan, build_plan
+from npugraph.replay.prepare import PreparedStep, StepPreparer, stage
 from npugraph.replay.tasks import TaskFailed, issue_tasks, null_tasks
 
 __all__ = ["ORDERS", "ReplayUpdater", "StepMetadata", "StepPhase", "GraphState", "describe_device_error"]
@@ -60,31 +66,8 @@ class ReplayUpdater:
        recording each task's ``ExternalEvent``;
     3. :meth:`synchronize` before reading outputs on the host.
 
-    The phases of a graph (``order`` decides the two calls a step makes):
-
-    =================  =======================  ==================================
-    phase              call                     next phase
-    =================  =======================  ==================================
-    IDLE               update                   UPDATED
-    IDLE               replay (replay-first)    REPLAY_QUEUED
-    IDLE               replay (update-first)    refused: update first
-    UPDATED            replay (update-first)    IDLE (the replay runs the update)
-    UPDATED            replay (replay-first)    REPLAY_QUEUED (the stale update's
-                                                events are consumed first)
-    UPDATED            update                   UPDATED (the earlier update's
-                                                events are consumed first)
-    UPDATED            another graph's update   BROKEN (it rewrote a block-table
-                       into a shared buffer     buffer this update's lengths read)
-    REPLAY_QUEUED      update (replay-first)    IDLE (the waiting replay runs it)
-    REPLAY_QUEUED      update (update-first)    UPDATED (the waiting replay of an
-                                                earlier step is released first)
-    REPLAY_QUEUED      replay                   REPLAY_QUEUED (the waiting one is
-                                                released first)
-    BROKEN             update                   UPDATED (stale events consumed,
-                                                every task re-issued)
-    BROKEN             replay (replay-first)    REPLAY_QUEUED (likewise)
-    BROKEN             replay (update-first)    refused: update first
-    =================  =======================  ==================================
+    The phases of a graph, and the call that moves each to the next, are
+    :class:`~npugraph.replay.phases.StepPhase`'s table.
 
     A *released* replay runs with no request (every key length 0: it reads no block
     and its attention writes zeros), so nothing waits forever.  Errors: bad metadata
@@ -142,7 +125,7 @@ class ReplayUpdater:
         self._on_error = on_error
         self._on_update = on_update
         # misordered halves found by the current call, warned of when it returns
-        self._order_notes: list[tuple[CapturedGraph, str, str]] = []
+        self._misorders = Misorders()
 
     @property
     def order(self) -> str:
@@ -221,16 +204,20 @@ class ReplayUpdater:
         """
         return self.step_entry(self.manager.entry(namespace, key), metadata)
 
-    def step_entry(self, entry: CapturedGraph, metadata: StepMetadata) -> Any:
-        """:meth:`step` of a graph its caller has looked up already (``Runtime.step``)."""
-        self._order_notes.clear()
+    def step_entry(self, entry: CapturedGraph, metadata: StepMetadata, *, refusable: bool = False) -> Any:
+        """:meth:`step` of a graph its caller has looked up already (``Runtime.step``).
+
+        ``refusable``: the caller runs a batch the graph's padding rule refuses some other
+        way (eagerly), so :class:`~npugraph.errors.BatchRefused` is raised to it, before any
+        device call, as an answer rather than a fault (not reported to the post-mortem)."""
+        self._misorders.notes.clear()
         found = self._lookup(entry)
         plan, state = found.plan, found.state
         if not plan.tasks:  # nothing to update (a PIECEWISE piece)
             self._replay(entry, plan, state)
-            self._warn_noted_misorders()
+            self._misorders.warn(self.order)
             return entry.outputs
-        prepared = self._prepare_checked(entry, plan, state, metadata)
+        prepared = self._prepare_checked(entry, plan, state, metadata, refusable=refusable)
         self._stage_checked(entry, plan, state, prepared)
         if self.order == "update-first":
             self._write(entry, plan, state, prepared, staged=True)
@@ -238,7 +225,7 @@ class ReplayUpdater:
         else:
             self._replay(entry, plan, state)
             self._write(entry, plan, state, prepared, staged=True)
-        self._warn_noted_misorders()
+        self._misorders.warn(self.order)
         return entry.outputs
 
     def update(self, namespace: str, key: Hashable, metadata: StepMetadata) -> None:
@@ -250,7 +237,7 @@ class ReplayUpdater:
         by its group; never by iteration order.  Bad metadata raises
         :class:`~npugraph.errors.MetadataError` before any device call.
         """
-        self._order_notes.clear()
+        self._misorders.notes.clear()
         entry, plan, state = self._graph(namespace, key)
         if plan.tasks:
             prepared = self._prepare_checked(entry, plan, state, metadata)
@@ -260,7 +247,7 @@ class ReplayUpdater:
             if staged:
                 self._stage_checked(entry, plan, state, prepared)
             self._write(entry, plan, state, prepared, staged=staged)
-        self._warn_noted_misorders()
+        self._misorders.warn(self.order)
 
     def replay(self, namespace: str, key: Hashable) -> None:
         """Enqueue the graph of ``(namespace, key)`` on the current stream: half a step.
@@ -268,46 +255,29 @@ class ReplayUpdater:
         After :meth:`update` it runs that update's lengths; in replay-first order it
         waits on the device for the update that follows.
         """
-        self._order_notes.clear()
+        self._misorders.notes.clear()
         entry, plan, state = self._graph(namespace, key)
         self._replay(entry, plan, state, ready=True)
-        self._warn_noted_misorders()
+        self._misorders.warn(self.order)
 
     def refusal(self, namespace: str, key: Hashable, metadata: StepMetadata) -> str | None:
-        """Why the graph of ``(namespace, key)`` cannot run the batch ``metadata`` holds
-        (:func:`~npugraph.metadata.batch_refusal`: too many requests or tokens, spare tokens with
-        no padding row, or several query tokens per request for PA), or ``None``: what an
-        engine asks before it replays rather than runs a batch eagerly.  Nothing else is
-        checked: malformed metadata gives ``None``, and :meth:`step` refuses it with the
-        reason.  Plain decode metadata (no ``query_start_loc``) on a graph of one token per
-        row always fits, and is not read."""
+        """Why the graph of ``(namespace, key)`` cannot run the batch ``metadata`` holds (the
+        step's own :class:`~npugraph.errors.BatchRefused`, by the padding rule), or ``None``:
+        a question asked without stepping.  An engine that runs a refused batch eagerly
+        steps with ``refusable=True`` instead, which resolves the metadata once.  Nothing
+        else is checked: malformed metadata gives ``None``, and :meth:`step` refuses it with
+        the reason."""
         entry, plan, _ = self._graph(namespace, key)
-        if not plan.tasks:
-            return None
-        try:
-            metas = resolve(entry, plan, metadata)
-        except MetadataError:
-            return None
-        seen: set[tuple[int, Geometry, bool]] = set()
-        for t, meta in zip(plan.tasks, metas):
-            geometry, one_token = t.geometry, t.one_query_token
-            if (id(meta), geometry, one_token) in seen:
-                continue
-            seen.add((id(meta), geometry, one_token))
-            if geometry.batch >= geometry.tokens and getattr(meta, "query_start_loc", None) is None:
-                continue  # one token per request, as many rows as tokens: it always fits
-            found = real_batch(meta, max(1, geometry.tokens // max(1, geometry.batch)))
-            refused = (
-                None
-                if found is None
-                else batch_refusal(geometry.batch, geometry.tokens, *found, one_query_token=one_token)
-            )
-            if refused is not None:
-                return f"{t.where}: {refused}"
-        return None
+        return self._preparer.refusal(entry, plan, metadata)
 
     def _prepare_checked(
-        self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, metadata: StepMetadata
+        self,
+        entry: CapturedGraph,
+        plan: UpdatePlan,
+        state: GraphState,
+        metadata: StepMetadata,
+        *,
+        refusable: bool = False,
     ) -> PreparedStep:
         try:
             return self._preparer.prepare(entry, plan, state, metadata)
@@ -315,7 +285,8 @@ class ReplayUpdater:
             if state.phase is StepPhase.REPLAY_QUEUED and self.order == "replay-first":
                 # this step's replay is already queued: let it run empty rather than wait forever
                 self._release(plan, state)
-            self._report(bad, entry)
+            if not (refusable and isinstance(bad, BatchRefused)):
+                self._report(bad, entry)
             raise
 
     def _write(
@@ -324,7 +295,7 @@ class ReplayUpdater:
         """Issue a prepared update and move the graph to its next phase (``staged``: its
         block tables were checked and copied already, on the engine's stream)."""
         t0, d0 = time.perf_counter(), self.device.device_seconds()
-        misordered = _DISCARDED_UPDATE if state.phase is StepPhase.UPDATED else None
+        misordered = DISCARDED_UPDATE if state.phase is StepPhase.UPDATED else None
         self._release_other(entry)
         if state.phase is StepPhase.REPLAY_QUEUED and self.order == "update-first":
             self._release(plan, state)  # a replay of an earlier step: it must not take this update
@@ -336,7 +307,7 @@ class ReplayUpdater:
         try:
             reissued = self._issue(entry, plan, state, step, staged=staged)
         except TaskFailed as failed:
-            err = self._update_error(entry, plan, failed)
+            err = update_error(self.manager, entry, plan, failed)
             if waiting:
                 self._release(plan, state, keep=step.host)
             else:
@@ -355,10 +326,10 @@ class ReplayUpdater:
         if self._on_update is not None:
             self._on_update(entry, state)
         if misordered is not None:
-            self._note_misorder(entry, state, misordered, "update")
+            self._misorders.note(entry, state, misordered, "update")
 
     def _replay(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, *, ready: bool = False) -> None:
-        """Enqueue a replay and move the graph to its next phase (see the class table);
+        """Enqueue a replay and move the graph to its next phase (the table in :class:`StepPhase`);
         ``ready``: a replay that waits for its update records ``state.ready`` first."""
         t0, d0 = time.perf_counter(), self.device.device_seconds()
         try:
@@ -368,31 +339,22 @@ class ReplayUpdater:
             state.last_replay_s = time.perf_counter() - t0 - busy
 
     def _enqueue(self, entry: CapturedGraph, plan: UpdatePlan, state: GraphState, ready: bool) -> None:
-        where = f"{entry.namespace}/{entry.key!r}"
         self._release_other(entry)
         if not plan.tasks:  # nothing to update: no events to wait for
             self._launch(entry, state, waits=False)
             return
         misordered = None
         if state.phase is StepPhase.REPLAY_QUEUED:
-            misordered = _SECOND_REPLAY
+            misordered = SECOND_REPLAY
             self._release(plan, state)  # abandoned by the caller: let it run empty
         update_first = self.order == "update-first"
         if state.phase is StepPhase.UPDATED and not update_first:
-            misordered = _DISCARDED_UPDATE
+            misordered = DISCARDED_UPDATE
         if state.phase is StepPhase.UPDATED and update_first:
             self._launch(entry, state, waits=False)
             return
         if update_first:
-            why = (
-                "its last update or replay failed part-way, so its layers may hold several steps' lengths"
-                if state.phase is StepPhase.BROKEN
-                else "it has no update since its last replay"
-            )
-            err = NotReplayableError(
-                f"{where} is not replayable: {why}. In update-first order call update() with complete, "
-                "valid metadata before each replay() (or use step())."
-            )
+            err = not_replayable(entry, broken=state.phase is StepPhase.BROKEN)
             self._report(err, entry)
             raise err
         if state.phase is not StepPhase.IDLE:
@@ -403,7 +365,7 @@ class ReplayUpdater:
             state.ready.record()  # on the engine's stream, after the tables it wrote for this step
         self._launch(entry, state, waits=True)
         if misordered is not None:
-            self._note_misorder(entry, state, misordered, "replay")
+            self._misorders.note(entry, state, misordered, "replay")
 
     def _launch(self, entry: CapturedGraph, state: GraphState, *, waits: bool) -> None:
         """Enqueue the graph; ``waits``: it waits on the device for the update that follows."""
@@ -411,13 +373,7 @@ class ReplayUpdater:
             entry.graph.replay()
         except Exception as exc:
             state.phase = StepPhase.BROKEN
-            if isinstance(exc, self.device.race_errors):
-                err: NpuGraphError = GraphRace(describe_device_error(self.manager, exc, entry))
-            else:
-                err = ReplayFailed(
-                    f"replay of {entry.namespace}/{entry.key!r} failed: {type(exc).__name__}: "
-                    f"{str(exc).rstrip('.')}. The next complete step replays it again."
-                )
+            err = replay_error(self.manager, entry, exc)
             self._report(err, entry)
             raise err from exc
         state.replays += 1
@@ -461,42 +417,7 @@ class ReplayUpdater:
         if other is not None and other is not entry:
             state = self.state(other)
             self._release(self.plan(other), state)
-            self._note_misorder(other, state, _ABANDONED_REPLAY, f"call on {entry.namespace}/{entry.key!r}")
-
-    def _note_misorder(self, entry: CapturedGraph, state: GraphState, kind: str, call: str) -> None:
-        """Note, once per graph and kind, that a half step discarded work nobody ran; the
-        public call that found it warns at the caller's line when it returns."""
-        if kind in state.warned:
-            return
-        state.warned.add(kind)
-        self._order_notes.append((entry, kind, call))
-
-    def _warn_noted_misorders(self) -> None:
-        """Warn of the misordered halves this call found, once it has done all it does (a
-        warning turned into an error then interrupts nothing)."""
-        notes, self._order_notes = self._order_notes, []
-        for entry, kind, call in notes:
-            self._warn_misorder(entry, kind, call)
-
-    def _warn_misorder(self, entry: CapturedGraph, kind: str, call: str) -> None:
-        what = {
-            _DISCARDED_UPDATE: "discarded the update made before it, which no replay ran",
-            _SECOND_REPLAY: "came while its previous replay still waited for an update; that replay was "
-            "released and ran with no request (zeros)",
-            _ABANDONED_REPLAY: "released this graph's replay, which waited for an update that never came; "
-            "it ran with no request (zeros)",
-        }[kind]
-        order = (
-            "replay() then update() (the replay waits on the device for its update)"
-            if self.order == "replay-first"
-            else "update() then replay()"
-        )
-        warnings.warn(
-            f"{entry.namespace}/{entry.key!r}: this {call} {what}. In {self.order} order a step is {order}; "
-            "call the two halves in that order for one graph at a time, or use step(). (Said once per graph.)",
-            StepOrderWarning,
-            stacklevel=caller_level(),
-        )
+            self._misorders.note(other, state, ABANDONED_REPLAY, f"call on {entry.namespace}/{entry.key!r}")
 
     def _release(self, plan: UpdatePlan, state: GraphState, keep: list[dict[str, Any]] | None = None) -> None:
         """Let the replay that waits for this graph's update run with no request (zeros).
@@ -530,45 +451,6 @@ class ReplayUpdater:
         if state.phase is StepPhase.BROKEN:
             state.applied[:] = [None] * len(state.applied)
         state.phase = StepPhase.IDLE
-
-    def _entries_by_graph(self) -> dict[int, CapturedGraph]:
-        """npugraph's captured graphs by the id of their device graph (what a device error names)."""
-        return {id(e.graph): e for e in self.manager.entries()}
-
-    def _release_stuck(self, hang: BaseException) -> bool:
-        """After a hang the device reported (an event record that never landed: a device
-        fault, as npugraph records every event it waits on), record each ExternalEvent one
-        of npugraph's replays is stuck on, so that the device drains; the graph is BROKEN
-        until its next complete step.  Whether the device then drained."""
-        by_graph = self._entries_by_graph()
-        stuck = []
-        for blocked in getattr(hang, "blocked", ()):
-            entry = by_graph.get(id(blocked.get("graph")))
-            event = blocked.get("event")
-            if entry is not None and any(t.event is event for t in entry.tasks):
-                stuck.append((entry, event))
-        if not stuck:
-            return False
-        # on a stream of their own: the update stream may itself wait behind the stuck replay
-        # (the next step's update is ordered after it); made only here, after a device fault
-        side = self.device.npu.Stream()
-        with self.device.npu.stream(side):
-            for entry, event in stuck:
-                event.record(side)
-                self.state(entry).phase = StepPhase.BROKEN
-        try:
-            self.device.npu.synchronize()
-        except Exception:  # still stuck elsewhere: the error already says where
-            return False
-        return True
-
-    def replay_faulted(self, entry: CapturedGraph, waits_skipped: Sequence[Any]) -> None:
-        """A replay of ``entry`` was cancelled by a device fault: the events whose waits
-        it skipped stay recorded; the graph is BROKEN until its next complete step."""
-        state = self.state(entry)
-        skipped = {id(e) for e in waits_skipped}
-        state.pending[:] = [t.records and id(t.event) in skipped for t in entry.tasks]
-        state.phase = StepPhase.BROKEN
 
     def waiting(self) -> list[CapturedGraph]:
         """The graph whose replay waits for an update, if any (a synchronize would hang)."""
@@ -617,7 +499,7 @@ class ReplayUpdater:
             if state.phase is StepPhase.REPLAY_QUEUED:
                 self._release(plan, state)  # a replay abandoned earlier: let it run empty rather than wait
             state.phase = StepPhase.BROKEN  # a buffer may hold part of this step's table
-            err = self._update_error(entry, plan, failed)
+            err = update_error(self.manager, entry, plan, failed)
             self._report(err, entry)
             raise err from failed.error
 
@@ -626,27 +508,9 @@ class ReplayUpdater:
         if step.copies and self._updated:
             self._invalidate_sharers(entry, plan)
         try:
-            for check in step.deferred:
-                self._block_checks.flag(check)
-            for buf, meta in step.copies:
-                src = meta.block_table
-                if buf.data_ptr() != src.data_ptr():
-                    rows = min(int(src.shape[0]), int(buf.shape[0]))
-                    cols = min(int(src.shape[1]), int(buf.shape[1]))
-                    buf[:rows, :cols].copy_(self.device.staged(src[:rows, :cols]), non_blocking=True)
+            stage(self.device, self._block_checks, step)
         except Exception as exc:
             raise TaskFailed(-1, exc) from exc
-
-    def _update_error(self, entry: CapturedGraph, plan: UpdatePlan, failed: TaskFailed) -> NpuGraphError:
-        cause, i = failed.error, failed.index
-        where = "checking or copying block tables" if i < 0 else f"layer {plan.tasks[i].layer!r} (task {i})"
-        name = f"{entry.namespace}/{entry.key!r}"
-        if isinstance(cause, self.device.race_errors):
-            return GraphRace(f"update of {name} at {where}: " + describe_device_error(self.manager, cause, entry))
-        return UpdateFailed(
-            f"update of {name} failed at {where}: {type(cause).__name__}: {str(cause).rstrip('.')}. "
-            "The next complete update re-issues every layer."
-        )
 
     # --- synchronize -----------------------------------------------------------------
     def synchronize(self) -> None:
@@ -667,33 +531,24 @@ class ReplayUpdater:
         try:
             dev.npu.synchronize()
         except dev.fault_errors as exc:
-            by_graph = self._entries_by_graph()
-            for fault in (exc, *getattr(exc, "others", ())):
-                faulted = by_graph.get(id(getattr(fault, "graph", None)))
-                if faulted is not None:
-                    self.replay_faulted(faulted, getattr(fault, "waits_skipped", ()))
-            entry = by_graph.get(id(getattr(exc, "graph", None)))
-            failed = failed_task(self.manager, exc, entry) if entry is not None else None
-            after = " The rest of that replay was cancelled; the graph's next complete step runs it again."
-            if entry is not None:
-                where = f"replay of {entry.namespace}/{entry.key!r} failed" + (
-                    "" if failed is None else f" in layer {failed.layer!r} (task {failed.index}, {failed.spec.name})"
-                )
-            elif getattr(exc, "graph", None) is not None:
-                where = "a replay of a graph npugraph did not capture failed"
-            else:  # no replay: the engine's own eager work on a stream
-                where, after = "device work outside npugraph's graphs (an eager op or kernel on a stream) failed", ""
-            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            for faulted, skipped in faulted_replays(self.manager, exc):
+                # the events whose waits its cancelled rest skipped stay recorded; BROKEN until
+                # the graph's next complete step
+                st, ids = self.state(faulted), {id(e) for e in skipped}
+                st.pending[:] = [t.records and id(t.event) in ids for t in faulted.tasks]
+                st.phase = StepPhase.BROKEN
+            message, entry = replay_fault_message(self.manager, exc)
             flagged = self._block_checks.take_flagged()
             also = f" A device-side block-id check also failed: {flagged}." if flagged else ""
-            err: NpuGraphError = ReplayFailed(
-                f"{where}: {type(cause).__name__}: {str(cause).rstrip('.')}.{after}{also}"
-            )
+            err: NpuGraphError = ReplayFailed(message + also)
             self._report(err, entry)
             raise err from exc
         except dev.deadlock_errors as exc:
             err = GraphDeadlock(describe_device_error(self.manager, exc))
-            if self._release_stuck(exc):
+            stuck, drained = release_stuck(self.manager, exc)
+            for entry in stuck:
+                self.state(entry).phase = StepPhase.BROKEN
+            if drained:
                 err = GraphDeadlock(
                     f"{str(err).rstrip()}\nnpugraph recorded the events its replays waited on (their step's "
                     "output is lost), so the device drained; those graphs' next steps update every layer."
@@ -705,16 +560,7 @@ class ReplayUpdater:
             self._report(err, None)
             raise err from exc
         if released:
-            names = ", ".join(f"{e.namespace}/{e.key!r} (first layer {e.tasks[0].layer!r})" for e in released)
-            flagged = self._block_checks.take_flagged()
-            err = GraphDeadlock(
-                f"the replay of {names} waited on the device for its update, which was never issued: "
-                "synchronize would have blocked forever (on hardware: event-wait timeout 507011 after "
-                f"~30 min). It was released and ran with no request (its outputs are zeros). In {self.order} "
-                "order a replay that no update preceded waits for the update after it: call update() after "
-                "replay(), or use step(), which orders both."
-                + (f" A device-side block-id check also failed: {flagged}." if flagged else "")
-            )
+            err = GraphDeadlock(unissued_update(released, self.order, self._block_checks.take_flagged()))
             self._report(err, None)
             raise err
         self.check_deferred()
@@ -749,9 +595,3 @@ class _Registered:
 
     plan: UpdatePlan
     state: GraphState
-
-
-# the kinds of misordered half steps StepOrderWarning names
-_DISCARDED_UPDATE = "discarded update"
-_SECOND_REPLAY = "second replay"
-_ABANDONED_REPLAY = "abandoned replay"

@@ -1,6 +1,7 @@
 """vLLM's attention metadata read as npugraph's: :func:`to_attention_metadata` (one
-backend's object, by the contract in :mod:`npugraph.integrations.vllm`) and
-:func:`step_metadata` (``forward_context.attn_metadata``, per layer, per micro-batch)."""
+backend's object, by the contract in :mod:`npugraph.integrations.vllm`; vllm-ascend's
+``AscendMetadata`` by :func:`metadata_from_ascend`, which its backends' recorders use too)
+and :func:`step_metadata` (``forward_context.attn_metadata``, per layer, per micro-batch)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ from typing import Any
 import torch
 
 from npugraph.errors import MetadataError
-from npugraph.integrations import vllm_ascend
 from npugraph.metadata import AttentionMetadata
 from npugraph.replay import StepMetadata
 
-__all__ = ["step_metadata", "to_attention_metadata"]
+__all__ = ["metadata_from_ascend", "step_metadata", "to_attention_metadata"]
 
 
 def to_attention_metadata(obj: Any) -> AttentionMetadata:
@@ -28,7 +28,7 @@ def to_attention_metadata(obj: Any) -> AttentionMetadata:
         return obj
     ascend = getattr(obj, "actual_seq_lengths_q", None) is not None or isinstance(getattr(obj, "seq_lens", None), list)
     if ascend and getattr(obj, "decode", None) is None:
-        return vllm_ascend.metadata_from_ascend(obj)  # vllm-ascend's AscendMetadata: host lengths and query ends
+        return metadata_from_ascend(obj)  # vllm-ascend's AscendMetadata: host lengths and query ends
     decode = getattr(obj, "decode", None)
     if decode is not None and getattr(decode, "seq_lens_list", None) is not None:
         meta = to_attention_metadata(decode)
@@ -88,3 +88,39 @@ def step_metadata(attn_metadata: Any) -> StepMetadata:
     if isinstance(attn_metadata, list):
         return [one(d) for d in attn_metadata]
     return one(attn_metadata)
+
+
+def metadata_from_ascend(meta: Any) -> AttentionMetadata:
+    """npugraph's metadata from vllm-ascend's ``AscendMetadata`` (capture and step alike).
+
+    Host lengths from ``seq_lens_list`` (Aug 2026), or ``seq_lens`` as a host list (the V2
+    runner's) or CPU tensor; query ends from the host list ``actual_seq_lengths_q`` (Aug:
+    ``query_start_loc`` is device-resident there) or the V2 runner's host list
+    ``query_start_loc`` (cumulative ends, or starts with a leading 0).
+    """
+    seq = getattr(meta, "seq_lens_list", None)
+    if seq is None:
+        lens = getattr(meta, "seq_lens", None)
+        if isinstance(lens, (list, tuple)):
+            seq = list(lens)
+        elif isinstance(lens, torch.Tensor) and lens.device.type == "cpu":
+            seq = lens.tolist()
+        else:
+            raise MetadataError(f"{type(meta).__name__} has no seq_lens_list / seq_lens on the host")
+    table = getattr(meta, "block_tables", None)
+    if table is None:
+        table = getattr(meta, "block_table", None)
+    if table is None:
+        raise MetadataError(f"{type(meta).__name__} has no block_tables / block_table")
+    ends = getattr(meta, "actual_seq_lengths_q", None)
+    listed = getattr(meta, "query_start_loc", None)
+    if ends is None and isinstance(listed, (list, tuple)):
+        ends = list(listed[1:]) if len(listed) == len(seq) + 1 and listed and listed[0] == 0 else list(listed)
+    qsl = None
+    if ends is not None and len(ends) == len(seq) and list(ends) != list(range(1, len(seq) + 1)):
+        qsl = torch.tensor([0, *[int(x) for x in ends]], dtype=torch.int32, device="cpu")
+    return AttentionMetadata(
+        seq_lens=torch.tensor([int(x) for x in seq], dtype=torch.int32, device="cpu"),
+        block_table=table,
+        query_start_loc=qsl,
+    )

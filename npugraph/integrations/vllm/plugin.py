@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from npugraph.errors import ConfigError
-from npugraph.integrations import vllm_ascend
 from npugraph.integrations.common import (
     ENV_DEVICE,
     ENV_ENABLE,
@@ -24,7 +23,7 @@ from npugraph.integrations.common import (
     wrap_method,
 )
 from npugraph.integrations.common import say_captured as _say_captured
-from npugraph.integrations.vllm import runner_v2
+from npugraph.integrations.vllm import runner_v2, vllm_ascend
 from npugraph.integrations.vllm.kv_budget import ESTIMATE_ATTR, MIB, RUNNER, patch_kv_budget, unpatch_kv_budget
 from npugraph.integrations.vllm.wrapper import (
     RUNTIME_ATTR,
@@ -58,7 +57,7 @@ def install(platform: Any = None) -> None:
       alias in ``vllm_ascend.worker.model_runner_v1``) → :class:`NpuGraphWrapper`,
       which has the same constructor and call contract;
     * vllm-ascend's own graph recorders and per-step update → npugraph's
-      (:func:`npugraph.integrations.vllm_ascend.install`, for its Aug and Sept 2026
+      (:func:`npugraph.integrations.vllm.vllm_ascend.install`, for its Aug and Sept 2026
       generations): its backends become thin clients, and its update a no-op, since
       npugraph's wrapper updates the graph itself (a second update would record each
       event twice: a lost record, then a hang).

@@ -32,9 +32,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from npugraph.errors import ConfigError, NpuGraphError
-from npugraph.integrations import vllm_ascend
+from npugraph.errors import BatchRefused, ConfigError, NpuGraphError
 from npugraph.integrations.common import restore, unwrap_method, wrap_method
+from npugraph.integrations.vllm import vllm_ascend
 from npugraph.integrations.vllm.metadata import step_metadata
 from npugraph.integrations.vllm.wrapper import runtime_for
 from npugraph.runtime import Runtime
@@ -78,14 +78,14 @@ class GraphStep:
 
     def replay(self) -> None:
         metadata = step_metadata(self.manager.model_runner.model_state.attn_metadata)
-        refused = self.runtime.refusal(self.desc, metadata, namespace=NAMESPACE)
-        if refused is not None:
+        try:
+            self.runtime.step(self.desc, metadata, namespace=NAMESPACE, refusable=True)
+        except BatchRefused as refused:
             # vLLM's v2 runner has decided on this graph, and its inputs are laid out for it:
             # there is no eager fallback here, as the static wrapper has
             raise NpuGraphError(
                 f"vLLM's v2 runner chose graph {NAMESPACE}/{self.desc} for a batch it cannot run: {refused}"
-            )
-        self.runtime.step(self.desc, metadata, namespace=NAMESPACE)
+            ) from refused
 
 
 def _is_target_manager(manager: Any) -> bool:

@@ -14,9 +14,9 @@ from unittest import mock
 
 import torch
 
-from npugraph.errors import ConfigError, NpuGraphError
-from npugraph.integrations import vllm_ascend
+from npugraph.errors import BatchRefused, ConfigError, NpuGraphError
 from npugraph.integrations.common import runtime_from_env
+from npugraph.integrations.vllm import vllm_ascend
 from npugraph.integrations.vllm.metadata import step_metadata
 from npugraph.runtime import Runtime
 
@@ -179,30 +179,26 @@ class NpuGraphWrapper:
         key = ctx.batch_descriptor
         if key is None:
             raise NpuGraphError(f"{self.runtime_mode.name} step without a batch_descriptor in the forward context")
-        if not self.runtime.has(key, namespace=self.namespace):
+        entry = self.runtime.find(key, namespace=self.namespace)  # the step's one lookup
+        if entry is None:
             # first call for this key, or its graph was freed (Runtime.reset: the profiling
             # capture that sized the KV cache, see estimate_graph_memory): capture it
             return self._capture(key, args, kwargs)
         if self.check_addresses:
             self._check_addresses(key, args, kwargs)
-        metadata = (
-            step_metadata(self._attn_metadata(ctx))
-            if self._full and self.runtime.entry(key, namespace=self.namespace).tasks
-            else {}
-        )
-        if metadata:
+        metadata = step_metadata(self._attn_metadata(ctx)) if self._full and entry.tasks else {}
+        try:
+            # the runtime's one step protocol, in its order (replay-first by default: the
+            # device starts the graph while the host updates layer by layer)
+            return self.runtime.step_graph(entry, metadata, refusable=True)
+        except BatchRefused as refused:
             # vLLM padded the batch to this descriptor; the graph's padding rule may still
             # refuse it (all request rows real, fewer tokens): then it runs eagerly, as a
-            # batch with no graph does
-            refused = self.runtime.refusal(key, metadata, namespace=self.namespace)
-            if refused is not None:
-                if key not in self._eager_keys:
-                    self._eager_keys.add(key)
-                    logger.warning("npugraph: running a batch of %s eagerly (said once per key): %s", key, refused)
-                return self.runnable(*args, **kwargs)
-        # the runtime's one step protocol, in its order (replay-first by default: the
-        # device starts the graph while the host updates layer by layer)
-        return self.runtime.step(key, metadata, namespace=self.namespace)
+            # batch with no graph does (refused before any device call)
+            if key not in self._eager_keys:
+                self._eager_keys.add(key)
+                logger.warning("npugraph: running a batch of %s eagerly (said once per key): %s", key, refused)
+            return self.runnable(*args, **kwargs)
 
     def _attn_metadata(self, ctx: Any) -> Any:
         """The attention metadata of this wrapper's step in vLLM's forward context ``ctx``."""
@@ -272,7 +268,7 @@ class DraftNpuGraphWrapper(NpuGraphWrapper):
     live in their own namespace, ``"draft"``.  With several draft tokens the merged draft
     runs its layers once per token inside one graph, each draft step with its own metadata
     (``forward_context.draft_attn_metadatas``): the recorders record step ``i``'s attention
-    as micro-batch ``i`` (:func:`npugraph.integrations.vllm_ascend.draft_step`), and each
+    as micro-batch ``i`` (:func:`npugraph.integrations.vllm.vllm_ascend.draft_step`), and each
     step's update takes that list, one metadata per draft step.  vllm-ascend serves the
     later steps of an MTP draft on MLA as one query token per row
     (``_one_token_rows``); other drafts of several tokens are refused at model load.

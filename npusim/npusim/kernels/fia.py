@@ -132,130 +132,23 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
         if p.get(name) is not None:
             raise NotImplementedError(f"{op}: the simulator does not model {name!r}")
     layout = p["input_layout"]
-    q, k, v = p["query"], p["key"], p["value"]
+    q = p["query"]
     n = int(p["num_heads"])
     kvn = int(p["num_key_value_heads"]) or n
     if n <= 0 or n % kvn:
         raise fail(op, "num_heads", f"({n}) must be a positive multiple of num_key_value_heads ({kvn})")
-    bt = p.get("block_table")
-    block_size = int(p["block_size"])
     # lengths are host values, read on the host at the call (also inside a capture): a CPU
     # int tensor gives its ints here, never aten ops a capture would record
     qlens = _host_lengths(p.get("actual_seq_lengths"))
     kvlens = _host_lengths(p.get("actual_seq_lengths_kv"))
-    sparse = int(p["sparse_mode"])
-    if sparse not in (0, 3, 4):
-        raise fail(op, "sparse_mode", f"{sparse} is not modelled (0, 3 and 4 are)")
-    if sparse in (3, 4) and p.get("atten_mask") is None:
-        raise fail(op, "atten_mask", f"is required with sparse_mode={sparse} (the 2048x2048 compressed mask)")
-    if sparse == 4 and int(p["pre_tokens"]) < 0 and int(p["next_tokens"]) < 0:
-        raise fail(op, "pre_tokens", "and next_tokens cannot both be negative (an empty band)")
-    # query → [B, N, S, D]
-    if layout == "TND":
-        need_tensor(op, "query", q, 3)
-        t, qn, d = q.shape
-        if qlens is None:
-            raise fail(op, "actual_seq_lengths", "is required with input_layout='TND' (cumulative ends)")
-        ends = list(qlens)
-        if any(b > a for a, b in zip(ends[1:], ends)) or (ends and ends[-1] != t) or not ends:
-            raise fail(
-                op,
-                "actual_seq_lengths",
-                f"must be non-decreasing cumulative query ends whose last entry equals T={t}, got {brief_host(ends)}",
-            )
-        batch = len(ends)
-        starts = [0, *ends[:-1]]
-        q_per = [e - s for s, e in zip(starts, ends)]
-        sq = max(q_per)
-    else:
-        dims = 3 if layout == "BSH" else 4
-        need_tensor(op, "query", q, dims)
-        if layout == "BSH":
-            batch, sq, h = q.shape
-            if h % n:
-                raise fail(op, "query", f"hidden size {h} is not a multiple of num_heads={n}")
-            qn, d = n, h // n
-        elif layout == "BSND":
-            batch, sq, qn, d = q.shape
-        else:
-            batch, qn, sq, d = q.shape
-        if qlens is None or sq == 1:  # ignored when the query length is 1
-            q_per = [sq] * batch
-        else:
-            q_per = per_batch(op, "actual_seq_lengths", qlens, batch)
-            if any(x < 0 or x > sq for x in q_per):
-                raise fail(op, "actual_seq_lengths", f"entries must lie in [0, {sq}]")
-        starts = ends = []
+    _check_mask(op, p)
+    batch, qn, sq, d, q_per, starts = _query_geometry(op, q, layout, n, qlens)
     if qn != n:
         raise fail(op, "num_heads", f"is {n} but query has {qn} heads")
-    # keys
-    if bt is not None:
-        need_tensor(op, "block_table", bt, 2)
-        if bt.dtype != torch.int32:
-            raise fail(op, "block_table", f"must be int32, got {bt.dtype}")
-        if bt.shape[0] != batch:
-            raise fail(op, "block_table", f"has {bt.shape[0]} rows for batch {batch}")
-        if k.dim() == 3:
-            kvh = k.shape[2]
-            if kvh % kvn:
-                raise fail(op, "key", f"cache hidden size {kvh} is not a multiple of {kvn} kv heads")
-            dk = kvh // kvn
-        elif k.dim() == 4:
-            # CANN: a 4-dim paged cache is (blocknum, KV_N, blocksize, D), with a BNSD or TND
-            # query only; a BSH or BSND query takes only (blocknum, blocksize, H)
-            if layout not in ("BNSD", "TND"):
-                raise fail(
-                    op,
-                    "key",
-                    f"is a 4-dim paged cache {list(k.shape)}; with input_layout {layout} CANN takes only "
-                    "(blocknum, blocksize, H)",
-                )
-            _, kh, _, dk = k.shape
-            if kh != kvn:
-                raise fail(op, "key", f"has {kh} kv heads, num_key_value_heads is {kvn}")
-        else:
-            raise fail(op, "key", f"paged cache must have 3 or 4 dims, got {list(k.shape)}")
-        cache_bs = k.shape[2] if k.dim() == 4 else k.shape[1]
-        if block_size != cache_bs:
-            raise fail(op, "block_size", f"is {block_size} but the cache blocks hold {cache_bs}")
-        max_kv = bt.shape[1] * block_size
-        if kvlens is None:
-            raise fail(op, "actual_seq_lengths_kv", "is required with a block_table")
-        kv_per = per_batch(op, "actual_seq_lengths_kv", kvlens, batch)
-        dv = v.shape[-1] if v.dim() == 4 else v.shape[2] // kvn
+    if p.get("block_table") is not None:
+        dk, dv, kv_per, max_kv = _paged_keys(op, p, layout, kvn, batch, kvlens)
     else:
-        if layout == "TND":
-            need_tensor(op, "key", k, 3)
-            _, kh, dk = k.shape
-            dv = v.shape[2]
-            kends = list(kvlens) if kvlens is not None else None
-            if kends is None or len(kends) != batch or (kends and kends[-1] != k.shape[0]):
-                raise fail(
-                    op,
-                    "actual_seq_lengths_kv",
-                    "must list cumulative key ends (last = key T) per batch with a non-paged TND key",
-                )
-            kstarts = [0, *kends[:-1]]
-            kv_per = [e - s for s, e in zip(kstarts, kends)]
-            max_kv = max(kv_per)
-        else:
-            need_tensor(op, "key", k, q.dim())
-            if layout == "BSH":
-                skv, kh = k.shape[1], k.shape[2] // (d or 1)
-                dk = d
-                dv = v.shape[2] // kh if kh else d
-            elif layout == "BSND":
-                skv, kh, dk = k.shape[1], k.shape[2], k.shape[3]
-                dv = v.shape[3]
-            else:
-                kh, skv, dk = k.shape[1], k.shape[2], k.shape[3]
-                dv = v.shape[3]
-            max_kv = skv
-            if k.shape[0] != batch:
-                raise fail(op, "key", f"batch {k.shape[0]} differs from the query's {batch}")
-            kv_per = per_batch(op, "actual_seq_lengths_kv", kvlens, batch) if kvlens is not None else [skv] * batch
-        if kh != kvn:
-            raise fail(op, "num_key_value_heads", f"is {kvn} but key has {kh} kv heads")
+        dk, dv, kv_per, max_kv = _dense_keys(op, p, layout, kvn, batch, d, kvlens)
     if dk != d:
         raise fail(op, "key", f"head size {dk} differs from the query's {d}")
     for i, x in enumerate(kv_per):
@@ -283,6 +176,139 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
         "max_q": sq,
         "rows": q.shape[0] if layout == "TND" else batch * sq,
     }
+
+
+def _check_mask(op: str, p: dict[str, Any]) -> None:
+    """The masking modes CANN takes (and the simulator models): 0, 3 and 4, a mask with 3 and 4."""
+    sparse = int(p["sparse_mode"])
+    if sparse not in (0, 3, 4):
+        raise fail(op, "sparse_mode", f"{sparse} is not modelled (0, 3 and 4 are)")
+    if sparse in (3, 4) and p.get("atten_mask") is None:
+        raise fail(op, "atten_mask", f"is required with sparse_mode={sparse} (the 2048x2048 compressed mask)")
+    if sparse == 4 and int(p["pre_tokens"]) < 0 and int(p["next_tokens"]) < 0:
+        raise fail(op, "pre_tokens", "and next_tokens cannot both be negative (an empty band)")
+
+
+def _query_geometry(
+    op: str, q: Any, layout: str, n: int, qlens: Any
+) -> tuple[int, int, int, int, list[int], list[int]]:
+    """The query as [B, N, S, D]: batch, heads, longest query, head size, each request's query
+    tokens and (TND) where each starts."""
+    if layout == "TND":
+        need_tensor(op, "query", q, 3)
+        t, qn, d = q.shape
+        if qlens is None:
+            raise fail(op, "actual_seq_lengths", "is required with input_layout='TND' (cumulative ends)")
+        ends = list(qlens)
+        if any(b > a for a, b in zip(ends[1:], ends)) or (ends and ends[-1] != t) or not ends:
+            raise fail(
+                op,
+                "actual_seq_lengths",
+                f"must be non-decreasing cumulative query ends whose last entry equals T={t}, got {brief_host(ends)}",
+            )
+        starts = [0, *ends[:-1]]
+        q_per = [e - s for s, e in zip(starts, ends)]
+        return len(ends), qn, max(q_per), d, q_per, starts
+    need_tensor(op, "query", q, 3 if layout == "BSH" else 4)
+    if layout == "BSH":
+        batch, sq, h = q.shape
+        if h % n:
+            raise fail(op, "query", f"hidden size {h} is not a multiple of num_heads={n}")
+        qn, d = n, h // n
+    elif layout == "BSND":
+        batch, sq, qn, d = q.shape
+    else:
+        batch, qn, sq, d = q.shape
+    if qlens is None or sq == 1:  # ignored when the query length is 1
+        q_per = [sq] * batch
+    else:
+        q_per = per_batch(op, "actual_seq_lengths", qlens, batch)
+        if any(x < 0 or x > sq for x in q_per):
+            raise fail(op, "actual_seq_lengths", f"entries must lie in [0, {sq}]")
+    return batch, qn, sq, d, q_per, []
+
+
+def _paged_keys(
+    op: str, p: dict[str, Any], layout: str, kvn: int, batch: int, kvlens: Any
+) -> tuple[int, int, list[int], int]:
+    """A paged key and value cache read through ``block_table``: key and value head sizes, each
+    request's key length, and the most keys a request's table holds."""
+    bt, k, v = p["block_table"], p["key"], p["value"]
+    block_size = int(p["block_size"])
+    need_tensor(op, "block_table", bt, 2)
+    if bt.dtype != torch.int32:
+        raise fail(op, "block_table", f"must be int32, got {bt.dtype}")
+    if bt.shape[0] != batch:
+        raise fail(op, "block_table", f"has {bt.shape[0]} rows for batch {batch}")
+    if k.dim() == 3:
+        kvh = k.shape[2]
+        if kvh % kvn:
+            raise fail(op, "key", f"cache hidden size {kvh} is not a multiple of {kvn} kv heads")
+        dk = kvh // kvn
+    elif k.dim() == 4:
+        # CANN: a 4-dim paged cache is (blocknum, KV_N, blocksize, D), with a BNSD or TND
+        # query only; a BSH or BSND query takes only (blocknum, blocksize, H)
+        if layout not in ("BNSD", "TND"):
+            raise fail(
+                op,
+                "key",
+                f"is a 4-dim paged cache {list(k.shape)}; with input_layout {layout} CANN takes only "
+                "(blocknum, blocksize, H)",
+            )
+        _, kh, _, dk = k.shape
+        if kh != kvn:
+            raise fail(op, "key", f"has {kh} kv heads, num_key_value_heads is {kvn}")
+    else:
+        raise fail(op, "key", f"paged cache must have 3 or 4 dims, got {list(k.shape)}")
+    cache_bs = k.shape[2] if k.dim() == 4 else k.shape[1]
+    if block_size != cache_bs:
+        raise fail(op, "block_size", f"is {block_size} but the cache blocks hold {cache_bs}")
+    if kvlens is None:
+        raise fail(op, "actual_seq_lengths_kv", "is required with a block_table")
+    kv_per = per_batch(op, "actual_seq_lengths_kv", kvlens, batch)
+    dv = v.shape[-1] if v.dim() == 4 else v.shape[2] // kvn
+    return dk, dv, kv_per, bt.shape[1] * block_size
+
+
+def _dense_keys(
+    op: str, p: dict[str, Any], layout: str, kvn: int, batch: int, d: int, kvlens: Any
+) -> tuple[int, int, list[int], int]:
+    """Keys and values laid out as the query is (no block table): key and value head sizes,
+    each request's key length, and the most keys a request has."""
+    q, k, v = p["query"], p["key"], p["value"]
+    if layout == "TND":
+        need_tensor(op, "key", k, 3)
+        _, kh, dk = k.shape
+        dv = v.shape[2]
+        kends = list(kvlens) if kvlens is not None else None
+        if kends is None or len(kends) != batch or (kends and kends[-1] != k.shape[0]):
+            raise fail(
+                op,
+                "actual_seq_lengths_kv",
+                "must list cumulative key ends (last = key T) per batch with a non-paged TND key",
+            )
+        kstarts = [0, *kends[:-1]]
+        kv_per = [e - s for s, e in zip(kstarts, kends)]
+        max_kv = max(kv_per)
+    else:
+        need_tensor(op, "key", k, q.dim())
+        if layout == "BSH":
+            skv, kh = k.shape[1], k.shape[2] // (d or 1)
+            dk = d
+            dv = v.shape[2] // kh if kh else d
+        elif layout == "BSND":
+            skv, kh, dk = k.shape[1], k.shape[2], k.shape[3]
+            dv = v.shape[3]
+        else:
+            kh, skv, dk = k.shape[1], k.shape[2], k.shape[3]
+            dv = v.shape[3]
+        max_kv = skv
+        if k.shape[0] != batch:
+            raise fail(op, "key", f"batch {k.shape[0]} differs from the query's {batch}")
+        kv_per = per_batch(op, "actual_seq_lengths_kv", kvlens, batch) if kvlens is not None else [skv] * batch
+    if kh != kvn:
+        raise fail(op, "num_key_value_heads", f"is {kvn} but key has {kh} kv heads")
+    return dk, dv, kv_per, max_kv
 
 
 def _fia_out_shapes(p: dict[str, Any], info: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -346,53 +372,13 @@ def check_compressed_mask(
 def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     p, out_layout = split_layout(p)
     p = _with_rope(p)
-    q, k, v = p["query"], p["key"], p["value"]
-    out, lse_out = p["out"]
-    layout = info["layout"]
-    b, n, kvn, sq, d, dv = (info[x] for x in ("batch", "heads", "kv_heads", "sq", "d", "dv"))
+    q, out_pair = p["query"], p["out"]
+    b, sq = info["batch"], info["sq"]
     dev = q.device
     q_per = torch.tensor(info["q_per"], dtype=torch.int64, device=dev)
     kv_per = torch.tensor(info["kv_per"], dtype=torch.int64, device=dev)
-    # query → [B, N, Sq, D]
-    if layout == "TND":
-        starts = torch.tensor(info["starts"], dtype=torch.int64, device=dev)
-        idx = starts.unsqueeze(1) + torch.arange(sq, device=dev).unsqueeze(0)  # [B, Sq]
-        idx = torch.where(torch.arange(sq, device=dev).unsqueeze(0) < q_per.unsqueeze(1), idx, 0)
-        qb = q[idx].permute(0, 2, 1, 3)  # [B, N, Sq, D]
-    elif layout == "BSH":
-        qb = q.reshape(b, sq, n, d).permute(0, 2, 1, 3)
-    elif layout == "BSND":
-        qb = q.permute(0, 2, 1, 3)
-    else:
-        qb = q
-    lkv = int(kv_per.max()) if b else 0
-    bt = p.get("block_table")
-    if bt is not None:
-        where = "npu_fused_infer_attention_score: block_table"
-
-        def blocks(cache: torch.Tensor) -> torch.Tensor:  # → [NB, BS, KVN, D]
-            if cache.dim() == 4:  # [NB, KVN, BS, D]
-                return cache.permute(0, 2, 1, 3)
-            return cache.reshape(cache.shape[0], cache.shape[1], kvn, -1)
-
-        def gathered(cache: torch.Tensor) -> torch.Tensor:  # → [B, KVN, Lkv, D]
-            return K.gather_paged(blocks(cache), bt, kv_per, lkv, int(p["block_size"]), where).permute(0, 2, 1, 3)
-
-        kb, vb = gathered(k), gathered(v)
-        if p.get("key_rope") is not None:  # MLA: each key's rope part, from its own cache
-            kb = torch.cat([kb, gathered(p["key_rope"])], dim=-1)
-    elif layout == "TND":
-        kstarts = torch.cumsum(kv_per, 0) - kv_per
-        kidx = kstarts.unsqueeze(1) + torch.arange(lkv, device=dev).unsqueeze(0)
-        kidx = torch.where(torch.arange(lkv, device=dev).unsqueeze(0) < kv_per.unsqueeze(1), kidx, 0)
-        kb, vb = k[kidx].permute(0, 2, 1, 3), v[kidx].permute(0, 2, 1, 3)
-    elif layout == "BSH":
-        kb = k.reshape(b, k.shape[1], kvn, d).permute(0, 2, 1, 3)
-        vb = v.reshape(b, v.shape[1], kvn, dv).permute(0, 2, 1, 3)
-    elif layout == "BSND":
-        kb, vb = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
-    else:
-        kb, vb = k, v
+    qb = _query_bnsd(q, info, q_per)
+    kb, vb = _keys_bnsd(p, info, kv_per)
     mask = None
     sparse = int(p["sparse_mode"])
     if sparse in (3, 4):
@@ -418,7 +404,77 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     valid_q = (torch.arange(sq, device=dev).view(1, 1, sq, 1) < q_per.view(b, 1, 1, 1)) if b else None
     if valid_q is not None:
         o = torch.where(valid_q, o, torch.zeros((), dtype=o.dtype, device=dev))
+    _write_out(o, lse, q, info, out_layout, out_pair, bool(p["softmax_lse_flag"]))
+
+
+def _query_bnsd(q: torch.Tensor, info: dict[str, Any], q_per: torch.Tensor) -> torch.Tensor:
+    """The query as [B, N, Sq, D] (TND: each request's tokens gathered, padded with token 0)."""
+    layout, b, n, sq, d = (info[x] for x in ("layout", "batch", "heads", "sq", "d"))
     if layout == "TND":
+        dev = q.device
+        starts = torch.tensor(info["starts"], dtype=torch.int64, device=dev)
+        idx = starts.unsqueeze(1) + torch.arange(sq, device=dev).unsqueeze(0)  # [B, Sq]
+        idx = torch.where(torch.arange(sq, device=dev).unsqueeze(0) < q_per.unsqueeze(1), idx, 0)
+        return q[idx].permute(0, 2, 1, 3)
+    if layout == "BSH":
+        return q.reshape(b, sq, n, d).permute(0, 2, 1, 3)
+    if layout == "BSND":
+        return q.permute(0, 2, 1, 3)
+    return q
+
+
+def _keys_bnsd(p: dict[str, Any], info: dict[str, Any], kv_per: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as [B, KVN, Lkv, D]: gathered through the block table from a paged cache
+    (MLA's rope part from its own), else from the query's layout."""
+    k, v = p["key"], p["value"]
+    layout, b, kvn, d, dv = (info[x] for x in ("layout", "batch", "kv_heads", "d", "dv"))
+    dev = k.device
+    lkv = int(kv_per.max()) if b else 0
+    bt = p.get("block_table")
+    if bt is not None:
+        where = "npu_fused_infer_attention_score: block_table"
+
+        def blocks(cache: torch.Tensor) -> torch.Tensor:  # → [NB, BS, KVN, D]
+            if cache.dim() == 4:  # [NB, KVN, BS, D]
+                return cache.permute(0, 2, 1, 3)
+            return cache.reshape(cache.shape[0], cache.shape[1], kvn, -1)
+
+        def gathered(cache: torch.Tensor) -> torch.Tensor:  # → [B, KVN, Lkv, D]
+            return K.gather_paged(blocks(cache), bt, kv_per, lkv, int(p["block_size"]), where).permute(0, 2, 1, 3)
+
+        kb, vb = gathered(k), gathered(v)
+        if p.get("key_rope") is not None:  # MLA: each key's rope part, from its own cache
+            kb = torch.cat([kb, gathered(p["key_rope"])], dim=-1)
+        return kb, vb
+    if layout == "TND":
+        kstarts = torch.cumsum(kv_per, 0) - kv_per
+        kidx = kstarts.unsqueeze(1) + torch.arange(lkv, device=dev).unsqueeze(0)
+        kidx = torch.where(torch.arange(lkv, device=dev).unsqueeze(0) < kv_per.unsqueeze(1), kidx, 0)
+        return k[kidx].permute(0, 2, 1, 3), v[kidx].permute(0, 2, 1, 3)
+    if layout == "BSH":
+        return (
+            k.reshape(b, k.shape[1], kvn, d).permute(0, 2, 1, 3),
+            v.reshape(b, v.shape[1], kvn, dv).permute(0, 2, 1, 3),
+        )
+    if layout == "BSND":
+        return k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+    return k, v
+
+
+def _write_out(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    info: dict[str, Any],
+    out_layout: str,
+    out_pair: Any,
+    lse_flag: bool,
+) -> None:
+    """``o`` [B, N, Sq, Dv] and its log-sum-exp written into the call's outputs, in its layout."""
+    out, lse_out = out_pair
+    layout = info["layout"]
+    if layout == "TND":
+        dev = o.device
         t = q.shape[0]
         tok = torch.arange(t, device=dev)
         bidx = torch.searchsorted(torch.tensor([*info["starts"][1:], t + 1], device=dev), tok, right=True)
@@ -438,7 +494,7 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     else:
         out.copy_(o)
         lse_rows = lse.unsqueeze(-1)
-    if p["softmax_lse_flag"]:
+    if lse_flag:
         lse_out.copy_(lse_rows.reshape(lse_out.shape))
     else:
         lse_out.zero_()

@@ -41,6 +41,7 @@ import inspect
 import os
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -183,6 +184,30 @@ def relax_block_shapes(language: types.ModuleType) -> None:
     semantic.TritonSemantic.arange = arange
 
 
+def _bf16_values(handle: Any) -> tuple[Callable[..., bool], Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """The interpreter's bfloat16 blocks as values: whether a block is bfloat16, its values
+    widened to float32, float32 values narrowed to bfloat16 patterns (round to nearest even,
+    NaN kept), and an operation's result as a block (booleans as they are)."""
+    import numpy as np
+
+    def is_bf16(*handles: Any) -> bool:  # by name: triton.language may still be loading here
+        return any(getattr(h.dtype.scalar, "name", None) == "bf16" for h in handles)
+
+    def widen(h: Any) -> Any:
+        return (h.data.astype(np.uint32) << 16).view(np.float32) if is_bf16(h) else h.data
+
+    def narrow(values: Any) -> Any:
+        f32 = np.asarray(values, dtype=np.float32)
+        bits = f32.view(np.uint32)
+        rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(f32), np.uint16(0x7FC0), rounded)
+
+    def result(out: Any, dtype: Any) -> Any:
+        return handle(out if out.dtype == np.bool_ else narrow(out), dtype)
+
+    return is_bf16, widen, narrow, result
+
+
 def bfloat16_arithmetic(interpreter: types.ModuleType) -> None:
     """bfloat16 arithmetic as a device does it, in Triton's interpreter (once).
 
@@ -200,22 +225,7 @@ def bfloat16_arithmetic(interpreter: types.ModuleType) -> None:
     if getattr(builder.binary_op, "_npugraph_sim", False):
         return
     handle = interpreter.TensorHandle
-
-    def is_bf16(*handles: Any) -> bool:  # by name: triton.language may still be loading here
-        return any(getattr(h.dtype.scalar, "name", None) == "bf16" for h in handles)
-
-    def widen(h: Any) -> Any:
-        return (h.data.astype(np.uint32) << 16).view(np.float32) if is_bf16(h) else h.data
-
-    def narrow(values: Any) -> Any:
-        f32 = np.asarray(values, dtype=np.float32)
-        bits = f32.view(np.uint32)
-        rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
-        return np.where(np.isnan(f32), np.uint16(0x7FC0), rounded)
-
-    def result(out: Any, dtype: Any) -> Any:
-        return handle(out if out.dtype == np.bool_ else narrow(out), dtype)
-
+    is_bf16, widen, narrow, result = _bf16_values(handle)
     binary, unary, ternary, fma, rsqrt = (
         builder.binary_op,
         builder.unary_op,

@@ -36,12 +36,13 @@ from typing import Any
 import attrs
 import torch
 
-from npugraph.errors import CaptureFailed, MetadataError
+from npugraph.errors import CaptureFailed
+from npugraph.integrations.vllm.metadata import metadata_from_ascend
 from npugraph.metadata import AttentionMetadata
 from npugraph.ops import AttentionCall
 from npugraph.runtime import Runtime
 
-__all__ = ["Replaced", "capturing", "detect", "draft_step", "install", "uninstall", "metadata_from_ascend"]
+__all__ = ["Replaced", "capturing", "detect", "draft_step", "install", "uninstall"]
 
 logger = logging.getLogger("vllm.npugraph")
 
@@ -334,42 +335,6 @@ def _layer(self: Any, layer: Any = None) -> str:
             "metadata updates it; call the backend through its forward(layer, ...)"
         )
     return str(name)
-
-
-def metadata_from_ascend(meta: Any) -> AttentionMetadata:
-    """npugraph's metadata from vllm-ascend's ``AscendMetadata`` (capture and step alike).
-
-    Host lengths from ``seq_lens_list`` (Aug 2026), or ``seq_lens`` as a host list (the V2
-    runner's) or CPU tensor; query ends from the host list ``actual_seq_lengths_q`` (Aug:
-    ``query_start_loc`` is device-resident there) or the V2 runner's host list
-    ``query_start_loc`` (cumulative ends, or starts with a leading 0).
-    """
-    seq = getattr(meta, "seq_lens_list", None)
-    if seq is None:
-        lens = getattr(meta, "seq_lens", None)
-        if isinstance(lens, (list, tuple)):
-            seq = list(lens)
-        elif isinstance(lens, torch.Tensor) and lens.device.type == "cpu":
-            seq = lens.tolist()
-        else:
-            raise MetadataError(f"{type(meta).__name__} has no seq_lens_list / seq_lens on the host")
-    table = getattr(meta, "block_tables", None)
-    if table is None:
-        table = getattr(meta, "block_table", None)
-    if table is None:
-        raise MetadataError(f"{type(meta).__name__} has no block_tables / block_table")
-    ends = getattr(meta, "actual_seq_lengths_q", None)
-    listed = getattr(meta, "query_start_loc", None)
-    if ends is None and isinstance(listed, (list, tuple)):
-        ends = list(listed[1:]) if len(listed) == len(seq) + 1 and listed and listed[0] == 0 else list(listed)
-    qsl = None
-    if ends is not None and len(ends) == len(seq) and list(ends) != list(range(1, len(seq) + 1)):
-        qsl = torch.tensor([0, *[int(x) for x in ends]], dtype=torch.int32, device="cpu")
-    return AttentionMetadata(
-        seq_lens=torch.tensor([int(x) for x in seq], dtype=torch.int32, device="cpu"),
-        block_table=table,
-        query_start_loc=qsl,
-    )
 
 
 def _attend(self: Any, query: torch.Tensor, meta: Any, out: torch.Tensor, layer: Any = None) -> None:
