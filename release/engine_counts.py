@@ -61,27 +61,39 @@ class EngineCounts:
             cls._write = self.time(cls, "_write", "npugraph_update", "npugraph_update_walls", write=False)
 
         def runtime(module: Any) -> None:
-            step = module.Runtime.step
+            # every step goes through step_graph (Runtime.step looks the graph up and calls it;
+            # vLLM's wrapper calls it with the graph it found)
+            step = module.Runtime.step_graph
+            from npugraph.errors import BatchRefused as refused
+
             seen: list[Any] = []
 
-            def counted(runtime: Any, *args: Any, **kwargs: Any) -> Any:
+            def counted(runtime: Any, entry: Any, *args: Any, **kwargs: Any) -> Any:
                 if not any(r is runtime for r in seen):
                     seen.append(runtime)
                     self.values["npugraph_capture_report"].append(runtime.capture_report())
                 try:
-                    return step(runtime, *args, **kwargs)
-                finally:
-                    self.values["npugraph_steps"] += 1
-                    # the step's padded size (vLLM's batch descriptor), beside its update's seconds
-                    key = args[0] if args else kwargs.get("key")
-                    self.values["npugraph_update_tokens"].append(int(getattr(key, "num_tokens", 0) or 0))
-                    if write_each_step:
-                        self.write()
+                    out = step(runtime, entry, *args, **kwargs)
+                except refused:
+                    raise  # not a graph step: its engine runs the batch eagerly
+                except BaseException:
+                    self._counted_step(entry, write_each_step)  # a failed step counts, as it did
+                    raise
+                self._counted_step(entry, write_each_step)
+                return out
 
-            module.Runtime.step = counted
+            module.Runtime.step_graph = counted
 
         after_import("npugraph.replay.updater", updater)
         after_import("npugraph.runtime", runtime)
+
+    def _counted_step(self, entry: Any, write: bool) -> None:
+        """One of npugraph's steps counted, with its padded size (vLLM's batch descriptor)
+        beside its update's seconds."""
+        self.values["npugraph_steps"] += 1
+        self.values["npugraph_update_tokens"].append(int(getattr(entry.key, "num_tokens", 0) or 0))
+        if write:
+            self.write()
 
 
 def _ray_node() -> str:

@@ -473,3 +473,33 @@ def _llama_classes():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaConfig, LlamaForCausalLM
+
+
+def test_the_checks_count_each_of_npugraphs_steps_once_and_a_refused_one_not(tmp_path, monkeypatch):
+    """release/engine_counts.py counts npugraph's steps where every caller's step goes
+    (Runtime.step_graph: vLLM's wrapper calls it, Runtime.step too); a step refused by the
+    padding rule (the wrapper then runs the batch eagerly) is no graph step and has no update."""
+    import attrs
+    import torch
+
+    import npugraph.replay.updater as updater_module
+    import npugraph.runtime as runtime_module
+    from npugraph.errors import BatchRefused
+
+    from .helpers import Harness, query_for
+
+    monkeypatch.setattr(runtime_module.Runtime, "step_graph", runtime_module.Runtime.step_graph)  # restored after
+    monkeypatch.setattr(updater_module.ReplayUpdater, "_write", updater_module.ReplayUpdater._write)
+    engine_counts = _release_module("engine_counts")
+    counts = engine_counts.EngineCounts(str(tmp_path))
+    modules = {"npugraph.replay.updater": updater_module, "npugraph.runtime": runtime_module}
+    counts.npugraph(lambda name, hook: hook(modules[name]), write_each_step=False)
+    h = Harness([2], layers=2, tokens_per_request=2)
+    h.step(2, {"default": h.random_meta(1, [50])}, query_for(h, 2, 0))
+    spare = attrs.evolve(h.random_meta(2, [40, 70]), query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32))
+    with pytest.raises(BatchRefused):
+        h.rt.step(2, {"default": spare}, refusable=True)
+    h.step(2, {"default": h.random_meta(1, [60])}, query_for(h, 2, 1))
+    assert counts.values["npugraph_steps"] == 2
+    assert len(counts.values["npugraph_update_seconds"]) == 2 == len(counts.values["npugraph_update_tokens"])
+    assert len(counts.values["npugraph_capture_report"]) == 1
