@@ -329,8 +329,9 @@ class Runtime:
 
         ``refusable=True``: the caller runs a batch this graph's padding rule refuses some
         other way (eagerly: vLLM's wrapper, whose batch vLLM padded to a descriptor it chose),
-        and gets :class:`~npugraph.errors.BatchRefused` for it, before any device call and
-        before ``inputs`` are copied, not reported as a fault: one call per engine step,
+        and gets :class:`~npugraph.errors.BatchRefused` for it, before the graph is updated or
+        replayed (``inputs`` are copied already, into buffers no replay then reads), not
+        reported as a fault: one call per engine step,
         the metadata resolved once (:meth:`refusal` asks the same without stepping).
         """
         entry = self.find(key, namespace=namespace)  # the step's one lookup
