@@ -168,15 +168,18 @@ def install(folder: str, after_import: Callable[[str, Callable[[Any], None]], No
 
         _tracked(module.NPUGraph, "__init__", new_graph)
 
-    def state(module: Any) -> None:  # the simulator's streams and ExternalEvents
-        _tracked(module.ExternalEvent, "__init__", probe.events.add)
+    def streams(module: Any) -> None:  # the simulator's streams
         _tracked(module.Stream, "__new__", lambda s: probe.stream_ids.add(int(s.stream_id)))
+
+    def external_events(module: Any) -> None:
+        _tracked(module.ExternalEvent, "__init__", probe.events.add)
 
     def runtime(module: Any) -> None:
         _tracked(module.Runtime, "__init__", probe.runtimes.add)
 
     after_import("npusim.surfaces.graphs", graphs)
-    after_import("npusim.runtime.state", state)
+    after_import("npusim.runtime.state", streams)
+    after_import("npusim.runtime.external", external_events)
     after_import("npugraph.runtime", runtime)
     if engine == "vllm":
         after_import("vllm.forward_context", lambda m: _count_vllm(m, probe))

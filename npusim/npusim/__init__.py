@@ -65,13 +65,15 @@ from npusim.kernels.mla import npu_interleave_rope, npu_kv_rmsnorm_rope_cache, n
 from npusim.kernels.pa import _npu_paged_attention, _npu_paged_attention_get_workspace
 from npusim.kernels.prefill import _npu_flash_attention_qlens, npu_fusion_attention
 from npusim.runtime.capture import weak_ref_tensor as _weak_ref_tensor
+from npusim.runtime.config import HostCostModel, SimConfig
 from npusim.runtime.faults import FaultPlan, InjectedFault
-from npusim.runtime.state import HostCostModel, SimConfig, accept_record_stream, get_state
+from npusim.runtime.state import get_state
 from npusim.runtime.state import reset as _reset
 from npusim.runtime.taskgroups import NPUTaskGroupHandle
 from npusim.surfaces import hccl, profiler, torch_npu_modules, torch_npu_testing, torch_ops
 from npusim.surfaces.aliases import PackageAlias
 from npusim.surfaces.patches import _apply_patches
+from npusim.surfaces.streams import accept_record_stream
 
 __all__ = [
     "npu",

@@ -13,8 +13,9 @@ import torch
 
 from npusim.device import backend as _device
 from npusim.runtime import state as rt
+from npusim.runtime.external import ExternalEvent
 from npusim.runtime.graph import graph_pool_handle
-from npusim.runtime.state import Event, ExternalEvent, Stream, StreamContext
+from npusim.runtime.state import Event, Stream
 from npusim.runtime.taskgroups import (
     NPUTaskGroupHandle,
     graph_task_group_begin,
@@ -27,6 +28,7 @@ from npusim.surfaces.acl import SOC_NAME
 from npusim.surfaces.graphs import NPUGraph, graph
 from npusim.surfaces.not_simulated import not_simulated
 from npusim.surfaces.npugraph_handlers import NpuGraphOpHandler, register_npu_graph_handler
+from npusim.surfaces.streams import StreamContext
 
 __all__ = [
     "NPUGraph",

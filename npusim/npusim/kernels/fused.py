@@ -8,6 +8,7 @@ import torch
 
 from npusim.kernels.fia import fia_out
 from npusim.runtime import state as rt
+from npusim.runtime.external import ExternalEvent
 from npusim.runtime.taskgroups import NPUTaskGroupHandle, graph_task_update_begin, graph_task_update_end
 
 __all__ = ["_npu_fused_infer_attention_score_out_graph"]
@@ -16,7 +17,7 @@ __all__ = ["_npu_fused_infer_attention_score_out_graph"]
 def _npu_fused_infer_attention_score_out_graph(
     update_stream: rt.Stream,
     handle: NPUTaskGroupHandle,
-    event: rt.ExternalEvent,
+    event: ExternalEvent,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from npusim.errors import CaptureError
 from npusim.runtime import state as rt
 from npusim.runtime.aten import ALLOC_PACKETS, HostReadMode, ShapeUnknown, is_host_read, op_device, plan_outputs
+from npusim.runtime.external import ExternalEvent
 from npusim.runtime.memory import ArgRef, hold_params, hold_tree
 from npusim.runtime.nodes import ExtRecordNode, ExtWaitNode, KernelTask, OpNode, storage_key
 
@@ -138,7 +139,7 @@ class CaptureSession:
             )
         self.graph._nodes.append(node)
 
-    def record_external(self, event: rt.ExternalEvent, wait: bool) -> None:
+    def record_external(self, event: ExternalEvent, wait: bool) -> None:
         if wait:
             node = ExtWaitNode(event)
             self.last_wait = node

@@ -11,6 +11,7 @@ from npusim.device.backend import on_host
 from npusim.errors import ReplayFault
 from npusim.runtime import state as rt
 from npusim.runtime.aten import run_planned
+from npusim.runtime.external import ExternalEvent, external_event_name, fire_external_record
 from npusim.runtime.memory import ArgRef, check_refs
 
 __all__ = ["CollectiveNode", "OpNode", "KernelTask", "ExtWaitNode", "ExtRecordNode", "GraphRun", "storage_key"]
@@ -121,7 +122,7 @@ class CollectiveNode:
 class ExtWaitNode:
     __slots__ = ("event", "group")
 
-    def __init__(self, event: rt.ExternalEvent) -> None:
+    def __init__(self, event: ExternalEvent) -> None:
         self.event = event
         self.group: Any | None = None  # the task group that follows, if any
 
@@ -132,13 +133,13 @@ class ExtWaitNode:
         self.event._flag = 0
 
     def describe(self) -> str:
-        return f"wait on {rt.external_event_name(self.event)}"
+        return f"wait on {external_event_name(self.event)}"
 
 
 class ExtRecordNode:
     __slots__ = ("event", "graph")
 
-    def __init__(self, event: rt.ExternalEvent, graph: Any) -> None:
+    def __init__(self, event: ExternalEvent, graph: Any) -> None:
         self.event = event
         self.graph = graph
 
@@ -146,10 +147,10 @@ class ExtRecordNode:
         return True
 
     def run(self) -> None:
-        rt.fire_external_record(self.event, where=f"by a replay of {self.graph!r}")
+        fire_external_record(self.event, where=f"by a replay of {self.graph!r}")
 
     def describe(self) -> str:
-        return f"record of {rt.external_event_name(self.event)}"
+        return f"record of {external_event_name(self.event)}"
 
 
 class GraphRun:

@@ -1,7 +1,12 @@
-"""The simulated device: streams, events, the work scheduler, counters and host costs.
+"""The simulated device: its work scheduler and counters, and its streams and regular events.
 
 The simulated NPU is a process-wide resource, as the real one is, so this module keeps
-one :class:`SimState`; :func:`reset` replaces it (tests do so before each case).
+one :class:`SimState`; :func:`reset` replaces it (tests do so before each case).  Streams
+and events stay with it because the three refer to each other: the device makes its
+default stream, every stream and event call finds the process's device, and a stream's
+``wait_stream`` records an event.  What refers to them one way lives apart: the
+configuration and host-cost model (:mod:`.config`), ExternalEvents (:mod:`.external`) and
+torch's stream context (:mod:`npusim.surfaces.streams`).
 
 Model: every stream is an ordered queue of work items.  After each host call the
 scheduler runs whatever is runnable.  By default it runs everything it can at once
@@ -23,79 +28,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import attrs
-
-from npusim.errors import CaptureError, DeadlockError, RaceError, ReplayFault
+from npusim.errors import CaptureError, DeadlockError, ReplayFault
+from npusim.runtime.config import SimConfig
 from npusim.runtime.eager import EagerOrdering
-from npusim.runtime.faults import FaultPlan, Faults
+from npusim.runtime.faults import Faults
 from npusim.runtime.memory import Memory
 
-__all__ = [
-    "HostCostModel",
-    "SimConfig",
-    "SimState",
-    "Stream",
-    "Event",
-    "ExternalEvent",
-    "StreamContext",
-    "get_state",
-    "reset",
-]
-
-
-@attrs.frozen(kw_only=True)
-class HostCostModel:
-    """Host-side microseconds that each device API call costs (busy-waited).
-
-    Off by default.  :meth:`atlas_a2` reproduces the cost structure measured on
-    Atlas A2 by the vllm-ascend project:
-
-    * issue #13058 (20 layers): 3.68 ms of update per step, ~184 us per updated
-      layer, against 1.21 ms of replay;
-    * PR #15579: reusing one PA workspace instead of querying it per layer cut the
-      update from 2.4-2.95 ms to 1.65 ms (20 layers), i.e. ~40-65 us per query;
-    * PR #4233: ~85 us per host synchronize.
-    """
-
-    op_launch_us: float = 0.0
-    update_begin_us: float = 0.0
-    update_end_us: float = 0.0
-    event_record_us: float = 0.0
-    workspace_query_us: float = 0.0
-    synchronize_us: float = 0.0
-    replay_us: float = 0.0
-
-    @classmethod
-    def atlas_a2(cls) -> HostCostModel:
-        """Return the model calibrated on the Atlas A2 measurements cited above."""
-        # 184 us per updated layer = begin 22 + op launch (tiling) 120 + end 30 + record 12.
-        return cls(
-            op_launch_us=120.0,
-            update_begin_us=22.0,
-            update_end_us=30.0,
-            event_record_us=12.0,
-            workspace_query_us=50.0,
-            synchronize_us=85.0,
-            replay_us=40.0,
-        )
-
-
-@attrs.frozen(kw_only=True)
-class SimConfig:
-    """How the simulated device schedules work and charges host time.
-
-    ``adversarial_seed`` turns on adversarial scheduling: work is deferred and
-    streams are interleaved in a seeded random order consistent with their
-    dependencies, so missing ordering shows up as wrong results or typed errors.
-    ``cost_model`` charges host time per device call (benchmarks only).
-    ``faults``: device faults to inject (:mod:`.faults`); by default ``NPUGRAPH_SIM_FAULT``'s.
-    """
-
-    adversarial_seed: int | None = None
-    cost_model: HostCostModel | None = None
-    # f(op_name, params) -> seconds of device time per kernel; None: the kernel's wall time
-    kernel_time_model: Any = None
-    faults: FaultPlan | None = attrs.field(factory=FaultPlan.from_env)
+__all__ = ["SimState", "Stream", "Event", "KernelWork", "get_state", "locked", "reset"]
 
 
 class _Work(Protocol):
@@ -469,54 +408,6 @@ def _capture_unsupported(what: str) -> Exception:
     return CaptureError(f"{what}: the simulator captures a single stream; fork/join not modelled")
 
 
-class ExternalEvent:
-    """A one-bit device flag (``torch.npu.ExternalEvent``).
-
-    ``record`` enqueues "flag = 1" (a record while the flag is already 1 is lost:
-    the simulator raises :class:`RaceError` when it lands).  ``wait`` enqueues
-    "block until flag == 1, then flag = 0"; inside a capture it becomes a graph node.
-    ``reset`` is a no-op, as on every CANN that has task groups.
-    """
-
-    def __init__(self) -> None:
-        self.event_id = _new_id()
-        self._flag = 0
-        self._waits_since_record = 0
-        self.label: str | None = None  # simulator-only: shown in error messages
-
-    def __repr__(self) -> str:
-        return f"<sim.npu.ExternalEvent #{self.event_id}>"
-
-    @locked
-    def record(self, stream: Stream) -> None:
-        st = get_state()
-        st.charge("event_record")
-        self._waits_since_record = 0
-        if st.capture is not None and st.capture.stream is stream:
-            st.capture.record_external(self, wait=False)
-            return
-        st.enqueue(stream, _ExternalRecord(self, stream))
-
-    @locked
-    def wait(self, stream: Stream) -> None:
-        st = get_state()
-        if self._waits_since_record >= 1:
-            raise RuntimeError(
-                "External event: A single record operation cannot be associated with multiple wait operations."
-            )
-        self._waits_since_record += 1
-        if st.capture is not None and st.capture.stream is stream:
-            st.capture.record_external(self, wait=True)
-            return
-        st.enqueue(stream, _ExternalWait(self))
-
-    def reset(self, stream: Stream) -> None:
-        """No-op on every CANN that has task groups (kept for old code)."""
-
-
-# --- plain work items ----------------------------------------------------------------
-
-
 class _EventRecord:
     def __init__(self, event: Event, seq: int) -> None:
         self.event, self.seq = event, seq
@@ -547,60 +438,6 @@ class _EventWait:
         return {"text": f"wait on {self.event!r} (record #{self.seq})", "event": self.event}
 
 
-def external_event_name(event: ExternalEvent) -> str:
-    return f"{event!r}" + (f" [{event.label}]" if event.label else "")
-
-
-class _ExternalRecord:
-    def __init__(self, event: ExternalEvent, stream: Stream) -> None:
-        self.event = event
-        self.stream = stream
-
-    def ready(self) -> bool:
-        return True
-
-    def step(self, max_nodes: int) -> bool:
-        fire_external_record(self.event, where=f"on {self.stream!r}")
-        return True
-
-    def describe(self) -> dict[str, Any]:
-        return {"text": f"record of {external_event_name(self.event)}", "event": self.event}
-
-
-def fire_external_record(event: ExternalEvent, where: str = "") -> None:
-    """Set the flag; a record that lands while it is already set is lost (and so is one
-    an injected ``lost-record`` fault takes)."""
-    if get_state().injected.record_lost():
-        return
-    if event._flag:
-        raise RaceError(
-            f"{external_event_name(event)} was recorded {where} while its flag was already set: "
-            "this record is lost, and the next replay waiting on it would hang. Record each "
-            "task's event exactly once per replay (after its update), and order the update "
-            "stream after the previous replay.",
-            event=event,
-        )
-    event._flag = 1
-
-
-class _ExternalWait:
-    def __init__(self, event: ExternalEvent) -> None:
-        self.event = event
-
-    def ready(self) -> bool:
-        return bool(self.event._flag)
-
-    def step(self, max_nodes: int) -> bool:
-        self.event._flag = 0
-        return True
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "text": f"wait on {external_event_name(self.event)}, which is never recorded",
-            "event": self.event,
-        }
-
-
 class KernelWork:
     """One eager kernel launch queued on a stream."""
 
@@ -616,45 +453,3 @@ class KernelWork:
 
     def describe(self) -> dict[str, Any]:
         return {"text": self.label}
-
-
-def accept_record_stream() -> None:
-    """Let ``Tensor.record_stream`` take the simulator's streams, as torch_npu's NPU streams are
-    torch streams (SGLang records its device-to-host copies on the current stream).
-
-    On hardware the call keeps the caching allocator from reusing the tensor's block until
-    the stream's work so far is done; on the simulator queued work holds its tensors until
-    it runs, so there is nothing more to keep.  What this does not catch: a program that
-    needs ``record_stream`` and lacks it (the simulator is kinder there)."""
-    import torch
-
-    original = torch.Tensor.record_stream
-    if getattr(original, "_npugraph_sim", False):
-        return
-
-    def record_stream(self: torch.Tensor, stream: Any) -> None:
-        if isinstance(stream, Stream):
-            return None
-        return original(self, stream)
-
-    record_stream._npugraph_sim = True  # type: ignore[attr-defined]
-    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign, assignment]
-
-
-class StreamContext:
-    """Make ``stream`` current for the block (``torch.npu.stream`` / ``torch.npu.StreamContext``;
-    ``None``: no change); the stream before it is current again after.  Reusable: SGLang makes
-    one and enters it every step."""
-
-    def __init__(self, stream: Stream | None) -> None:
-        self.stream = stream
-        self._before: list[Stream] = []
-
-    def __enter__(self) -> None:
-        st = get_state()
-        self._before.append(st.current_stream)
-        if self.stream is not None:
-            st.current_stream = self.stream
-
-    def __exit__(self, *exc: object) -> None:
-        get_state().current_stream = self._before.pop()

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from npusim.runtime import state as rt
+from npusim.runtime.external import ExternalEvent
 from npusim.runtime.graph import _NPUGraph
 from npusim.runtime.taskgroups import (
     graph_task_group_begin,
@@ -35,6 +36,7 @@ from npusim.runtime.taskgroups import (
 )
 from npusim.surfaces import npugraph_utils
 from npusim.surfaces.npugraph_handlers.npugraph_handler import _NPU_GRAPH_OP_HANDLERS, kept
+from npusim.surfaces.streams import StreamContext
 
 __all__ = ["NPUGraph", "graph"]
 
@@ -95,7 +97,7 @@ class _GraphDispatchMode(TorchDispatchMode):
         if should_handle is not None and not should_handle(func, args, kwargs):
             return func(*args, **kwargs)
         stream = rt.get_state().current_stream
-        event = rt.ExternalEvent()
+        event = ExternalEvent()
         event.wait(stream)
         event.reset(stream)
         func, args, kwargs = handler.prepare_capture(func, args, kwargs)
@@ -129,7 +131,7 @@ def update_records(
     *,
     begin: Callable[[Any, Any], None] = graph_task_update_begin,
     end: Callable[[Any], None] = graph_task_update_end,
-    on_stream: Callable[[Any], AbstractContextManager[Any]] = rt.StreamContext,
+    on_stream: Callable[[Any], AbstractContextManager[Any]] = StreamContext,
 ) -> None:
     """torch_npu's ``update_capture_record`` over ``records``: one input dict is copied per
     record; then per record, on ``update_stream``: begin, the generic rewrite of the record's
@@ -245,7 +247,7 @@ class graph:
         self.pool: tuple[Any, ...] = () if pool is None else (pool,)
         self.capture_stream = stream
         self.capture_error_mode = capture_error_mode
-        self._ctx = rt.StreamContext(stream)
+        self._ctx = StreamContext(stream)
         self._auto = auto_dispatch_capture
         self._mode: Any = None
         npu_graph.auto_dispatch_capture = auto_dispatch_capture
