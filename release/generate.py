@@ -196,6 +196,8 @@ MODELS["pp2-ray"] = attrs.evolve(MODELS["tp2"], tensor_parallel=1, pipeline_para
 # and SGLang's check serves a Qwen3 in CI), MLA's combinations (n-gram, tensor parallel 2, two
 # MTP drafts), the 32-layer benchmark on every release, and its repeats
 CI_MODELS = ("llama", "ngram", "tp2", "mla", "mla-mtp")
+# make compat's, on every release: PA's and FIA's head sizes, each a dense decoder users serve
+COMPAT_MODELS = ("llama", "qwen3")
 
 
 def ships_updatable_graph() -> bool:
@@ -216,11 +218,13 @@ SLOWED = "slow-kernel=npu_fused_infer_attention_score:20"
 
 
 def checked() -> dict[str, Model]:
-    """The models this check generates: every one, or at ``CHECK_SCOPE=ci`` CI_MODELS, and the
-    32-layer benchmark where the release ships the UpdatableGraph it is measured against."""
+    """The models this check generates: every one, or at ``CHECK_SCOPE=ci`` CI_MODELS and the
+    32-layer benchmark where the release ships the UpdatableGraph it is measured against, or at
+    ``CHECK_SCOPE=compat`` COMPAT_MODELS."""
     # the Ray executor's models need the cluster release/test_ray.py starts: that check runs them
-    ci = CI_MODELS + (("deep",) if ships_updatable_graph() else ())
-    return {name: m for name, m in MODELS.items() if m.executor == "mp" and (check_scope() == "full" or name in ci)}
+    scope = check_scope()
+    chosen = COMPAT_MODELS if scope == "compat" else CI_MODELS + (("deep",) if ships_updatable_graph() else ())
+    return {name: m for name, m in MODELS.items() if m.executor == "mp" and (scope == "full" or name in chosen)}
 
 
 def eager_models() -> tuple[str, ...]:

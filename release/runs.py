@@ -39,8 +39,10 @@ TIMED = ("llama", "ngram", "deep")
 
 # How much a release check runs (CHECK_SCOPE): "full" (make release-check, make sglang-check)
 # every model and repeat; "ci" (.ci/run) each kind of run once, inside CI's time limit: the
-# combinations and repeats it leaves out are named where each check chooses its runs
-SCOPES = ("full", "ci")
+# combinations and repeats it leaves out are named where each check chooses its runs; "compat"
+# (make compat, release/compat.sh) what every release is held to: its own tests of the graph
+# path, the Llama and the Qwen3 in each mode, vLLM's default mode and npugraph's INFO line
+SCOPES = ("full", "ci", "compat")
 
 
 def check_scope() -> str:

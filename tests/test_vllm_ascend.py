@@ -17,7 +17,6 @@ import os
 import random
 import sys
 import types
-import warnings
 from pathlib import Path
 
 import pytest
@@ -331,21 +330,52 @@ def test_a_later_draft_step_is_captured_one_query_token_per_row_in_the_wrappers_
         ascend._one_token_rows(meta, 9, [])
 
 
-def test_install_warns_by_name_about_what_it_did_not_find(generation):
+def test_a_release_lacking_a_replaced_name_gets_nothing_replaced_and_one_error_line(generation, caplog):
+    """As if vllm-ascend renamed a recorder: half a replacement would leave its kernel recorded by
+    vllm-ascend and updated by nobody (stale lengths), so npugraph refuses whole: every name is
+    put back, vLLM's wrapper class included, and one ERROR line names what is missing."""
+    from vllm.platforms import current_platform
+    from vllm_ascend.attention import attention_v1
+    from vllm_ascend.compilation import acl_graph
+
+    impl = attention_v1.AscendAttentionBackendImpl
+    integ.uninstall(current_platform)
+    own = {n: vars(impl)[n] for n in ("forward", "full_graph_pa", "update_graph_params")}
+    own_wrapper = acl_graph.ACLGraphWrapper
+    del impl.full_graph_fia_v2
+    with caplog.at_level("INFO", logger="vllm.npugraph"):
+        said = integ.install(current_platform)
+    name = "vllm_ascend.attention.attention_v1.AscendAttentionBackendImpl.full_graph_fia_v2"
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in errors] == [said]
+    assert said.startswith("npugraph: vllm-ascend ") and f"has no {name}, which npugraph replaces" in said
+    assert "vLLM serves with vllm-ascend's own graphs" in said
+    assert not [r for r in caplog.records if "installed; replaced" in r.getMessage()]
+    assert {n: vars(impl)[n] for n in own} == own and acl_graph.ACLGraphWrapper is own_wrapper
+    assert "_npugraph_original_wrapper_cls" not in vars(type(current_platform))
+    assert not [n for n in vars(impl) if n.startswith("_npugraph_original_")]
+
+
+def test_a_release_of_neither_known_generation_is_refused_by_name(generation, caplog):
+    """No generation's mark at all (neither the Aug recorders nor the Sept UpdatableGraph): refused
+    in one ERROR line that names both marks, nothing left replaced."""
+    from vllm.platforms import current_platform
     from vllm_ascend.attention import attention_v1
 
-    ascend.uninstall()
-    del attention_v1.AscendAttentionBackendImpl.full_graph_fia_v2  # as if vllm-ascend renamed it
-    ascend._warn_missing.cache_clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = ascend.install()
-    assert result is not None and result.generation == "aug-2026"
-    assert "vllm_ascend.attention.attention_v1.AscendAttentionBackendImpl.full_graph_fia_v2" in result.missing
-    assert any(
-        "has no vllm_ascend.attention.attention_v1.AscendAttentionBackendImpl.full_graph_fia_v2" in str(w.message)
-        for w in caught
-    )
+    integ.uninstall(current_platform)
+    del attention_v1.AscendAttentionBackendImpl.full_graph_pa
+    assert ascend.detect() is None
+    with caplog.at_level("ERROR", logger="vllm.npugraph"):
+        said = integ.install(current_platform)
+    assert said is not None and "AscendAttentionBackendImpl.full_graph_pa (Aug 2026) or " in said
+    assert "updatable_graph.register_task (Sept 2026)" in said
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [said]
+    assert "_npugraph_original_wrapper_cls" not in vars(type(current_platform))
+
+
+def test_install_replaces_the_runners_copy_of_update_full_graph_params(generation):
+    result = ascend.install()
+    assert result is not None and result.missing == ()
     assert "vllm_ascend.worker.model_runner_v1.update_full_graph_params" in result.replaced
 
 
@@ -685,12 +715,9 @@ def test_real_vllm_ascend_sources_have_every_name_npugraph_replaces(monkeypatch)
             if os.environ.get("NPUGRAPH_REQUIRE_VLLM_ASCEND") == "1":  # release/run.sh: the pair must import
                 raise
             pytest.skip(f"vllm-ascend at {src} does not import over this vLLM: {type(exc).__name__}: {exc}")
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            result = ascend.install()
+        result = ascend.install()
         assert result is not None, "no vllm-ascend generation detected"
         assert result.missing == (), f"expected names not found: {result.missing}"
-        assert not [w for w in said if "npugraph: vllm-ascend has no" in str(w.message)]
         # the Aug 2026 generation (0.23.0.post1): the backend's recorders and update, and the
         # runner's update_full_graph_params wherever it was imported
         impl = "vllm_ascend.attention.attention_v1.AscendAttentionBackendImpl"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # SGLang 0.5.23 as users install and start it, on npugraph's simulator (make sglang-check):
-#   1. builds (or reuses) the environment of release/sglang/env.sh ($SGLANG_ENV, default .sglang-env);
+#   1. builds (or reuses) the environment of release/sglang/env.sh ($SGLANG_ENV, default .sglang-env;
+#      another release, SGLANG_VERSION=0.5.21 or 0.5.22: release/sglang/versions.sh);
 #   2. npugraph's plugin test against SGLang's own classes (tests/test_sglang.py);
 #   3. a real generation (release/sglang/generate.py): a Llama and a Qwen3, each in eager mode,
 #      SGLang's own NPU graphs and npugraph's plugin, each in its own process (SGLang's engine,
@@ -18,12 +19,15 @@
 #      layer under capture, a kernel fault at replay, an event record the device loses; each
 #      ends the server within seconds (SGLang's own response to a scheduler failure), the
 #      scheduler's log naming npugraph's graph, the layer and the op, every streamed token right.
+# At CHECK_SCOPE=compat (make compat, every release) it runs 2 and 3, once each, without the update's cost.
 # Fails if any of them fails.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(dirname "$(dirname "$HERE")")"
-ENV_DIR="${SGLANG_ENV:-$REPO/.sglang-env}"
+# shellcheck source=release/sglang/versions.sh
+source "$HERE/versions.sh"
+sglang_release_of "${SGLANG_VERSION:-0.5.23}"  # LOCK, ENV_DIR
 "$HERE/env.sh"
 
 PYTHON="$ENV_DIR/venv/bin/python"
@@ -33,18 +37,23 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 status=0
 # shellcheck source=release/step.sh
 source "$(dirname "$HERE")/step.sh"
+engine_test() {  # FILE: one of npugraph's checks of SGLang's engine runs, its output into the step's log
+    (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider "$1") 2>&1 | tee "$STEP_LOG"
+}
 step "npugraph's plugin against SGLang's classes and hook registry"
-(cd "$REPO" && NPUGRAPH_SIM_TORCH_NPU=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_sglang.py) 2>&1 | tee "$STEP_LOG" || failed
+(cd "$REPO" && NPUGRAPH_SIM_TORCH_NPU=1 "$PYTHON" -m pytest -q -p no:cacheprovider -o junit_family=xunit1 \
+    --junitxml="$RESULTS/plugin/plugin.xml" tests/test_sglang.py) 2>&1 | tee "$STEP_LOG" || failed
 step "a real generation with SGLang $("$PYTHON" -c 'import importlib.metadata as m; print(m.version("sglang"))'): eager, SGLang's NPU graphs, npugraph"
 "$PYTHON" "$HERE/generate.py" "$RESULTS" 2>&1 | tee "$STEP_LOG" || failed generate.py
-(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_generate.py) 2>&1 | tee "$STEP_LOG" \
-    || failed release/sglang/test_generate.py
-"$PYTHON" "$HERE/update_cost.py" "$RESULTS" 2>&1 | tee -a "$STEP_LOG" || failed update_cost.py
-step "SGLang's server (launch_server) with npugraph's plugin, driven by the openai client"
-(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_server.py) 2>&1 | tee "$STEP_LOG" \
-    || failed
-step "faults through SGLang's server (npugraph's plugin): each ends the server in seconds and says where"
-(cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider release/sglang/test_faults.py) 2>&1 | tee "$STEP_LOG" \
-    || failed
+engine_test release/sglang/test_generate.py || failed release/sglang/test_generate.py
+if [ "${CHECK_SCOPE:-full}" = compat ]; then  # make compat: the plugin and the generation only
+    step "the update's cost, the server and faults: not at CHECK_SCOPE=compat (make sglang-check's)"
+else
+    "$PYTHON" "$HERE/update_cost.py" "$RESULTS" 2>&1 | tee -a "$STEP_LOG" || failed update_cost.py
+    step "SGLang's server (launch_server) with npugraph's plugin, driven by the openai client"
+    engine_test release/sglang/test_server.py || failed
+    step "faults through SGLang's server (npugraph's plugin): each ends the server in seconds and says where"
+    engine_test release/sglang/test_faults.py || failed
+fi
 step "done (status $status)"
 exit $status

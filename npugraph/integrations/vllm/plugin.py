@@ -5,6 +5,7 @@ KV-cache budget, and :func:`uninstall` puts every original back."""
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 import os
 import sys
@@ -45,7 +46,7 @@ def _log_once(message: str) -> None:
     logger.info(message)
 
 
-def install(platform: Any = None) -> None:
+def install(platform: Any = None) -> str | None:
     """Make vLLM (and vllm-ascend, if installed) use npugraph's wrapper and updater.
 
     Replaced names, and why it is safe:
@@ -63,8 +64,10 @@ def install(platform: Any = None) -> None:
       event twice: a lost record, then a hang).
 
     Every original is kept on the patched object (``_npugraph_original_*``) and
-    restored by :func:`uninstall`.  What was replaced is logged; every expected name
-    that was not found is warned about, once, by name.
+    restored by :func:`uninstall`.  What was replaced is logged.  A vllm-ascend lacking a name
+    it replaces (a release whose internals moved) gets nothing: every name is put back and one
+    ERROR line names what is missing (:func:`refusal`); vLLM then serves with vllm-ascend's
+    own graphs.  Returns that line, or None where npugraph is installed.
     """
     if platform is None:
         from vllm.platforms import current_platform as platform
@@ -78,12 +81,35 @@ def install(platform: Any = None) -> None:
     _patch_input_guard()
     _patch_render_guard()
     patch_kv_budget()
-    vllm_ascend.install()
+    found = vllm_ascend.install()
+    if found is not None and found.missing:
+        uninstall(platform)
+        refused = refusal(found.missing)
+        logger.error(refused)
+        return refused
     if uses_model_runner_v2():
         logger.info("npugraph: vLLM's model runner v2: replaced %s", ", ".join(runner_v2.install()) or "nothing")
     for module_name, names in _PATCHED_DRAFT:  # after vllm-ascend's own import order (vllm_ascend.install)
         _patch(module_name, names, DraftNpuGraphWrapper)
     _log_once(f"npugraph: installed as the graph wrapper of {cls.__name__} (pid {os.getpid()})")
+    return None
+
+
+def refusal(missing: tuple[str, ...]) -> str:
+    """The one line that says npugraph refused this vllm-ascend, naming what it lacks."""
+    return (
+        f"npugraph: vllm-ascend {ascend_version()} has no {', '.join(missing)}, which npugraph replaces: "
+        "npugraph is not installed, and vLLM serves with vllm-ascend's own graphs (a release whose internals "
+        "moved: pin one of those docs/vllm-ascend-release.md lists, or report it)"
+    )
+
+
+def ascend_version() -> str:
+    """The installed vllm-ascend's version, as its distribution records it."""
+    try:
+        return importlib.metadata.version("vllm-ascend")
+    except importlib.metadata.PackageNotFoundError:
+        return "(of no recorded version)"
 
 
 # vllm-ascend names install() replaces (where the module and the name exist), and uninstall() restores.

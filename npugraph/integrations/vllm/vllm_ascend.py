@@ -18,8 +18,8 @@ vllm-ascend records its graph path itself, in two generations:
 recorders become thin clients: one npugraph task per layer, validated, padded and
 updated by npugraph's one step protocol), and turns their per-step update into a no-op —
 npugraph's wrapper already updated the graph, and a second update would record every
-event twice (a lost record, then a hang).  It says what it replaced, and warns once, by
-name, about every name it expected and did not find: vllm-ascend's names drift.
+event twice (a lost record, then a hang).  It says what it replaced.  vllm-ascend's names
+drift: where one it expects is missing it replaces nothing, and the plugin refuses by name.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import contextvars
 import functools
 import logging
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -108,8 +107,11 @@ def detect() -> str | None:
 def install() -> Replaced | None:
     """Make the installed vllm-ascend's backends record through npugraph (see the module doc).
 
-    Returns what was replaced (None where vllm-ascend is not installed); logs it, and
-    warns once per expected name that was not found.
+    Returns what was replaced (None where vllm-ascend is not installed) and logs it.  Where
+    an expected name is missing (a release whose internals moved), it puts back what it had
+    replaced and returns the names it missed: half a replacement would leave a kernel that
+    vllm-ascend records and nobody updates, or updated twice, so the plugin refuses whole
+    (:func:`npugraph.integrations.vllm.plugin.install` says so in one ERROR line).
     """
     # vllm-ascend 0.23.0.post1's modules import each other in a cycle (attention_v1 ->
     # device_op -> ops -> fused_moe -> experts_selector -> device_op) that closes only from
@@ -119,7 +121,11 @@ def install() -> Replaced | None:
     _module(_OPS)
     generation = detect()
     if generation is None:
-        return None
+        if _module("vllm_ascend") is None:
+            return None
+        # neither generation's mark: this release records and updates its graphs some other way
+        marks = f"{_ATTENTION}.{_IMPL}.full_graph_pa (Aug 2026) or {_UPDATABLE[0]}.register_task (Sept 2026)"
+        return Replaced(generation="unknown", replaced=(), missing=(marks,))
     replaced: list[str] = []
     missing: list[str] = []
     impl = getattr(_module(_ATTENTION), _IMPL, None)
@@ -163,9 +169,10 @@ def install() -> Replaced | None:
             _replace_attr(graph_cls, "resolve_tasks", _no_tasks, f"{where}.resolve_tasks", replaced, missing)
             _replace_attr(graph_cls, "update", _noop_method, f"{where}.update", replaced, missing)
     result = Replaced(generation=generation, replaced=tuple(replaced), missing=tuple(missing))
+    if missing:
+        uninstall()
+        return attrs.evolve(result, replaced=())
     logger.info("npugraph: vllm-ascend (%s) installed; replaced %s", generation, ", ".join(replaced) or "nothing")
-    for name in missing:
-        _warn_missing(name)
     return result
 
 
@@ -178,15 +185,6 @@ def uninstall() -> None:
         for value in list(vars(module).values()):
             if isinstance(value, type):
                 _restore(value)
-
-
-@functools.cache
-def _warn_missing(name: str) -> None:
-    warnings.warn(
-        f"npugraph: vllm-ascend has no {name}; it was not replaced (its name changed?). Check that vllm-ascend's "
-        "own graph update does not also run, or pin the vllm-ascend npugraph was tested with.",
-        stacklevel=3,
-    )
 
 
 def _module(name: str) -> Any:
