@@ -760,7 +760,38 @@ def test_real_vllm_ascend_sources_have_every_name_npugraph_replaces(monkeypatch)
             assert (base.capture, manager_cls._updatable_graph_replay, manager_cls._graph_relay) != before
             runner_v2.uninstall()
             assert (base.capture, manager_cls._updatable_graph_replay, manager_cls._graph_relay) == before
+        # uninstall() puts every name back: none is npugraph's, no kept original is left behind
+        ascend.uninstall()
+        still = [label for label in result.replaced if _npugraphs(_named(label))]
+        assert still == [], f"not put back: {still}"
+        kept = [
+            f"{owner.__name__}.{n}"
+            for m in list(sys.modules.values())
+            if getattr(m, "__name__", "").startswith("vllm_ascend")
+            for owner in (m, *(v for v in vars(m).values() if isinstance(v, type)))
+            for n in list(vars(owner))
+            if n.startswith("_npugraph_original_")
+        ]
+        assert kept == []
     finally:
         ascend.uninstall()
         _purge()
         sim.uninstall_torch_npu()
+
+
+def _named(label: str) -> object:
+    """The object a dotted label names (``vllm_ascend.attention.attention_v1.Impl.forward``)."""
+    parts = label.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise LookupError(label)
+
+
+def _npugraphs(obj: object) -> bool:
+    return getattr(obj, "__module__", "").startswith("npugraph")
