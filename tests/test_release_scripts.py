@@ -564,15 +564,16 @@ def test_make_compat_records_a_release_and_the_readme_matrix_is_made_from_the_re
     r = data["vllm"]["0.30.0rc1"]
     assert r["status"] == "failed" and r["minutes"] == 10.0 and r["vllm"] == "0.30.0"
     assert r["failed_steps"] == ["FAILED: release/test_generate.py, in a real generation"]
-    assert r["generation"]["llama"] == {"eager": "ran", "aclgraph": "eager's tokens", "npugraph": "eager's tokens"}
-    assert r["generation"]["qwen3"] == {"eager": "ran", "aclgraph": "no result", "npugraph": "other tokens"}
+    assert r["generation"]["llama"] == {"eager": "ran", "aclgraph": "same as eager", "npugraph": "same as aclgraph"}
+    assert r["generation"]["qwen3"] == {"eager": "ran", "aclgraph": "no result", "npugraph": "differs from aclgraph"}
+    assert r["llama_other_modes"]["vllm-default-npugraph"] == "same as vllm-default"
     assert r["plugin"] == {"generation": "aug-2026", "replaced": 3, "missing": []}
     s = data["sglang"]["0.5.22"]
-    assert s["generation"]["qwen3"] == {"eager": "ran", "sglang": "eager's tokens", "npugraph": "no result"}
+    assert s["generation"]["qwen3"] == {"eager": "ran", "sglang": "same as eager", "npugraph": "no result"}
     assert s["plugin"] == {"npugraph_steps": 41} and s["status"] == "passed"
     rows = compat.table(data).splitlines()
     assert len(rows) == 8 and rows[2].startswith("| 0.24.0rc1 (0.24.0) |") and rows[3].startswith("| 0.30.0rc1")
-    assert "| ✓ / — / ✗ tokens |" in rows[3] and "| ✓ / ✓; not served |" in rows[3]
+    assert "| ✓ / — / ≠ aclgraph |" in rows[3] and "| ✓ / ✓; not served |" in rows[3]
     assert rows[7].startswith("| 0.5.22 |") and rows[7].endswith("| ✓ / ✓ / ✓ | ✓ / ✓ / — | 41 |")
     assert compat._order("0.30.0rc1") < compat._order("0.30.0rc2") < compat._order("0.30.0")
     assert compat._order("0.23.0") < compat._order("0.23.0.post1") < compat._order("0.24.0rc1")
