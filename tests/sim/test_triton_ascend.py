@@ -196,3 +196,27 @@ def test_the_kept_numpy_types_are_tritons_answers_for_every_type() -> None:
         for t in types:
             assert kept(t) == triton_own(t), t
     assert kept(tl.block_type(tl.bfloat16, [2])) == np.dtype(np.uint16)  # patterns, as Triton keeps them
+
+
+def test_an_interpreted_kernel_runs_where_a_program_stubbed_out_tritons_gluon(monkeypatch) -> None:
+    """vllm-ascend 0.27.1rc1 replaces triton.experimental.gluon by empty modules at import
+    (triton-ascend has none); Triton's interpreter imports gluon's nvidia module to specialize a
+    kernel's arguments.  The launch puts Triton's own back; whoever took a stand-in keeps it."""
+    import sys
+    import types
+
+    for name in [n for n in sys.modules if n.startswith("triton.experimental")]:
+        monkeypatch.delitem(sys.modules, name)
+    experimental = types.ModuleType("triton.experimental")
+    experimental.__path__ = []
+    stand_in = types.ModuleType("triton.experimental.gluon")
+    monkeypatch.setitem(sys.modules, "triton.experimental", experimental)
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", stand_in)
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon.language", types.ModuleType("x"))
+    x = torch.arange(21 * 8, dtype=torch.float32).view(21, 8)
+    out = torch.empty(21, 8, device="npu")
+    scale_rows[(1,)](x.to("npu"), out, ROWS=21, COLS=8)
+    torch.npu.synchronize()
+    assert torch.equal(out.cpu(), x * torch.arange(1, 22, dtype=torch.float32)[:, None])
+    assert hasattr(sys.modules["triton.experimental.gluon"], "__path__")  # Triton's own again
+    assert "triton.experimental.gluon.nvidia" in sys.modules and stand_in.__dict__.get("__path__") is None

@@ -17,6 +17,8 @@ the simulator they run in PyPI Triton's interpreter (``TRITON_INTERPRET=1``), wi
   rope), through the same launch;
 * block shapes that are not powers of two (:func:`relax_block_shapes`), as triton-ascend
   allows them;
+* Triton's own ``triton.experimental.gluon``, which its interpreter needs, where a program
+  put empty stand-ins for it (:func:`real_gluon`: vllm-ascend 0.27.1rc1 does, for Triton 3.2);
 * bfloat16 arithmetic on values, not on the interpreter's raw 16-bit patterns
   (:func:`bfloat16_arithmetic`);
 * two costs of the interpreter's own that change no result: integer overflow checks whose
@@ -37,8 +39,10 @@ interpreter is slow: about a millisecond per program instance).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -353,6 +357,7 @@ def launch_as_kernels(interpreter: types.ModuleType) -> None:
             host_args = [host[f"arg{i}"] for i in range(len(args))]
             host_kwargs = {k: host[f"kw_{k}"] for k in kwargs}
             if substitute is None or os.environ.get(SUBSTITUTES_ENV, "1") == "0":
+                real_gluon()
                 run(self, *host_args, **host_kwargs)
                 return
             names = inspect.getfullargspec(self.fn).args  # what the interpreter binds, too
@@ -364,6 +369,26 @@ def launch_as_kernels(interpreter: types.ModuleType) -> None:
 
     call._npugraph_sim = True  # type: ignore[attr-defined]
     executor.__call__ = call
+
+
+def real_gluon() -> None:
+    """Put Triton's own ``triton.experimental.gluon`` back where a program replaced it by empty
+    stand-ins, so that Triton's interpreter can specialize a kernel's arguments (it imports
+    ``triton.experimental.gluon.nvidia`` to do so).
+
+    vllm-ascend 0.27.1rc1 puts those stand-ins into ``sys.modules`` at import, unconditionally,
+    because triton-ascend (Triton 3.2) has no gluon; its later releases do so only where the
+    import fails.  On a device triton-ascend compiles, and nothing reads them; here PyPI's
+    Triton, which has gluon, interprets.  Code that took a stand-in keeps it."""
+    stand_in = sys.modules.get("triton.experimental.gluon")
+    if stand_in is None or hasattr(stand_in, "__path__"):
+        return  # Triton's own package, or not imported yet
+    for name in [n for n in sys.modules if n.startswith("triton.experimental.gluon")]:
+        del sys.modules[name]
+    experimental = sys.modules.get("triton.experimental")
+    if experimental is not None and getattr(experimental, "__file__", None) is None:
+        del sys.modules["triton.experimental"]  # a stand-in package with no files (``__path__ = []``)
+    importlib.import_module("triton.experimental.gluon.nvidia")
 
 
 def _substitute(fn: Any) -> Substitute | None:
