@@ -72,6 +72,7 @@ from npusim.runtime.state import reset as _reset
 from npusim.runtime.taskgroups import NPUTaskGroupHandle
 from npusim.surfaces import hccl, profiler, torch_npu_modules, torch_npu_testing, torch_ops
 from npusim.surfaces.aliases import PackageAlias
+from npusim.surfaces.not_simulated import npu_mla_prolog, npu_mla_prolog_v2, npu_mla_prolog_v3
 from npusim.surfaces.patches import _apply_patches
 from npusim.surfaces.streams import accept_record_stream
 
@@ -109,6 +110,9 @@ __all__ = [
     "npu_transpose_batchmatmul",
     "_npu_flash_attention_qlens",
     "npu_swiglu",
+    "npu_mla_prolog",
+    "npu_mla_prolog_v2",
+    "npu_mla_prolog_v3",
     "PAD_SLOT_ID",
     "hifloat8",
     "float8_e8m0fnu",

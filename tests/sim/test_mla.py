@@ -204,3 +204,13 @@ def test_mla_kernels_replay_in_a_graph_with_new_inputs():
     npu.synchronize()
     assert torch.equal(y.cpu(), torch_npu.npu_interleave_rope(x, cos, sin).cpu())
     assert torch.equal(z.cpu(), torch_npu.npu_transpose_batchmatmul(lat, w).cpu())
+
+
+@pytest.mark.parametrize("name", ["npu_mla_prolog", "npu_mla_prolog_v2", "npu_mla_prolog_v3"])
+def test_the_fused_mla_prolog_is_a_name_that_refuses_when_called(name):
+    """torch_npu has it, vllm-ascend's tests patch it by name (``patch("torch_npu.npu_mla_prolog_v3")``,
+    0.29.0rc1's test_mla_v1.py), and the simulator does not compute it: the name exists and a
+    call says so."""
+    op = getattr(torch_npu, name)
+    with pytest.raises(RuntimeError, match=f"torch_npu.{name} is not simulated by npusim"):
+        op(torch.empty(1))
