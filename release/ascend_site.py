@@ -8,8 +8,9 @@ Ascend host settles by being one, and, for release/generate.py only, its counts.
   where an import that fails stops the compilation.  On an Ascend host the import succeeds;
   here it cannot, so the answer ("disabled", logged once) is settled as soon as
   ``vllm_ascend.utils`` is imported, outside any trace.
-  From 0.30 on, vllm-ascend's RMSNorm with a residual imports ``vllm_ascend_C`` with no
-  fallback (every decoder layer): there, the simulator's stand-in for the extension
+  From 0.28.0rc1 on, vllm-ascend's RMSNorm with a residual imports ``vllm_ascend_C`` with no
+  fallback (every decoder layer; read off its ``ops/layernorm.py``): there, the simulator's
+  stand-in for the extension
   (``npusim.surfaces.vllm_ascend_c``, the ``_C_ascend`` ops the models here reach) is what
   the import finds, and vllm-ascend runs with its custom ops enabled, as on a host.
 * torch reads a set ``CI`` variable as "this is torch's own CI" and then turns its
@@ -50,21 +51,21 @@ from npusim_hook import after_import
 
 
 def _needs_custom_ops() -> bool:
-    """Whether this release's layers import ``vllm_ascend_C`` with no fallback (0.30 on)."""
+    """Whether this release's layers import ``vllm_ascend_C`` with no fallback (0.28.0rc1 on)."""
     # release/ (runs.py) on the path for this one import: a user's process must not find
     # release/'s other files before its own modules
     here = str(Path(__file__).resolve().parent)
     sys.path.insert(0, here)
     try:
-        from runs import release_at_least
+        from runs import needs_custom_ops
     finally:
         sys.path.remove(here)
-    return release_at_least(0, 30)
+    return needs_custom_ops()
 
 
 def _settle_custom_ops(utils: Any) -> None:
     """Settle whether vllm-ascend's custom ops exist as ``vllm_ascend.utils`` finishes loading,
-    outside any trace: 0.30 on finds the simulator's stand-in for ``vllm_ascend_C`` (installed
+    outside any trace: 0.28 on finds the simulator's stand-in for ``vllm_ascend_C`` (installed
     here, not at interpreter start: a process that never imports vllm-ascend never imports
     the simulator for it), 0.23 finds none."""
     if _needs_custom_ops():

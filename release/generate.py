@@ -78,12 +78,12 @@ import attrs
 import engine_counts  # this folder's
 import tiny_model  # this folder's
 from runs import (  # this folder's
+    ascend_source,
     check_scope,
     clear_results,
     counts_folder,
     engine_env,
     order,
-    release_at_least,
     result_path,
     run_logged,
     side_by_side,
@@ -201,8 +201,8 @@ COMPAT_MODELS = ("llama", "qwen3")
 
 
 def ships_updatable_graph() -> bool:
-    """Whether this environment's vllm-ascend ships ``compilation/updatable_graph.py`` (0.30 on)."""
-    return release_at_least(0, 30)
+    """Whether this environment's vllm-ascend ships ``compilation/updatable_graph.py`` (0.29 on)."""
+    return ascend_source("compilation/updatable_graph.py") is not None
 
 
 # The side-by-side's runs (release/update_cost.py's verdict takes every one): the 32-layer

@@ -22,7 +22,8 @@ __all__ = [
     "counts_folder",
     "engine_env",
     "order",
-    "release_at_least",
+    "ascend_source",
+    "needs_custom_ops",
     "result_path",
     "results",
     "run_logged",
@@ -53,17 +54,23 @@ def check_scope() -> str:
     return scope
 
 
-def release_at_least(major: int, minor: int) -> bool:
-    """Whether this environment's vllm-ascend is release ``major.minor`` or newer (``False``
-    where none is installed): 0.30 on ships ``compilation/updatable_graph.py``, and its layers
-    import ``vllm_ascend_C`` with no fallback."""
-    from importlib.metadata import PackageNotFoundError, version
+def ascend_source(path: str) -> str | None:
+    """The text of this environment's vllm-ascend file ``path`` (``ops/layernorm.py``), or None
+    where it has no such file or no vllm-ascend: what a release does, read off its own sources
+    rather than a table of versions.  Finds the package without importing it."""
+    import importlib.util
 
-    try:
-        found = tuple(int(x) for x in version("vllm_ascend").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return False
-    return found >= (major, minor)
+    spec = importlib.util.find_spec("vllm_ascend")
+    if spec is None or spec.origin is None:
+        return None
+    file = Path(spec.origin).parent / path
+    return file.read_text() if file.is_file() else None
+
+
+def needs_custom_ops() -> bool:
+    """Whether this release's layers import ``vllm_ascend_C`` with no fallback: its RMSNorm with a
+    residual does from 0.28.0rc1 on (``ops/layernorm.py``)."""
+    return "import vllm_ascend.vllm_ascend_C" in (ascend_source("ops/layernorm.py") or "")
 
 
 def timed(models: Iterable[str]) -> tuple[str, ...]:
