@@ -58,6 +58,11 @@ def test_sgl_kernel_npu_imports_under_its_own_name_and_refuses_what_it_does_not_
     assert split_qkv_rmsnorm_rope is dense.split_qkv_rmsnorm_rope and TransferDirection.D2H.value == 2
     with pytest.raises(RuntimeError, match="transfer_kv_dim_exchange is not simulated by npusim"):
         transfer_kv_dim_exchange(None, None, None, None, None, None)
+    # SGLang 0.5.22's layers/layernorm.py imports it at module level on Ascend
+    from sgl_kernel_npu.norm.add_rmsnorm_bias import add_gemma_rms_norm
+
+    with pytest.raises(RuntimeError, match="add_gemma_rms_norm is not simulated by npusim .Gemma models."):
+        add_gemma_rms_norm(None, None, None, 1e-6)
     with pytest.raises(ModuleNotFoundError, match="sgl_kernel_npu.fla"):
         importlib.import_module("sgl_kernel_npu.fla")
     sim.uninstall_torch_npu()
