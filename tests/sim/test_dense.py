@@ -262,3 +262,17 @@ def test_add_rms_norm_bias_is_the_add_the_norm_and_the_bias(rows, hidden, bias, 
     assert torch.allclose(s.cpu().double(), total, atol=1e-6)
     assert (y.cpu().double() - want).abs().max() < 1e-5
     assert rstd.shape == (rows, 1) and rstd.dtype == torch.float32
+
+
+def test_loras_ops_are_defined_with_the_extensions_schemas_and_refuse_when_called():
+    """vllm-ascend 0.29's start-up gives bgmv_expand and sgmv_expand a meta kernel, which needs the
+    ops defined (every build of its extension defines them): defined, no meta of their own, and
+    a call on the device refuses naming the op."""
+    from npusim.surfaces import vllm_ascend_c  # noqa: F401  (registers the _C_ascend ops)
+
+    registered = torch._C._dispatch_get_registrations_for_dispatch_key("Meta")
+    for name in ("bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand"):
+        assert hasattr(torch.ops._C_ascend, name) and f"_C_ascend::{name}" not in registered
+    x = torch.zeros(2, 4, device="npu")
+    with pytest.raises(RuntimeError, match="torch.ops._C_ascend.bgmv_expand is not simulated by npusim .LoRA."):
+        torch.ops._C_ascend.bgmv_expand(x, x, torch.zeros(2, dtype=torch.long, device="npu"), x, 0, 4)

@@ -11,7 +11,10 @@ decoder layer needs it.  Importing this module registers, under the extension's 
 * ``npu_add_rms_norm_bias``: the residual add and RMSNorm with an optional bias
   (:func:`npusim.kernels.dense.npu_add_rms_norm_bias`, checked against a float64 reference);
 * ``device_print`` / ``device_print_tensor``: the extension's printing from a kernel (here
-  from the host, when the op runs); vllm-ascend registers them as effectful ops at start-up.
+  from the host, when the op runs); vllm-ascend registers them as effectful ops at start-up;
+* LoRA's ``bgmv_shrink``, ``bgmv_expand``, ``sgmv_shrink``, ``sgmv_expand``, which refuse when
+  called (LoRA is not simulated): vllm-ascend 0.29's ``meta_registration`` gives the two
+  expands a meta kernel at start-up, which needs the ops defined, as every build defines them.
 
 Any other ``_C_ascend`` op is absent, as on a build for a SoC without it: vllm-ascend's
 ``getattr(torch.ops._C_ascend, name, None)`` checks fall back, and a direct call fails
@@ -28,6 +31,7 @@ import torch
 from npusim.kernels import dense
 from npusim.surfaces import torch_ops
 from npusim.surfaces.aliases import PackageAlias
+from npusim.surfaces.not_simulated import not_simulated
 
 __all__ = ["NAMESPACE", "SCHEMAS", "install", "uninstall"]
 
@@ -39,7 +43,18 @@ SCHEMAS = {
     ),
     "device_print": "(str msg) -> ()",
     "device_print_tensor": "(Tensor tensor) -> ()",
+    "bgmv_shrink": "(Tensor! x, Tensor! weight, Tensor! indices, Tensor! y, float scale) -> ()",
+    "bgmv_expand": (
+        "(Tensor! x, Tensor! weight, Tensor! indices, Tensor! y, int slice_offset, int slice_size) -> Tensor"
+    ),
+    "sgmv_shrink": "(Tensor! x, Tensor! weight, Tensor! lora_indices, Tensor! seq_len, Tensor! y, float scale) -> ()",
+    "sgmv_expand": (
+        "(Tensor! x, Tensor! weight, Tensor! lora_indices, Tensor! seq_len, Tensor! y, int slice_offset, "
+        "int slice_size) -> Tensor"
+    ),
 }
+# defined with a kernel that refuses and no fake of its own: vllm-ascend registers their meta kernels
+_NOT_SIMULATED = ("bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand")
 _ALIAS = PackageAlias("vllm_ascend.vllm_ascend_C", __name__)
 
 
@@ -63,6 +78,11 @@ def _register() -> None:
     for name, (fn, key) in kernels.items():
         if not hasattr(namespace, name):
             torch_ops.define(f"{NAMESPACE}::{name}", SCHEMAS[name], fn, key)
+    for name in _NOT_SIMULATED:
+        if not hasattr(namespace, name):
+            qualname = f"{NAMESPACE}::{name}"
+            torch.library.define(qualname, SCHEMAS[name])
+            torch.library.impl(qualname, "PrivateUse1")(not_simulated(f"torch.ops.{NAMESPACE}.{name}", "LoRA"))
 
 
 def install() -> None:
