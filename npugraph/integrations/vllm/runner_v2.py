@@ -94,6 +94,8 @@ def _is_target_manager(manager: Any) -> bool:
 
 
 def _class(where: tuple[str, str]) -> Any:
+    if where[0].startswith("vllm_ascend."):
+        vllm_ascend.import_in_order()  # from its worker/v2 modules alone the import fails halfway (0.29)
     try:
         module = __import__(where[0], fromlist=["_"])
     except Exception:  # vllm-ascend without the v2 runner, or vLLM without it

@@ -41,7 +41,7 @@ from npugraph.metadata import AttentionMetadata
 from npugraph.ops import AttentionCall
 from npugraph.runtime import Runtime
 
-__all__ = ["Replaced", "capturing", "detect", "draft_step", "install", "uninstall"]
+__all__ = ["Replaced", "capturing", "detect", "draft_step", "import_in_order", "install", "uninstall"]
 
 logger = logging.getLogger("vllm.npugraph")
 
@@ -113,12 +113,7 @@ def install() -> Replaced | None:
     vllm-ascend records and nobody updates, or updated twice, so the plugin refuses whole
     (:func:`npugraph.integrations.vllm.plugin.install` says so in one ERROR line).
     """
-    # vllm-ascend 0.23.0.post1's modules import each other in a cycle (attention_v1 ->
-    # device_op -> ops -> fused_moe -> experts_selector -> device_op) that closes only from
-    # its ops package, which its worker imports first.  The plugin loads before that, so it
-    # imports in the same order: from attention_v1 the import fails halfway and leaves the
-    # cycle's modules half-initialised for vLLM's own imports (a generation then fails).
-    _module(_OPS)
+    import_in_order()
     generation = detect()
     if generation is None:
         if _module("vllm_ascend") is None:
@@ -174,6 +169,18 @@ def install() -> Replaced | None:
         return attrs.evolve(result, replaced=())
     logger.info("npugraph: vllm-ascend (%s) installed; replaced %s", generation, ", ".join(replaced) or "nothing")
     return result
+
+
+def import_in_order() -> None:
+    """Import vllm-ascend's ops package first, as its worker does, before any other of its
+    modules npugraph reads.
+
+    Its modules import each other in a cycle (0.23.0.post1: attention_v1 -> device_op -> ops ->
+    fused_moe -> experts_selector -> device_op; 0.29.0rc1: worker/v2/aclgraph_utils -> ... ->
+    fused_moe.moe_mlp -> device_op) that closes only from the ops package.  The plugin loads
+    before the worker, so it imports in the same order: from anywhere else the import fails
+    halfway and leaves the cycle's modules half-initialised for vLLM's own imports."""
+    _module(_OPS)
 
 
 def uninstall() -> None:
