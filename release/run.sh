@@ -69,7 +69,6 @@ export NPUGRAPH_CHECK_MODELINFOS="$RESULTS/modelinfos"
 status=0
 # shellcheck source=release/step.sh
 source "$HERE/step.sh"
-compat() { [ "${CHECK_SCOPE:-full}" = compat ]; }  # make compat: what every release is held to
 if [ "$VLLM_ASCEND_VERSION" = 0.23.0.post1 ] && ! compat; then  # the case was this release's (transformers 5.5.4)
     step "the environment's self-check stops a broken environment in one line (the kernels case)"
     (cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider release/test_env_check.py) 2>&1 | tee "$STEP_LOG" || failed
@@ -180,10 +179,6 @@ fi
 
 step "a real generation on vllm-ascend's platform: eager, ACL graph, npugraph"
 GENERATED="$RESULTS/generate"
-engine_test() {  # FILE: one of npugraph's checks of the release's engine runs, its output into the step's log
-    (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider "$1") 2>&1 \
-        | tee "$STEP_LOG"
-}
 mkdir -p "$GENERATED"
 # each model and mode once (a fresh engine of two to three minutes on the simulator): the
 # update cost's noise between runs is wider than within one, and its verdict takes both the

@@ -7,6 +7,9 @@
 # summary lines, an exception's last line), go into the same list.  CI shows only its log's
 # tail and that list, and a failure in the middle of a long check was otherwise out of sight
 # (stop 73's CI ended the 0.30.0rc2 check "done (status 1)" with every visible step passed).
+# engine_test FILE: one of npugraph's checks of the engine runs in $GENERATED, run from the
+# checkout ($REPO) in the check's interpreter ($PYTHON), its output into the step's log.
+# compat: whether this is make compat's scope (CHECK_SCOPE=compat: what every release is held to).
 STEP_LOG="${RESULTS:-$(mktemp -d)}/step.log"  # the current step's output, beside its results
 step() {
     STEP_TITLE="$*"
@@ -31,3 +34,8 @@ failed() {
     echo "$lines"
     if [ -n "${CHECK_TIMES:-}" ]; then echo "$lines" >>"$CHECK_TIMES"; fi
 }
+engine_test() {
+    (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$GENERATED" "$PYTHON" -m pytest -q -p no:cacheprovider "$1") 2>&1 \
+        | tee "$STEP_LOG"
+}
+compat() { [ "${CHECK_SCOPE:-full}" = compat ]; }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pkgutil
 import random
 import sys
 import types
@@ -762,7 +763,7 @@ def test_real_vllm_ascend_sources_have_every_name_npugraph_replaces(monkeypatch)
             assert (base.capture, manager_cls._updatable_graph_replay, manager_cls._graph_relay) == before
         # uninstall() puts every name back: none is npugraph's, no kept original is left behind
         ascend.uninstall()
-        still = [label for label in result.replaced if _npugraphs(_named(label))]
+        still = [label for label in result.replaced if _npugraphs(pkgutil.resolve_name(label))]
         assert still == [], f"not put back: {still}"
         kept = [
             f"{owner.__name__}.{n}"
@@ -777,20 +778,6 @@ def test_real_vllm_ascend_sources_have_every_name_npugraph_replaces(monkeypatch)
         ascend.uninstall()
         _purge()
         sim.uninstall_torch_npu()
-
-
-def _named(label: str) -> object:
-    """The object a dotted label names (``vllm_ascend.attention.attention_v1.Impl.forward``)."""
-    parts = label.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise LookupError(label)
 
 
 def _npugraphs(obj: object) -> bool:

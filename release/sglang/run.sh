@@ -37,16 +37,14 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 status=0
 # shellcheck source=release/step.sh
 source "$(dirname "$HERE")/step.sh"
-engine_test() {  # FILE: one of npugraph's checks of SGLang's engine runs, its output into the step's log
-    (cd "$REPO" && NPUGRAPH_GENERATE_RESULTS="$RESULTS" "$PYTHON" -m pytest -q -p no:cacheprovider "$1") 2>&1 | tee "$STEP_LOG"
-}
+GENERATED="$RESULTS"  # its engine runs' results, for engine_test
 step "npugraph's plugin against SGLang's classes and hook registry"
 (cd "$REPO" && NPUGRAPH_SIM_TORCH_NPU=1 "$PYTHON" -m pytest -q -p no:cacheprovider -o junit_family=xunit1 \
     --junitxml="$RESULTS/plugin/plugin.xml" tests/test_sglang.py) 2>&1 | tee "$STEP_LOG" || failed
 step "a real generation with SGLang $("$PYTHON" -c 'import importlib.metadata as m; print(m.version("sglang"))'): eager, SGLang's NPU graphs, npugraph"
 "$PYTHON" "$HERE/generate.py" "$RESULTS" 2>&1 | tee "$STEP_LOG" || failed generate.py
 engine_test release/sglang/test_generate.py || failed release/sglang/test_generate.py
-if [ "${CHECK_SCOPE:-full}" = compat ]; then  # make compat: the plugin and the generation only
+if compat; then  # make compat: the plugin and the generation only
     step "the update's cost, the server and faults: not at CHECK_SCOPE=compat (make sglang-check's)"
 else
     "$PYTHON" "$HERE/update_cost.py" "$RESULTS" 2>&1 | tee -a "$STEP_LOG" || failed update_cost.py
