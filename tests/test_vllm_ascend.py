@@ -747,20 +747,29 @@ def test_real_vllm_ascend_sources_have_every_name_npugraph_replaces(monkeypatch)
             importlib.import_module(module_name)
         assert integ.kv_budget_missing() == []
         # vLLM's model runner v2: served where vllm-ascend's manager updates through
-        # UpdatableGraph (0.30 on), refused on 0.23's; every name found, and put back
+        # UpdatableGraph (0.30 on); elsewhere its capture is refused by name, whether the user
+        # or vLLM's per-model default chose the v2 runner; every name found, and put back
         from npugraph.integrations.vllm import runner_v2
 
         served = result.generation == "sept-2026"
         assert runner_v2.available() == served
-        if served:
+        base = importlib.import_module("vllm.v1.worker.gpu.cudagraph_utils").CudaGraphManager
+        try:
             manager_cls = importlib.import_module("vllm_ascend.worker.v2.aclgraph_utils").ModelAclGraphManager
-            base = importlib.import_module("vllm.v1.worker.gpu.cudagraph_utils").CudaGraphManager
-            before = (base.capture, manager_cls._updatable_graph_replay, manager_cls._graph_relay)
-            replaced = runner_v2.install()
-            assert len(replaced) == 3, replaced
-            assert (base.capture, manager_cls._updatable_graph_replay, manager_cls._graph_relay) != before
-            runner_v2.uninstall()
-            assert (base.capture, manager_cls._updatable_graph_replay, manager_cls._graph_relay) == before
+        except (ImportError, AttributeError):  # a release without the v2 runner's manager
+            manager_cls = None
+        replays = ("_updatable_graph_replay", "_graph_relay") if served else ()
+        before = (base.capture, *(getattr(manager_cls, n) for n in replays))
+        replaced = runner_v2.install()
+        assert len(replaced) == 1 + len(replays), replaced
+        assert base.capture is not before[0]
+        assert all(getattr(manager_cls, n) is not was for n, was in zip(replays, before[1:]))
+        if manager_cls is not None and not served:
+            # vllm-ascend's own manager, uninitialised: refused before it captures anything
+            with pytest.raises(ConfigError, match=r"runner v2.*VLLM_USE_V2_MODEL_RUNNER=0"):
+                base.capture(object.__new__(manager_cls), lambda *_: None)
+        runner_v2.uninstall()
+        assert (base.capture, *(getattr(manager_cls, n) for n in replays)) == before
         # uninstall() puts every name back: none is npugraph's, no kept original is left behind
         ascend.uninstall()
         still = [label for label in result.replaced if _npugraphs(pkgutil.resolve_name(label))]

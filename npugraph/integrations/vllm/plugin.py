@@ -5,7 +5,6 @@ KV-cache budget, and :func:`uninstall` puts every original back."""
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import logging
 import os
 import sys
@@ -87,8 +86,11 @@ def install(platform: Any = None) -> str | None:
         refused = refusal(found.missing)
         logger.error(refused)
         return refused
+    # whether this process runs the v2 runner, vLLM decides later from its configuration
+    # (its per-model default, or VLLM_USE_V2_MODEL_RUNNER): served either way
+    served_v2 = runner_v2.install()
     if uses_model_runner_v2():
-        logger.info("npugraph: vLLM's model runner v2: replaced %s", ", ".join(runner_v2.install()) or "nothing")
+        logger.info("npugraph: vLLM's model runner v2: replaced %s", ", ".join(served_v2) or "nothing")
     for module_name, names in _PATCHED_DRAFT:  # after vllm-ascend's own import order (vllm_ascend.install)
         _patch(module_name, names, DraftNpuGraphWrapper)
     _log_once(f"npugraph: installed as the graph wrapper of {cls.__name__} (pid {os.getpid()})")
@@ -98,18 +100,10 @@ def install(platform: Any = None) -> str | None:
 def refusal(missing: tuple[str, ...]) -> str:
     """The one line that says npugraph refused this vllm-ascend, naming what it lacks."""
     return (
-        f"npugraph: vllm-ascend {ascend_version()} has no {', '.join(missing)}, which npugraph replaces: "
+        f"npugraph: vllm-ascend {vllm_ascend.version()} has no {', '.join(missing)}, which npugraph replaces: "
         "npugraph is not installed, and vLLM serves with vllm-ascend's own graphs (a release whose internals "
         "moved: pin one of those docs/vllm-ascend-release.md lists, or report it)"
     )
-
-
-def ascend_version() -> str:
-    """The installed vllm-ascend's version, as its distribution records it."""
-    try:
-        return importlib.metadata.version("vllm-ascend")
-    except importlib.metadata.PackageNotFoundError:
-        return "(of no recorded version)"
 
 
 # vllm-ascend names install() replaces (where the module and the name exist), and uninstall() restores.
@@ -305,9 +299,11 @@ def carry_settings_to_ray_workers() -> None:
 
 
 def uses_model_runner_v2() -> bool:
-    """Whether vLLM runs its model runner v2 (``VLLM_USE_V2_MODEL_RUNNER=1``; vllm-ascend's
-    ``worker/v2``): its FULL graphs are captured by its graph manager, not a static wrapper
-    (npugraph serves them there: :mod:`npugraph.integrations.vllm.runner_v2`)."""
+    """Whether the user asked for vLLM's model runner v2 (``VLLM_USE_V2_MODEL_RUNNER=1``;
+    vllm-ascend's ``worker/v2``): its FULL graphs are captured by its graph manager, not a
+    static wrapper (npugraph serves them there: :mod:`npugraph.integrations.vllm.runner_v2`).
+    Without the variable vLLM may still choose it, per model, once configured: the capture
+    loop npugraph wraps serves or refuses it then."""
     return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true")
 
 

@@ -115,6 +115,15 @@ def _capturing_loop(original: Callable[..., Any]) -> Callable[..., Any]:
             )
         if not _is_target_manager(self):
             return original(self, create_forward_fn, *args, **kwargs)
+        if not available():
+            # vLLM chose the v2 runner by its own default for this model (the plugin refuses
+            # VLLM_USE_V2_MODEL_RUNNER=1 at load): with npugraph's recorders in vllm-ascend's
+            # backends, this manager's own update would leave stale lengths, silently
+            raise ConfigError(
+                f"npugraph: vLLM runs its model runner v2, and vllm-ascend {vllm_ascend.version()}'s "
+                f"{_MANAGER[0]}.{_MANAGER[1]} is not one npugraph serves (it has no _updatable_graph_replay); "
+                "set VLLM_USE_V2_MODEL_RUNNER=0 to serve with npugraph on the v1 runner, or NPUGRAPH_ENABLE=0"
+            )
         return _capture(self, create_forward_fn)
 
     return capture
@@ -218,12 +227,18 @@ def available() -> bool:
 
 def install() -> list[str]:
     """Serve the v2 runner's FULL graphs (see the module doc): the names replaced, or none
-    where vLLM or vllm-ascend has no v2 runner."""
-    if not available():
+    where vLLM has no v2 runner.  Installed whether or not this process will run the v2 runner:
+    vLLM decides that later, per model, from its configuration (``VllmConfig.use_v2_model_runner``,
+    which some vllm-ascend releases patch to follow the variable alone).  Where vllm-ascend's
+    manager is not one npugraph serves (:func:`available`), only the capture loop is wrapped,
+    and it refuses that manager's capture by name."""
+    if _class((CUDAGRAPH_UTILS, "CudaGraphManager")) is None:
         return []
-    manager = _class(_MANAGER)
     wrap_method((CUDAGRAPH_UTILS, "CudaGraphManager"), "capture", _capturing_loop)
     replaced = [f"{CUDAGRAPH_UTILS}.CudaGraphManager.capture"]
+    if not available():
+        return replaced
+    manager = _class(_MANAGER)
     for name, replay in _replays(_class((CUDAGRAPH_UTILS, "ModelCudaGraphManager")).run_fullgraph).items():
         if name in vars(manager) and not hasattr(manager, f"_npugraph_original_{name}"):
             setattr(manager, f"_npugraph_original_{name}", vars(manager)[name])

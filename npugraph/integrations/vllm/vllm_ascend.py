@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib.metadata
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -92,6 +93,14 @@ class Replaced:
     generation: str
     replaced: tuple[str, ...]
     missing: tuple[str, ...]
+
+
+def version() -> str:
+    """The installed vllm-ascend's version, as its distribution records it."""
+    try:
+        return importlib.metadata.version("vllm-ascend")
+    except importlib.metadata.PackageNotFoundError:
+        return "(of no recorded version)"
 
 
 def detect() -> str | None:
