@@ -160,24 +160,32 @@ def after_import(name: str, then: Callable[[Any], None]) -> None:
 
 
 class _TritonStandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``import triton.language.extra.cann.extension`` (triton-ascend's) gives the simulator's stand-in."""
+    """``import triton.language.extra.cann`` (triton-ascend's) gives the simulator's stand-ins of
+    its ``extension`` and ``libdevice``, imported with the package as triton-ascend's are."""
 
-    NAMES = ("triton.language.extra.cann", "triton.language.extra.cann.extension")
+    PACKAGE = "triton.language.extra.cann"
+    NAMES = (PACKAGE, f"{PACKAGE}.extension", f"{PACKAGE}.libdevice")
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if name not in self.NAMES:
             return None
-        return importlib.util.spec_from_loader(name, self, is_package=not name.endswith("extension"))
+        return importlib.util.spec_from_loader(name, self, is_package=name == self.PACKAGE)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        if spec.name.endswith("extension"):
-            from npusim.surfaces import triton_ascend
+        from npusim.surfaces import triton_ascend
 
+        if spec.name.endswith(".extension"):
             return triton_ascend.cann_extension()
+        if spec.name.endswith(".libdevice"):
+            return triton_ascend.cann_libdevice()
         return None
 
     def exec_module(self, module: Any) -> None:
-        """The stand-in is complete when made."""
+        """The submodules are complete when made; the package imports them (code reads
+        ``triton.language.extra.cann.libdevice`` off the package)."""
+        if module.__name__ == self.PACKAGE:
+            module.extension = importlib.import_module(f"{self.PACKAGE}.extension")
+            module.libdevice = importlib.import_module(f"{self.PACKAGE}.libdevice")
 
 
 def _simulator_triton(then: str) -> Callable[[Any], None]:

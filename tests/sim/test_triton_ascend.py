@@ -132,6 +132,45 @@ def test_a_runtime_offset_a_stride_and_get_element() -> None:
     np.testing.assert_array_equal(out.cpu().double().numpy(), [ref[3], ref[6], ref[9], ref[12], ref[30]])
 
 
+@triton.jit
+def finite_parts(x_ptr, o_ptr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+    # as vLLM's v2 NaN metric reads it (vllm-ascend 0.26.0rc1 points it at triton-ascend's)
+    from triton.language.extra.cann import libdevice
+
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(o_ptr + i, libdevice.isnan(x).to(tl.float32))
+    tl.store(o_ptr + N + i, libdevice.isinf(x).to(tl.float32))
+    tl.store(o_ptr + 2 * N + i, libdevice.exp(tl.where(libdevice.isnan(x) | libdevice.isinf(x), 0.0, x)))
+
+
+@triton.jit
+def nan_of_ints(x_ptr, o_ptr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+    from triton.language.extra.cann import libdevice
+
+    i = tl.arange(0, N)
+    tl.store(o_ptr + i, libdevice.isnan(tl.load(x_ptr + i)).to(tl.int32))
+
+
+def test_libdevice_read_off_triton_ascends_package_gives_nan_inf_and_its_math() -> None:
+    import triton.language.extra.cann as cann
+
+    assert cann.libdevice.exp is tl.math.exp, "triton-ascend points libdevice.exp at triton.language.math"
+    x = torch.tensor([0.5, float("nan"), float("inf"), -float("inf"), -2.0, 0.0, 88.0, -0.0])
+    out = torch.empty(3 * 8, dtype=torch.float32, device="npu")
+    finite_parts[(1,)](x.to("npu"), out, N=8)
+    ref = x.double().numpy()  # numpy on float64 copies, not the functions under test
+    nan, inf = np.isnan(ref), np.isinf(ref)
+    expected = np.concatenate([nan, inf, np.exp(np.where(nan | inf, 0.0, ref))]).astype(np.float64)
+    np.testing.assert_allclose(out.cpu().double().numpy(), expected, rtol=1e-6)
+    with pytest.raises(Exception, match=r"libdevice.isnan takes fp32, fp16, bf16 .*not int32"):
+        nan_of_ints[(1,)](
+            torch.zeros(8, dtype=torch.int32, device="npu"), torch.empty(8, dtype=torch.int32, device="npu"), N=8
+        )
+    with pytest.raises(AttributeError, match=r"libdevice.ilogb is one of CANN's device-library externs"):
+        cann.libdevice.ilogb  # noqa: B018
+
+
 def test_a_slice_past_the_block_is_refused_not_clipped() -> None:
     x = torch.zeros(32, dtype=torch.float32, device="npu")
     out = torch.empty(5, dtype=torch.float32, device="npu")

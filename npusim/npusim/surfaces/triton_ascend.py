@@ -29,7 +29,12 @@ the simulator they run in PyPI Triton's interpreter (``TRITON_INTERPRET=1``), wi
 * a stand-in for ``triton.language.extra.cann.extension`` (:func:`cann_extension`):
   triton-ascend's language extension, which vllm-ascend imports at module level, with its
   ``extract_slice``, ``insert_slice`` and ``get_element`` for interpreted kernels (vllm-ascend's
-  fused q/k norm and rope, its rejection sampler), bounds checked.
+  fused q/k norm and rope, its rejection sampler), bounds checked;
+* a stand-in for ``triton.language.extra.cann.libdevice`` (:func:`cann_libdevice`), which
+  vllm-ascend 0.26.0rc1 reads off the package at import (its v2 runner's NaN metric): the
+  functions triton-ascend's package points at ``triton.language.math``, and ``isnan`` and
+  ``isinf`` (CANN's ``__hmf_`` externs, which the interpreter cannot call) as comparisons, for
+  the float types CANN's table lists; any other name is refused by name.
 
 :mod:`npusim_hook` wires these in when ``NPUGRAPH_SIM_TORCH_NPU=1`` (as each Triton module
 is imported); nothing here imports Triton until then.  What is not simulated: Triton
@@ -58,7 +63,9 @@ from npusim.runtime.launch import SimOp, launch
 __all__ = [
     "BACKEND_NAME",
     "EXTENSION",
+    "LIBDEVICE",
     "cann_extension",
+    "cann_libdevice",
     "launch_as_kernels",
     "register_backend",
     "relax_block_shapes",
@@ -71,6 +78,14 @@ BACKEND_NAME = "npu"  # triton-ascend's backend name
 # NPUSIM_TRITON_SUBSTITUTES=0 runs every Triton kernel in the interpreter, substituted ones too
 SUBSTITUTES_ENV = "NPUSIM_TRITON_SUBSTITUTES"
 EXTENSION = "triton.language.extra.cann.extension"
+LIBDEVICE = "triton.language.extra.cann.libdevice"
+# what triton-ascend's triton/language/extra/cann/__init__.py points at triton.language.math
+_LIBDEVICE_FROM_MATH = (
+    "umulhi", "exp", "exp2", "log", "log2", "cos", "sin", "sqrt", "sqrt_rn", "rsqrt", "div_rn", "erf",
+    "floor", "ceil", "fdiv", "fma", "abs",
+)  # fmt: skip
+# the float types CANN's isnan and isinf table their externs for
+_LIBDEVICE_FLOATS = ("fp32", "fp16", "bf16")
 # an Atlas A2's cube (AI) and vector cores, what triton-ascend's driver reports
 _VECTOR_CORES = 2 * AI_CORES
 
@@ -443,6 +458,55 @@ def cann_extension() -> types.ModuleType:
     module.insert_slice = insert_slice  # type: ignore[attr-defined]
     module.get_element = get_element  # type: ignore[attr-defined]
     return module
+
+
+def cann_libdevice() -> types.ModuleType:
+    """A stand-in for triton-ascend's ``triton.language.extra.cann.libdevice``, for kernels run in
+    Triton's interpreter (see the module doc)."""
+    import triton.language as tl
+
+    module = types.ModuleType(LIBDEVICE, "npusim's stand-in for triton-ascend's libdevice")
+    module.isnan = _isnan  # type: ignore[attr-defined]
+    module.isinf = _isinf  # type: ignore[attr-defined]
+
+    def missing(name: str) -> Any:
+        # looked up at each use: Triton's interpreter swaps triton.language.math's functions
+        # for its own while a kernel runs, and an alias kept from before would miss that
+        if name in _LIBDEVICE_FROM_MATH:
+            return getattr(tl.math, name)
+        raise AttributeError(
+            f"triton-ascend's libdevice.{name} is one of CANN's device-library externs, which Triton's "
+            "interpreter cannot call, and npusim has no stand-in for it (it has "
+            f"{', '.join(sorted([*_LIBDEVICE_FROM_MATH, 'isinf', 'isnan']))})"
+        )
+
+    module.__getattr__ = missing  # type: ignore[method-assign]
+    return module
+
+
+def _float_block(arg0: Any, name: str) -> Any:
+    import triton.language as tl
+
+    if not isinstance(arg0, tl.tensor) or arg0.dtype.name not in _LIBDEVICE_FLOATS:
+        got = arg0.dtype.name if isinstance(arg0, tl.tensor) else type(arg0).__name__
+        raise TypeError(
+            f"triton-ascend's libdevice.{name} takes {', '.join(_LIBDEVICE_FLOATS)} (CANN's extern table), not {got}"
+        )
+    return arg0
+
+
+def _isnan(arg0: Any, _semantic: Any = None) -> Any:
+    """triton-ascend's ``libdevice.isnan``: int1, true where the value is NaN."""
+    arg0 = _float_block(arg0, "isnan")
+    return arg0 != arg0
+
+
+def _isinf(arg0: Any, _semantic: Any = None) -> Any:
+    """triton-ascend's ``libdevice.isinf``: int1, true where the value is +inf or -inf."""
+    import triton.language as tl
+
+    arg0 = _float_block(arg0, "isinf")
+    return tl.math.abs(arg0) == float("inf")
 
 
 # triton-ascend's own functions are builtins lowered to MLIR's tensor.extract_slice,
