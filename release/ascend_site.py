@@ -199,13 +199,19 @@ class _Counting:
         # written after it (a draft's replay, before it, wrote without it)
         from vllm.compilation import monitor
 
+        import npusim as sim
+
         decide = cls._update_full_graph_params_if_needed
         counts.values[key] = 0
+        # the simulated device's seconds so far at each graph step: their differences are a
+        # step's device work (release/update_cost.py), the simulator running it on the host
+        device_at = counts.values.setdefault(f"{key}_device_at", [])
 
         def counted(self: Any, forward_context: Any, *args: Any, **kwargs: Any) -> Any:
             serving = not monitor.cudagraph_capturing_enabled and not forward_context.capturing
             if serving and forward_context.cudagraph_runtime_mode.name == "FULL":
                 counts.values[key] += 1
+                device_at.append(sim.device_seconds())
             try:
                 return decide(self, forward_context, *args, **kwargs)
             finally:

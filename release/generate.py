@@ -371,6 +371,7 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         "npugraph_update_device_calls": counts.get("npugraph_update_device_calls", {}),
         "npugraph_steps": counts.get("npugraph_steps", 0),
         "graph_steps": counts.get("graph_steps", 0),
+        "graph_steps_device_at": counts.get("graph_steps_device_at", []),
         # a draft model's (MTP) graph steps: its own graph, after the target's
         "draft_graph_steps": counts.get("draft_graph_steps", 0),
         "npugraph_capture_report": counts.get("npugraph_capture_report", []),

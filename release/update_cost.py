@@ -14,6 +14,7 @@ a side is faster only where every run's interval is clear of 1 on that side.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import statistics
@@ -27,6 +28,13 @@ import runs  # this folder's: the results' names, and the models whose graph ste
 def _quantiles(xs: list[float]) -> dict[str, float]:
     q = statistics.quantiles(xs, n=4)
     return {"median_us": statistics.median(xs) * 1e6, "p25_us": q[0] * 1e6, "p75_us": q[2] * 1e6}
+
+
+def device_ms_per_step(device_at: list[float]) -> float | None:
+    """A graph step's device work on the simulator, median over the run, from the simulated
+    device's seconds at each graph step (release/ascend_site.py): None where under two."""
+    steps = [b - a for a, b in itertools.pairwise(device_at)]
+    return statistics.median(steps) * 1e3 if steps else None
 
 
 def row(
@@ -157,6 +165,10 @@ def main(argv: list[str]) -> int:
             "npugraph": npg.get("npugraph_update_device_calls", {}),
         }
         rows.append({"model": model, **row(acl["vllm_ascend_update_seconds"], npg["npugraph_update_seconds"], calls)})
+        rows[-1]["device_ms_per_graph_step"] = {
+            side: device_ms_per_step(run.get("graph_steps_device_at", []))
+            for side, run in (("vllm_ascend", acl), ("npugraph", npg))
+        }
         sizes = by_size(
             acl["vllm_ascend_update_seconds"],
             acl.get("vllm_ascend_update_tokens", []),
@@ -194,6 +206,10 @@ def main(argv: list[str]) -> int:
                 f"{s['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]"
             )
     print(f"device calls per step (run 1): {rows[0]['device_calls_per_step']}")
+    for i, r in enumerate(rows, 1):
+        work = {side: f"{ms:.1f} ms" for side, ms in r["device_ms_per_graph_step"].items() if ms is not None}
+        if work:
+            print(f"run {i} ({r['model']}): a graph step's device work on the simulator (median): {work}")
     print(f"{len(rows)} run(s), ratios {min(ratios):.2f}x to {max(ratios):.2f}x: {out['verdict']}")
     if len(models) > 1:
         for model, said in out["verdict_by_model"].items():

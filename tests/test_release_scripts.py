@@ -161,18 +161,26 @@ def test_the_update_cost_breaks_a_deep_model_down_by_its_decode_batch(tmp_path, 
     sizes = [1] * 20 + [4] * 20 + [16] * 20
     ascend = [{1: 100e-6, 4: 200e-6, 16: 400e-6}[n] + (i % 3) * 1e-6 for i, n in enumerate(sizes)]
     npugraph = [{1: 100e-6, 4: 100e-6, 16: 100e-6}[n] + (i % 3) * 1e-6 for i, n in enumerate(sizes)]
+    # the simulated device's seconds at each graph step: 40 ms of device work a step, one
+    # prefill of 900 ms between two of them (the median leaves it out); none recorded in one mode
+    device_at = [0.04 * i + (0.9 if i > 30 else 0.0) for i in range(60)]
     runs.result_path(tmp_path, "deep", "aclgraph").write_text(
         json.dumps({"vllm_ascend_update_seconds": ascend, "vllm_ascend_update_tokens": sizes})
     )
     runs.result_path(tmp_path, "deep", "npugraph").write_text(
-        json.dumps({"npugraph_update_seconds": npugraph, "npugraph_update_tokens": sizes})
+        json.dumps(
+            {"npugraph_update_seconds": npugraph, "npugraph_update_tokens": sizes, "graph_steps_device_at": device_at}
+        )
     )
     assert update_cost.main(["update_cost.py", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "update-cost.json").read_text())["runs"]
+    work = row["device_ms_per_graph_step"]
+    assert work["vllm_ascend"] is None and abs(work["npugraph"] - 40.0) < 1e-6
     got = {int(size): r["speedup_median"] for size, r in row["by_size"].items()}
     assert got.keys() == {1, 4, 16} and abs(got[1] - 1) < 0.02 and abs(got[4] - 2) < 0.05 and abs(got[16] - 4) < 0.1
     assert all(r["steps"] == {"vllm_ascend": 20, "npugraph": 20} for r in row["by_size"].values())
-    assert "16 tokens a step" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "16 tokens a step" in printed and "device work on the simulator (median): {'npugraph': '40.0 ms'}" in printed
     assert update_cost.by_size(ascend, sizes[:-1], npugraph, sizes) == {}, "unaligned: no breakdown"
 
 
