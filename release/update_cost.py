@@ -143,6 +143,29 @@ def slowed(results: Path, model: str = "deep") -> dict[str, Any]:
     return {"slowed_kernel": "release/generate.py SLOWED", **out}
 
 
+def run_row(model: str, acl: dict[str, Any], npg: dict[str, Any]) -> dict[str, Any]:
+    """One run's row of ``model`` from its two graph modes' results (release/generate.py's JSON):
+    the update's ratio, by decode batch where it ran several, and a graph step's device work."""
+    calls = {
+        "vllm_ascend": acl.get("vllm_ascend_update_device_calls", {}),
+        "npugraph": npg.get("npugraph_update_device_calls", {}),
+    }
+    out = {"model": model, **row(acl["vllm_ascend_update_seconds"], npg["npugraph_update_seconds"], calls)}
+    out["device_ms_per_graph_step"] = {
+        side: device_ms_per_step(run.get("graph_steps_device_at", []))
+        for side, run in (("vllm_ascend", acl), ("npugraph", npg))
+    }
+    sizes = by_size(
+        acl["vllm_ascend_update_seconds"],
+        acl.get("vllm_ascend_update_tokens", []),
+        npg["npugraph_update_seconds"],
+        npg.get("npugraph_update_tokens", []),
+    )
+    if len(sizes) > 1:
+        out["by_size"] = sizes
+    return out
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.splitlines()[3].strip(), file=sys.stderr)
@@ -156,27 +179,7 @@ def main(argv: list[str]) -> int:
     if not pairs:
         print(f"update_cost.py: no llama.aclgraph.json and llama.npugraph.json in {results}", file=sys.stderr)
         return 2
-    rows = []
-    for model, acl_path, npg_path in pairs:
-        acl = json.loads(acl_path.read_text())
-        npg = json.loads(npg_path.read_text())
-        calls = {
-            "vllm_ascend": acl.get("vllm_ascend_update_device_calls", {}),
-            "npugraph": npg.get("npugraph_update_device_calls", {}),
-        }
-        rows.append({"model": model, **row(acl["vllm_ascend_update_seconds"], npg["npugraph_update_seconds"], calls)})
-        rows[-1]["device_ms_per_graph_step"] = {
-            side: device_ms_per_step(run.get("graph_steps_device_at", []))
-            for side, run in (("vllm_ascend", acl), ("npugraph", npg))
-        }
-        sizes = by_size(
-            acl["vllm_ascend_update_seconds"],
-            acl.get("vllm_ascend_update_tokens", []),
-            npg["npugraph_update_seconds"],
-            npg.get("npugraph_update_tokens", []),
-        )
-        if len(sizes) > 1:
-            rows[-1]["by_size"] = sizes
+    rows = [run_row(model, json.loads(a.read_text()), json.loads(n.read_text())) for model, a, n in pairs]
     ratios = [r["speedup_median"] for r in rows]
     models = list(dict.fromkeys(r["model"] for r in rows))
     out = {
