@@ -28,6 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
 from npusim.errors import CaptureError, DeadlockError, ReplayFault
 from npusim.runtime.config import SimConfig
 from npusim.runtime.eager import EagerOrdering
@@ -167,6 +170,15 @@ class SimState:
     def _pump(self, drain: bool) -> None:
         if not self.active:
             return
+        # Device work is the device's, not host code: no host-side mode sees the aten ops its
+        # kernels compute with on the host.  The simulator's own (the eager ordering, a
+        # capture's recorder and host-read guard) passed them through already, yet each cost a
+        # Python call per op: half of a 32-layer step's device work.  A mode of the program's
+        # (a tracer, an op counter) has no business seeing the device's arithmetic either.
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            self._run_ready(drain)
+
+    def _run_ready(self, drain: bool) -> None:
         if self.adversarial and not drain:
             budget = self.rng.randint(0, 4)
             max_nodes = 1
