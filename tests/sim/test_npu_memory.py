@@ -254,3 +254,16 @@ def test_zeroing_a_large_allocation_gives_its_pages_back_and_reads_zeros_at_ever
     assert int(x.count_nonzero()) == 0
     small = torch.full((1000,), 3.0, device="npu")  # a small one: zeroed as any op does
     assert float(small.zero_().abs().sum()) == 0.0
+
+
+def test_the_host_heap_is_kept_unless_the_environment_tunes_glibc_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device's temporaries come from the host's heap, not a mapping each (npusim.bench's
+    engine loop spent two thirds of its time faulting pages in without it); a process that
+    sets glibc's own knobs keeps them."""
+    import sys
+
+    from npusim.device import backend
+
+    assert backend.keep_host_heap() is (sys.platform == "linux")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert backend.keep_host_heap() is False

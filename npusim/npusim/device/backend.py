@@ -22,6 +22,7 @@ process); it is refused where PrivateUse1 already has another name (a real torch
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import sys
@@ -40,6 +41,7 @@ __all__ = [
     "host_view",
     "install",
     "installed",
+    "keep_host_heap",
     "memory_counters",
     "on_host",
 ]
@@ -125,6 +127,34 @@ def build() -> None:
     )
 
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_FROM = 32 << 20  # glibc's largest mmap threshold on 64-bit hosts
+_TRIM_FROM = 256 << 20
+
+
+def keep_host_heap() -> bool:
+    """Serve the simulated device's allocations under 32 MiB from the host's heap, and keep up
+    to 256 MiB of it free, instead of mapping and unmapping each one (glibc only; a process
+    whose environment sets glibc's ``MALLOC_*`` knobs keeps its own).  Returns whether it did.
+
+    The device's arithmetic runs on the host, in temporaries of megabytes each (a gathered
+    key cache, float32 scores).  With glibc's defaults, once the heap was trimmed, each one
+    was a fresh mapping whose pages the kernel faulted in and zeroed, and gave back when freed:
+    ``npusim.bench``'s engine loop spent 16 of its 25 s in the kernel that way, and the
+    re-issue after a layer's device work cost more for the caches and TLB that flushed (issue
+    #78).  A device's memory is not mapped per allocation either: torch_npu caches it.
+    Process-wide and for the life of the process, as the npu device is.
+    """
+    if sys.platform != "linux" or any(k.startswith("MALLOC_") for k in os.environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_FROM)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_FROM))
+
+
 def install(module: Any) -> None:
     """Give this process the simulator's ``npu`` device (idempotent), with ``module`` (the
     simulated ``torch.npu``) as torch's ``npu`` device module.
@@ -152,6 +182,7 @@ def install(module: Any) -> None:
             "cannot be installed beside it"
         )
     build()
+    keep_host_heap()
     # torch.accelerator.synchronize() reaches the device guard, which calls this op
     torch.library.impl("npugraph_sim::synchronize_device", "CompositeExplicitAutograd")(
         lambda index: module.synchronize()

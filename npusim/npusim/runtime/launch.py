@@ -31,9 +31,7 @@ from npusim.errors import WorkspaceTooSmall
 from npusim.runtime import state as rt
 from npusim.runtime.capture import make_host_copy
 from npusim.runtime.memory import MEMORY, SCALARS
-from npusim.runtime.taskgroups import (
-    issue_update,
-)
+from npusim.runtime.taskgroups import issue_update, reissues_previous
 
 __all__ = [
     "SimOp",
@@ -90,7 +88,7 @@ class SimOp:
             return self._max_workspace(params, self._check(params))
         return self.workspace_bytes(_max_params(self, params))
 
-    def check_workspace(self, params: dict[str, Any], where: str, info: dict[str, Any] | None = None) -> None:
+    def check_workspace(self, params: dict[str, Any], where: object, info: dict[str, Any] | None = None) -> None:
         ws = params.get("workspace")
         if ws is None:
             return
@@ -140,7 +138,7 @@ def host_copy(name: str, value: Any) -> Any:
             st.capture.check_host_read(value, f"host argument {name!r}: clone")
         return make_host_copy(lambda: value.clone())
     try:
-        return tuple(int(x) for x in value)
+        return tuple(map(int, value))
     except TypeError as exc:
         raise TypeError(f"argument {name!r} must be a list of ints, got {value!r}") from exc
 
@@ -188,16 +186,32 @@ def launch(op: SimOp, params: dict[str, Any]) -> None:
     fake tensors: a torch op's fake implementation, tracing shapes only)."""
     if isinstance(params.get(op.anchor), FakeTensor):
         return
+    # The launch's own host work (binding, placement and shape checks, the copies of host
+    # lengths, aliases) is the runtime's, not the program's: no torch mode sees it.  While a
+    # replay is pending the simulator's eager ordering is on the stacks, and its Python call
+    # per torch function (.dim(), .shape, .tolist()) was most of a re-issue's cost inside a
+    # serving step (issue #78: 133 calls a PA re-issue).  A capture's recorder needs none of
+    # it either: host copies are made outside it (make_host_copy), host reads checked by name.
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        _launch(op, params)
+
+
+def _launch(op: SimOp, params: dict[str, Any]) -> None:
     st = rt.get_state()
     st.charge("op_launch")
     st.counters["op:" + op.name] += 1
-    check_placement(op, params)
+    stream = st.current_stream
+    updating = stream._updating is not None
+    # a re-issue whose device arguments are the previous update's own (the engine's every step)
+    # was placed and compared then: only its host lengths are new
+    same = updating and reissues_previous(stream, op, params)
+    if not same:
+        check_placement(op, params)
     for name in op.host_args:
         params[name] = host_copy(name, params.get(name))
     info = op.check(params)
-    stream = st.current_stream
-    if stream._updating is not None:
-        issue_update(stream, op, params, info)
+    if updating:
+        issue_update(stream, op, params, info, same)
         return
     session = st.capture
     if session is not None:

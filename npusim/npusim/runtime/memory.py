@@ -27,7 +27,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from npusim.device import backend as _device
@@ -331,7 +330,9 @@ def hold_tree(memory: Memory, name: str, v: Any, refs: list[ArgRef], *, checked:
 def hold_params(memory: Memory, op: Any, params: dict[str, Any]) -> tuple[dict[str, Any], tuple[ArgRef, ...]]:
     """A kernel's parameters as a graph keeps them: aliases, and checks for data arguments."""
     refs: list[ArgRef] = []
-    with _disable_current_modes():
+    # no mode may see the aliases made here (a capture's recorder would record them); torch's C
+    # guards, not popping the stacks, as this runs at every re-issue (issue #78)
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
         held = {
             k: v
             if v is None or k in op.host_args or type(v) in SCALARS

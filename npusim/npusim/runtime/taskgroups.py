@@ -7,7 +7,9 @@ arguments when the stream reaches it.
 
 from __future__ import annotations
 
+import operator
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ __all__ = [
     "graph_task_update_begin",
     "graph_task_update_end",
     "issue_update",
+    "reissues_previous",
 ]
 
 
@@ -41,6 +44,7 @@ class TaskGroup:
         self.executions = 0
         self.updates = 0
         self.label: str | None = None  # simulator-only: its capturer's name for it, in error messages
+        self.previous: _PreviousCall | None = None  # the last update issued to it
 
     def __repr__(self) -> str:
         op = self.task.op.qualname if self.task else "empty"
@@ -103,6 +107,18 @@ class _TaskUpdate:
 
     def describe(self) -> dict[str, Any]:
         return {"text": f"update of {self.group!r}", "task_group": self.group}
+
+
+class _UpdateOf:
+    """``update of <group>``, formatted only for an error message (not at every re-issue)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: TaskGroup) -> None:
+        self.group = group
+
+    def __str__(self) -> str:
+        return f"update of {self.group!r}"
 
 
 def _runs_previous(g: TaskGroup, pc: int) -> bool:
@@ -221,8 +237,95 @@ def graph_task_update_end(stream: rt.Stream) -> None:
         )
 
 
-def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any], info: dict[str, Any]) -> None:
-    """Check the op issued inside an update against the captured one and queue the rewrite."""
+class _TensorSig:
+    """A tensor argument as an update passed it: the very object, and where and how it lay."""
+
+    __slots__ = ("ptr", "ref", "shape", "stride")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref = weakref.ref(t)  # the object, without keeping the caller's memory alive
+        self.ptr, self.shape, self.stride = t.data_ptr(), t.shape, t.stride()
+
+    def matches(self, t: Any) -> bool:
+        # the same object, not moved (set_) or reshaped in place (resize_, as_strided_); its
+        # dtype and device cannot change in place
+        was = self.ref()
+        return (
+            was is not None
+            and was is t
+            and was.data_ptr() == self.ptr
+            and was.shape == self.shape
+            and was.stride() == self.stride
+        )
+
+
+class _SeqSig:
+    __slots__ = ("items", "kind")
+
+    def __init__(self, v: list[Any] | tuple[Any, ...]) -> None:
+        self.kind, self.items = type(v), tuple(_signature(x) for x in v)
+
+    def matches(self, v: Any) -> bool:
+        return type(v) is self.kind and len(v) == len(self.items) and all(_matches(s, x) for s, x in zip(self.items, v))
+
+
+def _signature(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return _TensorSig(v)
+    if isinstance(v, (list, tuple)):
+        return _SeqSig(v)
+    return v
+
+
+def _matches(sig: Any, v: Any) -> bool:
+    if type(sig) is _TensorSig or type(sig) is _SeqSig:
+        return bool(sig.matches(v))
+    return sig is v or (type(sig) is type(v) and bool(sig == v))
+
+
+class _PreviousCall:
+    """The last update issued to a task group: its device arguments (identity and layout)
+    and what the graph keeps of them.  An engine re-issues every layer's kernel each step
+    with the same query, caches, table, output and workspace tensors and new host lengths:
+    those arguments were placed, compared with the captured task and aliased the step
+    before, and doing it again was most of a re-issue's host cost (issue #78)."""
+
+    __slots__ = ("get_scalars", "held", "keys", "qualname", "refs", "scalars", "tensors")
+
+    def __init__(self, op: Any, params: dict[str, Any], held: dict[str, Any], refs: tuple[ArgRef, ...]) -> None:
+        self.qualname = op.qualname
+        self.keys = frozenset(params)
+        device = {k: _signature(v) for k, v in params.items() if k not in op.host_args}
+        self.tensors = tuple((k, s) for k, s in device.items() if type(s) in (_TensorSig, _SeqSig))
+        # the scalars (most of a kernel's arguments: FIA has 43) are compared in one C call
+        names = tuple(k for k, s in device.items() if type(s) not in (_TensorSig, _SeqSig))
+        self.get_scalars = operator.itemgetter(*names) if names else _nothing
+        self.scalars = self.get_scalars(params)
+        self.held, self.refs = held, refs
+
+    def passed_again(self, params: dict[str, Any]) -> bool:
+        if len(params) != len(self.keys) or not self.keys.issuperset(params):
+            return False
+        if self.get_scalars(params) != self.scalars:
+            return False
+        return all(s.matches(params[k]) for k, s in self.tensors)
+
+
+def _nothing(params: dict[str, Any]) -> tuple[()]:
+    return ()
+
+
+def reissues_previous(stream: rt.Stream, op: Any, params: dict[str, Any]) -> bool:
+    """Whether the op issued in ``stream``'s update session passes the same device arguments
+    (the same tensor objects, where and as they lay, and equal scalars) as the group's
+    previous update: every check of them passed then and holds now."""
+    prev = stream._updating._group.previous
+    return prev is not None and prev.qualname == op.qualname and prev.passed_again(params)
+
+
+def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any], info: dict[str, Any], same: bool) -> None:
+    """Check the op issued inside an update against the captured one and queue the rewrite
+    (``same``: its device arguments are the previous update's, :func:`reissues_previous`)."""
     handle = stream._updating
     group: TaskGroup = handle._group
     task = group.task
@@ -232,21 +335,30 @@ def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any], info: dict[
         raise UpdateMismatchError(
             f"a second op ({op.qualname}) issued while updating {group!r}: an update replaces exactly one op call"
         )
-    where = f"update of {group!r}"
+    where = _UpdateOf(group)
     if op.qualname != task.op.qualname:
         raise UpdateMismatchError(
             f"{where}: the op issued ({op.qualname}) differs from the op captured "
             f"({task.op.qualname}); number and type of tasks must match"
         )
-    captured = task.params
-    for name, value in params.items():
-        if name in op.host_args:
-            continue
-        was = captured.get(name)
-        if value is not was or isinstance(value, (list, tuple)):  # an identical scalar (None) is the same
-            _check_same(where, name, was, value)
+    if not same:
+        captured = task.params
+        for name, value in params.items():
+            if name in op.host_args:
+                continue
+            was = captured.get(name)
+            if value is not was or isinstance(value, (list, tuple)):  # an identical scalar (None) is the same
+                _check_same(where, name, was, value)
     op.check_workspace(params, where, info)
-    held, refs = hold_params(rt.get_state().memory, op, params)
+    prev = group.previous
+    if same and prev is not None:
+        held = dict(prev.held)
+        for name in op.host_args:
+            held[name] = params[name]
+        refs = prev.refs
+    else:
+        held, refs = hold_params(rt.get_state().memory, op, params)
+        group.previous = _PreviousCall(op, params, held, refs)
     st = rt.get_state()
     st.updates_in_flight[stream] += 1
     st.enqueue(stream, _TaskUpdate(group, held, refs, stream))
@@ -260,7 +372,7 @@ _ONE_UPDATER = (
 )
 
 
-def _check_same(where: str, name: str, captured: Any, given: Any) -> None:
+def _check_same(where: object, name: str, captured: Any, given: Any) -> None:
     if isinstance(captured, torch.Tensor) or isinstance(given, torch.Tensor):
         if not (isinstance(captured, torch.Tensor) and isinstance(given, torch.Tensor)):
             raise UpdateMismatchError(
