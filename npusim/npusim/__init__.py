@@ -123,6 +123,7 @@ __all__ = [
     "counters",
     "pool_bytes",
     "device_seconds",
+    "own_seconds",
     "is_device_memory",
     "pin_memory",
     "host_view",
@@ -229,6 +230,20 @@ def device_seconds() -> float:
     replay, an update, a synchronize); subtract this to get the host's own time.
     """
     return get_state().busy_s
+
+
+def own_seconds() -> float:
+    """Host seconds the simulator has spent in its own code since :func:`configure`: its entry
+    points (a kernel's launch or re-issue with its argument binding, a replay, an update's
+    begin and end, an event's record, a synchronize; the eager ordering's deferral of an op),
+    less the device work run inside them (:func:`device_seconds`) and the modelled host cost
+    of the real call (``configure(costs=...)``), which is the caller's.
+
+    A step's wall time is then the program's own host time, this, and the device's.  Not
+    counted: the eager ordering's pass-through of an op it lets run (a fraction of a
+    microsecond per torch call while a replay is pending).
+    """
+    return get_state().own_s
 
 
 # torch_npu's dtypes beyond torch's own: not torch.dtype objects but the ints of torch_npu's

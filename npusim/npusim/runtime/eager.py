@@ -115,7 +115,7 @@ class EagerOrdering:
         stream = st.current_stream
         if stream._queue and st.memory.knows(t):
             with st.lock:
-                st.drain(f"{how} on a device tensor (which waits for {stream!r})", stream)
+                st.own(st.drain, f"{how} on a device tensor (which waits for {stream!r})", stream)
 
     def dispatch_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         st = self.state
@@ -126,7 +126,7 @@ class EagerOrdering:
         if not (stream._queue or st.adversarial) or not any(st.memory.knows(t) for t in tensors):
             return func(*args, **kwargs)  # nothing queued before it on its stream, or host memory
         with st.lock:
-            return self._defer(func, args, kwargs, stream)
+            return st.own(self._defer, func, args, kwargs, stream)
 
     def _defer(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], stream: Any) -> Any:
         st = self.state

@@ -302,7 +302,8 @@ class SimOverload:
                 args, kwargs = self.normalize(args, kwargs)
                 with torch.utils._python_dispatch._pop_mode_temporarily() as top:
                     return top.__torch_dispatch__(self, (), args, kwargs)
-        return self._fn(*args, **kwargs)
+        # the binding of torch_npu's arguments (C++ there) is the simulator's own time too
+        return rt.get_state().own(self._fn, *args, **kwargs)
 
     def normalize(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` as torch's dispatcher hands them to a dispatch mode."""

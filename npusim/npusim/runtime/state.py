@@ -85,6 +85,11 @@ class SimState:
         self.update_session: tuple[Stream, int] | None = None
         self.issuing: Any = None  # the work whose own enqueue is running the device now
         self.updates_in_flight: collections.Counter[Stream] = collections.Counter()
+        # host seconds the simulator spent in its own code (own): its entry points' time, less
+        # the device work run inside them (busy_s) and the modelled host cost spent there
+        # (charged_s), which stands for the real call's and so is the caller's
+        self.own_s = 0.0
+        self.charged_s = 0.0
 
     @property
     def current_stream(self) -> Stream:
@@ -112,9 +117,29 @@ class SimState:
         if getattr(self._local, "owed", None) is not None:
             self._local.owed += us
             return
+        self.charged_s += us * 1e-6
         end = time.perf_counter() + us * 1e-6
         while time.perf_counter() < end:
             pass
+
+    def own(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn``, counting its host time as the simulator's own (:attr:`own_s`), less
+        the device's work and the modelled host cost spent inside it.  Nested calls (an
+        entry point calling another) count once, at the outermost."""
+        local = self._local
+        if getattr(local, "own", False):
+            return fn(*args, **kwargs)
+        local.own = True
+        t0, busy, charged = time.perf_counter(), self.busy_s, self.charged_s
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            local.own = False
+            # another host thread's device work or modelled cost in between is taken off too:
+            # exact with one issuing thread, an underestimate with several
+            spent = time.perf_counter() - t0 - (self.busy_s - busy) - (self.charged_s - charged)
+            with self.lock:
+                self.own_s += spent
 
     def gil_free(self, body: Callable[[], Any]) -> Any:
         """Run ``body`` under the device lock, then spend its modelled host time without the GIL."""
@@ -125,6 +150,7 @@ class SimState:
         finally:
             owed, self._local.owed = self._local.owed, None
         if owed:
+            self.charged_s += owed * 1e-6
             time.sleep(owed * 1e-6)
         return result
 
@@ -273,12 +299,14 @@ _STATE: SimState | None = None
 
 
 def locked(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` holding the device lock (entry points a host thread may call concurrently)."""
+    """Run ``fn`` holding the device lock (entry points a host thread may call concurrently),
+    its time the simulator's own (:meth:`SimState.own`)."""
 
     @functools.wraps(fn)
     def inner(*args: Any, **kwargs: Any) -> Any:
-        with get_state().lock:
-            return fn(*args, **kwargs)
+        st = get_state()
+        with st.lock:
+            return st.own(fn, *args, **kwargs)
 
     return inner
 
