@@ -151,9 +151,7 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
         dk, dv, kv_per, max_kv = _dense_keys(op, p, layout, kvn, batch, d, kvlens)
     if dk != d:
         raise fail(op, "key", f"head size {dk} differs from the query's {d}")
-    for i, x in enumerate(kv_per):
-        if x < 0 or x > max_kv:
-            raise fail(op, "actual_seq_lengths_kv", f"[{i}] = {x} is outside [0, {max_kv}]")
+    _kv_within(op, kv_per, max_kv)
     sink = p.get("learnable_sink")
     if sink is not None and not (
         isinstance(sink, torch.Tensor) and sink.dim() == 1 and sink.shape[0] == n and sink.is_floating_point()
@@ -175,7 +173,27 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
         "max_kv": max_kv,
         "max_q": sq,
         "rows": q.shape[0] if layout == "TND" else batch * sq,
+        "paged": p.get("block_table") is not None,
     }
+
+
+def fia_lengths(p: dict[str, Any], info: dict[str, Any]) -> dict[str, Any] | None:
+    """:func:`fia_check` of new host lengths, given ``info`` from a check of the same device
+    arguments (a paged cache: decode's; ``None`` otherwise, for the whole check)."""
+    if not info["paged"]:
+        return None
+    op = "npu_fused_infer_attention_score"
+    qlens = _host_lengths(p.get("actual_seq_lengths"))
+    if info["layout"] == "TND":
+        q_per, starts = _tnd_queries(op, qlens, info["rows"])
+        batch, sq = len(q_per), max(q_per)
+    else:
+        batch, sq, starts = info["batch"], info["sq"], []
+        q_per = _padded_queries(op, qlens, batch, sq)
+    _table_rows(op, p["block_table"], batch)
+    kv_per = _paged_kv_lengths(op, _host_lengths(p.get("actual_seq_lengths_kv")), batch)
+    _kv_within(op, kv_per, info["max_kv"])
+    return info | {"batch": batch, "sq": sq, "max_q": sq, "q_per": q_per, "starts": starts, "kv_per": kv_per}
 
 
 def _check_mask(op: str, p: dict[str, Any]) -> None:
@@ -197,18 +215,8 @@ def _query_geometry(
     if layout == "TND":
         need_tensor(op, "query", q, 3)
         t, qn, d = q.shape
-        if qlens is None:
-            raise fail(op, "actual_seq_lengths", "is required with input_layout='TND' (cumulative ends)")
-        ends = list(qlens)
-        if any(b > a for a, b in zip(ends[1:], ends)) or (ends and ends[-1] != t) or not ends:
-            raise fail(
-                op,
-                "actual_seq_lengths",
-                f"must be non-decreasing cumulative query ends whose last entry equals T={t}, got {brief_host(ends)}",
-            )
-        starts = [0, *ends[:-1]]
-        q_per = [e - s for s, e in zip(starts, ends)]
-        return len(ends), qn, max(q_per), d, q_per, starts
+        q_per, starts = _tnd_queries(op, qlens, t)
+        return len(q_per), qn, max(q_per), d, q_per, starts
     need_tensor(op, "query", q, 3 if layout == "BSH" else 4)
     if layout == "BSH":
         batch, sq, h = q.shape
@@ -219,13 +227,32 @@ def _query_geometry(
         batch, sq, qn, d = q.shape
     else:
         batch, qn, sq, d = q.shape
+    return batch, qn, sq, d, _padded_queries(op, qlens, batch, sq), []
+
+
+def _tnd_queries(op: str, qlens: Any, t: int) -> tuple[list[int], list[int]]:
+    """TND's query lengths (cumulative ends, the last ``t``): each request's tokens and start."""
+    if qlens is None:
+        raise fail(op, "actual_seq_lengths", "is required with input_layout='TND' (cumulative ends)")
+    ends = list(qlens)
+    if any(b > a for a, b in zip(ends[1:], ends)) or (ends and ends[-1] != t) or not ends:
+        raise fail(
+            op,
+            "actual_seq_lengths",
+            f"must be non-decreasing cumulative query ends whose last entry equals T={t}, got {brief_host(ends)}",
+        )
+    starts = [0, *ends[:-1]]
+    return [e - s for s, e in zip(starts, ends)], starts
+
+
+def _padded_queries(op: str, qlens: Any, batch: int, sq: int) -> list[int]:
+    """Each request's query tokens in a padded layout (BSH, BSND, BNSD) of ``sq`` a request."""
     if qlens is None or sq == 1:  # ignored when the query length is 1
-        q_per = [sq] * batch
-    else:
-        q_per = per_batch(op, "actual_seq_lengths", qlens, batch)
-        if any(x < 0 or x > sq for x in q_per):
-            raise fail(op, "actual_seq_lengths", f"entries must lie in [0, {sq}]")
-    return batch, qn, sq, d, q_per, []
+        return [sq] * batch
+    q_per = per_batch(op, "actual_seq_lengths", qlens, batch)
+    if any(x < 0 or x > sq for x in q_per):
+        raise fail(op, "actual_seq_lengths", f"entries must lie in [0, {sq}]")
+    return q_per
 
 
 def _paged_keys(
@@ -238,8 +265,7 @@ def _paged_keys(
     need_tensor(op, "block_table", bt, 2)
     if bt.dtype != torch.int32:
         raise fail(op, "block_table", f"must be int32, got {bt.dtype}")
-    if bt.shape[0] != batch:
-        raise fail(op, "block_table", f"has {bt.shape[0]} rows for batch {batch}")
+    _table_rows(op, bt, batch)
     if k.dim() == 3:
         kvh = k.shape[2]
         if kvh % kvn:
@@ -263,11 +289,25 @@ def _paged_keys(
     cache_bs = k.shape[2] if k.dim() == 4 else k.shape[1]
     if block_size != cache_bs:
         raise fail(op, "block_size", f"is {block_size} but the cache blocks hold {cache_bs}")
+    dv = v.shape[-1] if v.dim() == 4 else v.shape[2] // kvn
+    return dk, dv, _paged_kv_lengths(op, kvlens, batch), bt.shape[1] * block_size
+
+
+def _table_rows(op: str, bt: torch.Tensor, batch: int) -> None:
+    if bt.shape[0] != batch:
+        raise fail(op, "block_table", f"has {bt.shape[0]} rows for batch {batch}")
+
+
+def _paged_kv_lengths(op: str, kvlens: Any, batch: int) -> list[int]:
     if kvlens is None:
         raise fail(op, "actual_seq_lengths_kv", "is required with a block_table")
-    kv_per = per_batch(op, "actual_seq_lengths_kv", kvlens, batch)
-    dv = v.shape[-1] if v.dim() == 4 else v.shape[2] // kvn
-    return dk, dv, kv_per, bt.shape[1] * block_size
+    return per_batch(op, "actual_seq_lengths_kv", kvlens, batch)
+
+
+def _kv_within(op: str, kv_per: list[int], max_kv: int) -> None:
+    for i, x in enumerate(kv_per):
+        if x < 0 or x > max_kv:
+            raise fail(op, "actual_seq_lengths_kv", f"[{i}] = {x} is outside [0, {max_kv}]")
 
 
 def _dense_keys(
@@ -514,6 +554,7 @@ def _fia_op(name: str, overload: str, host: tuple[str, ...]) -> SimOp:
         check=fia_check,
         compute=fia_compute,
         workspace=fia_workspace,
+        lengths=fia_lengths,
     )
 
 

@@ -22,7 +22,7 @@ def _pa_check(p: dict[str, Any]) -> dict[str, Any]:
     kc = need_tensor(op, "key_cache", p["key_cache"], 4)
     vc = need_tensor(op, "value_cache", p["value_cache"], 4)
     bt = need_tensor(op, "block_table", p["block_table"], 2)
-    cl = need_tensor(op, "context_lens", p["context_lens"], 1)
+    need_tensor(op, "context_lens", p["context_lens"], 1)  # its values: _pa_lengths
     out = need_tensor(op, "out", p["out"], 3)
     t, n, d = q.shape
     _, bs, kvn, dk = kc.shape
@@ -64,15 +64,21 @@ def _pa_check(p: dict[str, Any]) -> dict[str, Any]:
         raise fail(op, "block_table", f"must be int32, got {bt.dtype}")
     if bt.shape[0] != t:
         raise fail(op, "block_table", f"has {bt.shape[0]} rows for {t} query tokens")
+    if list(out.shape) != [t, n, vc.shape[3]]:
+        raise fail(op, "out", f"must have shape {[t, n, vc.shape[3]]}, got {list(out.shape)}")
+    return _pa_lengths(p, {"max_kv": bt.shape[1] * bs, "max_q": 1, "block_size": bs, "tokens": t})
+
+
+def _pa_lengths(p: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+    """The check of ``context_lens`` (its values, read on the host), given the rest's ``info``."""
+    op, t = _NAME, info["tokens"]
+    cl = need_tensor(op, "context_lens", p["context_lens"], 1)
     if cl.dtype != torch.int32 or cl.device.type != "cpu":
         raise fail(op, "context_lens", f"must be an int32 CPU tensor, got {cl.dtype}")
     if cl.shape[0] != t:
         raise fail(op, "context_lens", f"has {cl.shape[0]} entries for {t} query tokens")
-    if list(out.shape) != [t, n, vc.shape[3]]:
-        raise fail(op, "out", f"must have shape {[t, n, vc.shape[3]]}, got {list(out.shape)}")
-    cap = bt.shape[1] * bs
     lens = cl.tolist()
-    return {"max_len": max(lens, default=0), "max_kv": cap, "max_q": 1, "lens": lens, "block_size": bs}
+    return info | {"max_len": max(lens, default=0), "lens": lens}
 
 
 def _pa_bounds(p: dict[str, Any], info: dict[str, Any]) -> None:
@@ -129,6 +135,7 @@ _PA = SimOp(
     workspace=_pa_workspace,
     max_workspace=_pa_max_workspace,
     bounds=_pa_bounds,
+    lengths=_pa_lengths,
 )
 
 

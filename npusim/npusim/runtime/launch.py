@@ -61,8 +61,13 @@ class SimOp:
         max_workspace: Callable[[dict[str, Any], dict[str, Any]], int] | None = None,
         anchor: str = "query",
         bounds: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+        lengths: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None,
     ) -> None:
         self._max_workspace = max_workspace
+        # ``lengths(params, info)``: the check of new host lengths alone, given ``info`` from a
+        # check of the same device arguments (``None`` where it takes the whole check): what a
+        # re-issue with the previous update's tensors needs (issue #78)
+        self._lengths = lengths
         # checks of what the kernel reads when it runs (lengths within the block table):
         # a capture or a task update only records the arguments, and the device accepts
         # them (vllm-ascend captures PA with a length past the table, for its workspace);
@@ -77,6 +82,15 @@ class SimOp:
 
     def check(self, params: dict[str, Any]) -> dict[str, Any]:
         """Validate shapes and host values; return derived sizes (``info``)."""
+        return self._check(params)
+
+    def recheck(self, params: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`check` of ``params`` whose device arguments (tensors, scalars) are those a
+        check returned ``info`` for: only the host lengths are new."""
+        if self._lengths is not None:
+            found = self._lengths(params, info)
+            if found is not None:
+                return found
         return self._check(params)
 
     def workspace_bytes(self, params: dict[str, Any]) -> int:
@@ -203,15 +217,15 @@ def _launch(op: SimOp, params: dict[str, Any]) -> None:
     stream = st.current_stream
     updating = stream._updating is not None
     # a re-issue whose device arguments are the previous update's own (the engine's every step)
-    # was placed and compared then: only its host lengths are new
-    same = updating and reissues_previous(stream, op, params)
-    if not same:
+    # was placed, checked and compared then: only its host lengths are new
+    previous = reissues_previous(stream, op, params) if updating else None
+    if previous is None:
         check_placement(op, params)
     for name in op.host_args:
         params[name] = host_copy(name, params.get(name))
-    info = op.check(params)
+    info = op.check(params) if previous is None else op.recheck(params, previous.info)
     if updating:
-        issue_update(stream, op, params, info, same)
+        issue_update(stream, op, params, info, previous)
         return
     session = st.capture
     if session is not None:

@@ -290,10 +290,13 @@ class _PreviousCall:
     those arguments were placed, compared with the captured task and aliased the step
     before, and doing it again was most of a re-issue's host cost (issue #78)."""
 
-    __slots__ = ("get_scalars", "held", "keys", "qualname", "refs", "scalars", "tensors")
+    __slots__ = ("get_scalars", "held", "info", "keys", "qualname", "refs", "scalars", "tensors")
 
-    def __init__(self, op: Any, params: dict[str, Any], held: dict[str, Any], refs: tuple[ArgRef, ...]) -> None:
+    def __init__(
+        self, op: Any, params: dict[str, Any], info: dict[str, Any], held: dict[str, Any], refs: tuple[ArgRef, ...]
+    ) -> None:
         self.qualname = op.qualname
+        self.info = info  # its check's result (the device arguments' part holds for a re-issue)
         self.keys = frozenset(params)
         device = {k: _signature(v) for k, v in params.items() if k not in op.host_args}
         self.tensors = tuple((k, s) for k, s in device.items() if type(s) in (_TensorSig, _SeqSig))
@@ -315,17 +318,20 @@ def _nothing(params: dict[str, Any]) -> tuple[()]:
     return ()
 
 
-def reissues_previous(stream: rt.Stream, op: Any, params: dict[str, Any]) -> bool:
-    """Whether the op issued in ``stream``'s update session passes the same device arguments
-    (the same tensor objects, where and as they lay, and equal scalars) as the group's
-    previous update: every check of them passed then and holds now."""
+def reissues_previous(stream: rt.Stream, op: Any, params: dict[str, Any]) -> _PreviousCall | None:
+    """The group's previous update, where the op issued in ``stream``'s update session passes
+    its device arguments again (the same tensor objects, where and as they lay, and equal
+    scalars): every check of them passed then and holds now."""
     prev = stream._updating._group.previous
-    return prev is not None and prev.qualname == op.qualname and prev.passed_again(params)
+    return prev if prev is not None and prev.qualname == op.qualname and prev.passed_again(params) else None
 
 
-def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any], info: dict[str, Any], same: bool) -> None:
+def issue_update(
+    stream: rt.Stream, op: Any, params: dict[str, Any], info: dict[str, Any], previous: _PreviousCall | None
+) -> None:
     """Check the op issued inside an update against the captured one and queue the rewrite
-    (``same``: its device arguments are the previous update's, :func:`reissues_previous`)."""
+    (``previous``: the group's previous update, whose device arguments these are,
+    :func:`reissues_previous`)."""
     handle = stream._updating
     group: TaskGroup = handle._group
     task = group.task
@@ -341,7 +347,7 @@ def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any], info: dict[
             f"{where}: the op issued ({op.qualname}) differs from the op captured "
             f"({task.op.qualname}); number and type of tasks must match"
         )
-    if not same:
+    if previous is None:
         captured = task.params
         for name, value in params.items():
             if name in op.host_args:
@@ -350,15 +356,14 @@ def issue_update(stream: rt.Stream, op: Any, params: dict[str, Any], info: dict[
             if value is not was or isinstance(value, (list, tuple)):  # an identical scalar (None) is the same
                 _check_same(where, name, was, value)
     op.check_workspace(params, where, info)
-    prev = group.previous
-    if same and prev is not None:
-        held = dict(prev.held)
+    if previous is not None:
+        held = dict(previous.held)
         for name in op.host_args:
             held[name] = params[name]
-        refs = prev.refs
+        refs = previous.refs
     else:
         held, refs = hold_params(rt.get_state().memory, op, params)
-        group.previous = _PreviousCall(op, params, held, refs)
+        group.previous = _PreviousCall(op, params, info, held, refs)
     st = rt.get_state()
     st.updates_in_flight[stream] += 1
     st.enqueue(stream, _TaskUpdate(group, held, refs, stream))
