@@ -41,6 +41,13 @@ __all__ = ["measure", "main"]
 _HEADS, _KV_HEADS, _HEAD_DIM, _BLOCK = 8, 2, 128, 128
 _MAX_LEN = 1024  # the longest context a step draws: 8 blocks a request
 _BATCH = {"pa": 4, "fia": 16}  # PA for small batches, FIA for larger ones (vllm-ascend #4765)
+_FIA_GEOMETRY: dict[str, Any] = {
+    "num_heads": _HEADS,
+    "scale": _HEAD_DIM**-0.5,
+    "input_layout": "TND",
+    "num_key_value_heads": _KV_HEADS,
+    "block_size": _BLOCK,
+}
 
 
 class _Kernel:
@@ -87,11 +94,7 @@ class _Kernel:
                 actual_seq_lengths=self.ends,
                 actual_seq_lengths_kv=[_MAX_LEN] * b,
                 block_table=self.table,
-                num_heads=_HEADS,
-                scale=_HEAD_DIM**-0.5,
-                input_layout="TND",
-                num_key_value_heads=_KV_HEADS,
-                block_size=_BLOCK,
+                **_FIA_GEOMETRY,
             )
 
     def lengths(self, step: int) -> list[int]:
@@ -124,11 +127,7 @@ class _Kernel:
             actual_seq_lengths=self.ends,
             actual_seq_lengths_kv=lens,
             block_table=self.table,
-            num_heads=_HEADS,
-            scale=_HEAD_DIM**-0.5,
-            input_layout="TND",
-            num_key_value_heads=_KV_HEADS,
-            block_size=_BLOCK,
+            **_FIA_GEOMETRY,
             softmax_lse_flag=False,
             sparse_mode=0,
             atten_mask=None,

@@ -51,6 +51,18 @@ def _table() -> torch.Tensor:
     return torch.randint(0, NB, (T, COLS), dtype=torch.int32).to("npu")
 
 
+def _pa_args() -> dict:
+    args = {
+        "q": torch.randn(T, N, D, dtype=torch.float16, device="npu"),
+        "kc": torch.randn(NB, BS, KVN, D, dtype=torch.float16, device="npu"),
+        "vc": torch.randn(NB, BS, KVN, D, dtype=torch.float16, device="npu"),
+        "bt": _table(),
+        "ws": torch.empty(1 << 20, dtype=torch.uint8, device="npu"),
+    }
+    args["out"] = torch.empty_like(args["q"])
+    return args
+
+
 @settings(max_examples=25)
 @given(
     steps=st.lists(
@@ -63,14 +75,7 @@ def _table() -> torch.Tensor:
 def test_a_reissue_after_any_change_to_its_arguments_is_what_a_first_update_gives(steps, seed) -> None:
     torch_npu.configure()  # a fresh device for each example
     torch.manual_seed(seed)
-    args = {
-        "q": torch.randn(T, N, D, dtype=torch.float16, device="npu"),
-        "kc": torch.randn(NB, BS, KVN, D, dtype=torch.float16, device="npu"),
-        "vc": torch.randn(NB, BS, KVN, D, dtype=torch.float16, device="npu"),
-        "bt": _table(),
-        "ws": torch.empty(1 << 20, dtype=torch.uint8, device="npu"),
-    }
-    args["out"] = torch.empty_like(args["q"])
+    args = _pa_args()
     g, ev = npu.NPUGraph(), npu.ExternalEvent()
     with npu.graph(g):
         s = npu.current_stream()
@@ -232,14 +237,7 @@ def test_fia_rechecks_only_the_lengths_and_refuses_them_as_its_whole_check_does(
 def test_pa_rechecks_its_context_lengths_as_its_whole_check_does(lens: torch.Tensor, refusal: str) -> None:
     """PA's re-issue with the previous update's tensors checks its context lengths alone
     (``_pa_lengths``), and refuses what a first launch refuses."""
-    args = {
-        "q": torch.randn(T, N, D, dtype=torch.float16, device="npu"),
-        "kc": torch.randn(NB, BS, KVN, D, dtype=torch.float16, device="npu"),
-        "vc": torch.randn(NB, BS, KVN, D, dtype=torch.float16, device="npu"),
-        "bt": _table(),
-        "ws": torch.empty(1 << 20, dtype=torch.uint8, device="npu"),
-    }
-    args["out"] = torch.empty_like(args["q"])
+    args = _pa_args()
     with pytest.raises(ValueError, match=refusal):
         _pa(args, lens)  # a first launch
     g = npu.NPUGraph()
