@@ -135,11 +135,13 @@ class _Counting:
         graph_cls, wrapper_cls = module.UpdatableGraph, module.ACLGraphWrapper
         parts: list[float] = []
         wall_parts: list[float] = []  # the same calls' whole wall times, device time included
+        own_parts: list[float] = []  # the simulator's own host seconds in them
         calls: collections.Counter[str] = collections.Counter()
-        graph_cls.resolve_tasks = timed(graph_cls, "resolve_tasks", parts, calls, walls=wall_parts)
-        graph_cls.update = timed(graph_cls, "update", parts, calls, walls=wall_parts)
+        graph_cls.resolve_tasks = timed(graph_cls, "resolve_tasks", parts, calls, walls=wall_parts, own=own_parts)
+        graph_cls.update = timed(graph_cls, "update", parts, calls, walls=wall_parts, own=own_parts)
         # the lists counts.time made for update_full_graph_params: one step's entry in each
         seconds = counts.values["vllm_ascend_update_seconds"]
+        own = counts.values["vllm_ascend_update_own"]
         walls = counts.values["vllm_ascend_update_walls"]
         device_calls = counts.values["vllm_ascend_update_device_calls"]
 
@@ -149,12 +151,14 @@ class _Counting:
             def _updatable_graph_replay(self: Any, first: Any, *args: Any, **kwargs: Any) -> Any:
                 parts.clear()
                 wall_parts.clear()
+                own_parts.clear()
                 calls.clear()
                 try:
                     return replay(self, first, *args, **kwargs)
                 finally:
                     seconds.append(sum(parts))
                     walls.append(sum(wall_parts))
+                    own.append(sum(own_parts))
                     tokens.append(step_tokens(first))
                     device_calls.update(calls)
                     counts.write()

@@ -43,12 +43,14 @@ class EngineCounts:
 
     def time(self, owner: Any, name: str, key: str, walls: str | None = None, write: bool = True) -> Any:
         """``owner.name`` timed into ``key_seconds`` (and its device calls into
-        ``key_device_calls``, its whole wall times into ``walls``), the counts written after
-        each call unless ``write`` is false."""
+        ``key_device_calls``, the simulator's own seconds in it into ``key_own``, its whole
+        wall times into ``walls``), the counts written after each call unless ``write`` is
+        false."""
         seconds = self.values.setdefault(f"{key}_seconds", [])
         calls = self.values.setdefault(f"{key}_device_calls", collections.Counter())
+        own = self.values.setdefault(f"{key}_own", [])
         wall = self.values.setdefault(walls, []) if walls else None
-        return timed(owner, name, seconds, calls, self.write if write else None, wall)
+        return timed(owner, name, seconds, calls, self.write if write else None, wall, own)
 
     def npugraph(self, after_import: Callable[[str, Callable[[Any], None]], None], write_each_step: bool) -> None:
         """npugraph's side, wherever it runs: each per-step update (``ReplayUpdater._write``)

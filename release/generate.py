@@ -364,6 +364,9 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         # the same calls' whole wall times, the simulated device's time in them (update_cost.py: the slowed kernel)
         "vllm_ascend_update_walls": counts.get("vllm_ascend_update_walls", []),
         "npugraph_update_walls": counts.get("npugraph_update_walls", []),
+        # the simulator's own host seconds in each (npusim.own_seconds): update_cost.py's framework-only ratio
+        "vllm_ascend_update_own": counts.get("vllm_ascend_update_own", []),
+        "npugraph_update_own": counts.get("npugraph_update_own", []),
         # each update's step size (padded tokens), beside its seconds: the per-batch breakdown
         "vllm_ascend_update_tokens": counts.get("vllm_ascend_update_tokens", []),
         "npugraph_update_tokens": counts.get("npugraph_update_tokens", []),

@@ -26,11 +26,14 @@ def timed(
     calls: collections.Counter[str],
     after: Callable[[], None] | None = None,
     walls: list[float] | None = None,
+    own: list[float] | None = None,
 ) -> Any:
     """``owner.name`` recording each call's host seconds, less the simulated device's (the
     simulator runs device work inside whichever host call unblocks it), and counting the
     device calls it makes (update sessions, launches, event records, workspace queries);
-    ``after()`` runs after each call; ``walls``, if given, also gets each call's whole wall time."""
+    ``after()`` runs after each call; ``walls``, if given, also gets each call's whole wall time,
+    and ``own`` the simulator's own host seconds in it (``npusim.own_seconds``): the host
+    seconds less these are the framework's alone."""
     original = getattr(owner, name)
     # NPUGRAPH_UPDATE_PROFILE=DIR: every call also runs under cProfile, its stats rewritten to
     # DIR/NAME-PID.prof after each call (vLLM kills its engine process at shutdown): where an
@@ -46,7 +49,7 @@ def timed(
 
         counters = sim.counters
         before = collections.Counter({k: counters()[k] for k in DEVICE_CALLS})
-        t0, d0 = time.perf_counter(), sim.device_seconds()
+        t0, d0, o0 = time.perf_counter(), sim.device_seconds(), sim.own_seconds()
         if profile is not None:
             profile.enable()
             profiling[0] = True
@@ -60,6 +63,8 @@ def timed(
             samples.append(wall - (sim.device_seconds() - d0))
             if walls is not None:
                 walls.append(wall)
+            if own is not None:
+                own.append(sim.own_seconds() - o0)
             calls.update({k: counters()[k] - before[k] for k in DEVICE_CALLS})
             if profile is not None:
                 profile.dump_stats(os.path.join(str(folder), f"{name}-{os.getpid()}.prof"))

@@ -151,6 +151,39 @@ def test_the_update_cost_row_is_a_ratio_of_medians_with_its_interval(tmp_path, c
     assert "1 run(s)" in capsys.readouterr().out
 
 
+def test_the_frameworks_own_share_is_the_update_less_the_simulators_own(tmp_path, capsys):
+    """Each step's update less the simulator's own seconds in it (npusim.own_seconds): a ratio
+    of the frameworks alone; none where a run recorded no own seconds."""
+    import json
+
+    update_cost = _release_module("update_cost")
+    runs = _release_module("runs")
+    ascend = [300e-6 + (i % 4) * 1e-6 for i in range(40)]
+    npugraph = [100e-6 + (i % 4) * 1e-6 for i in range(40)]
+    # the simulator's own: 200 us of vllm-ascend's step, 50 of npugraph's (it re-issues cheaper
+    # on the simulator: the same tensors every step), so the frameworks' are 100 and 50
+    for mode, side, host, own in (
+        ("aclgraph", "vllm_ascend", ascend, [200e-6] * 40),
+        ("npugraph", "npugraph", npugraph, [50e-6] * 40),
+    ):
+        runs.result_path(tmp_path, "llama", mode).write_text(
+            json.dumps({f"{side}_update_seconds": host, f"{side}_update_own": own})
+        )
+    assert update_cost.main(["update_cost.py", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "update-cost.json").read_text())
+    (row,) = out["runs"]
+    assert abs(row["speedup_median"] - 301.5 / 101.5) < 1e-9
+    fw = row["framework_only"]
+    assert abs(fw["speedup_median"] - 101.5 / 51.5) < 1e-9
+    assert fw["simulator_own_median_us"] == {"vllm_ascend": 200.0, "npugraph": 50.0}
+    assert out["framework_only_verdict"] == "npugraph's update is faster in every run"
+    assert "the frameworks' own share" in capsys.readouterr().out
+    runs.result_path(tmp_path, "llama", "npugraph").write_text(json.dumps({"npugraph_update_seconds": npugraph}))
+    assert update_cost.main(["update_cost.py", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "update-cost.json").read_text())
+    assert "framework_only" not in out["runs"][0] and out["framework_only_verdict"] is None
+
+
 def test_the_update_cost_breaks_a_deep_model_down_by_its_decode_batch(tmp_path, capsys):
     """The 32-layer benchmark is served at batches of 1, 4 and 16: a row per size both sides
     updated, each from its own steps; sizes not recorded beside the seconds give no breakdown."""
