@@ -166,6 +166,44 @@ def test_a_non_blocking_copy_waits_unless_its_host_memory_is_page_locked(pinned)
         assert dev.tolist() == [1.0] * 4
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_blocking_copy_into_host_memory_waits_for_the_stream(seed):
+    """``host.copy_(device)`` reads device memory on the host: torch_npu synchronizes the
+    stream first, so behind a replay that waits for its event the host hangs, and behind a
+    runnable one it gets what the replay wrote (queued instead, it returned at once with its
+    destination unwritten)."""
+    torch_npu.configure(adversarial_seed=seed)
+    dev = torch.ones(4, device=DEVICE)
+    ev = _replay_blocked(lambda: dev.mul_(3))
+    host = torch.zeros(4)
+    with pytest.raises(torch_npu.DeadlockError, match=r"a blocking copy from device memory into pageable host"):
+        host.copy_(dev)
+    ev.record(npu.Stream())
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        dev.add_(1)
+    g.replay()
+    host.copy_(dev)  # waits for the replay
+    assert host.tolist() == [4.0] * 4
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_non_blocking_copy_into_host_memory_waits_unless_it_is_page_locked(pinned):
+    """The same rule as into the device: into pageable memory the host waits for the stream;
+    into page-locked memory the copy is queued and lands when the stream reaches it."""
+    dev = torch.ones(4, device=DEVICE)
+    ev = _replay_blocked(lambda: dev.mul_(3))
+    host = torch_npu.pin_memory(torch.zeros(4)) if pinned else torch.zeros(4)
+    if pinned:
+        host.copy_(dev, non_blocking=True)  # queued behind the blocked replay: no wait
+        ev.record(npu.Stream())
+        npu.synchronize()
+        assert host.tolist() == [3.0] * 4
+    else:
+        with pytest.raises(torch_npu.DeadlockError, match=r"a non-blocking copy from device memory into pageable"):
+            host.copy_(dev, non_blocking=True)
+
+
 def _kv_write_setup():
     blocks, bs, heads, d = 4, 16, 2, 16
     kc = torch.zeros(blocks, bs, heads, d, dtype=torch.float16, device=DEVICE)

@@ -141,10 +141,22 @@ class EagerOrdering:
         if func.overloadpacket in ALLOC_PACKETS:
             return planned.result
         touched: Any = (args, kwargs)
+        blocking = func is _copy and not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking")
+        if func is _copy and not memory.knows(args[0]) and isinstance(args[1], torch.Tensor) and memory.knows(args[1]):
+            # device memory into host memory: blocking, or into pageable memory, the host waits
+            # for the stream and then reads what the queued work wrote, as the copy into device
+            # memory below (queued, the copy had returned at once, its destination unwritten)
+            pinned = memory.is_pinned(args[0])
+            if blocking or not pinned:
+                st.drain(
+                    f"a {'blocking' if blocking else 'non-blocking'} copy from device memory into "
+                    f"{'' if pinned else 'pageable '}host memory (which waits for {stream!r})",
+                    stream,
+                )
+                return func(*args, **kwargs)
         if func is _copy and isinstance(args[1], torch.Tensor) and not memory.knows(args[1]):
             # a copy from memory no device work touched: host memory (an input, a block table),
             # which stays the host's
-            blocking = not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking")
             pinned = memory.is_pinned(args[1])
             if blocking or not pinned:
                 # torch_npu synchronizes the stream for a blocking copy; CANN's async copy
