@@ -256,7 +256,9 @@ def test_zeroing_a_large_allocation_gives_its_pages_back_and_reads_zeros_at_ever
     assert float(small.zero_().abs().sum()) == 0.0
 
 
-def test_the_host_heap_is_kept_unless_the_environment_tunes_glibc_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_host_heap_is_kept_only_when_asked_and_unless_the_environment_tunes_glibc_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The device's temporaries come from the host's heap, not a mapping each (npusim.bench's
     engine loop spent two thirds of its time faulting pages in without it); a process that
     sets glibc's own knobs keeps them."""
@@ -264,6 +266,9 @@ def test_the_host_heap_is_kept_unless_the_environment_tunes_glibc_itself(monkeyp
 
     from npusim.device import backend
 
+    monkeypatch.delenv(backend.ENV_KEEP_HEAP, raising=False)
+    assert backend.keep_host_heap() is False, "off unless asked for (the soak's resident memory)"
+    monkeypatch.setenv(backend.ENV_KEEP_HEAP, "1")
     assert backend.keep_host_heap() is (sys.platform == "linux")
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     assert backend.keep_host_heap() is False
