@@ -141,34 +141,29 @@ class EagerOrdering:
         if func.overloadpacket in ALLOC_PACKETS:
             return planned.result
         touched: Any = (args, kwargs)
-        blocking = func is _copy and not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking")
-        if func is _copy and not memory.knows(args[0]) and isinstance(args[1], torch.Tensor) and memory.knows(args[1]):
-            # device memory into host memory: blocking, or into pageable memory, the host waits
-            # for the stream and then reads what the queued work wrote, as the copy into device
-            # memory below (queued, the copy had returned at once, its destination unwritten)
-            pinned = memory.is_pinned(args[0])
-            if blocking or not pinned:
-                st.drain(
-                    f"a {'blocking' if blocking else 'non-blocking'} copy from device memory into "
-                    f"{'' if pinned else 'pageable '}host memory (which waits for {stream!r})",
-                    stream,
-                )
-                return func(*args, **kwargs)
-        if func is _copy and isinstance(args[1], torch.Tensor) and not memory.knows(args[1]):
-            # a copy from memory no device work touched: host memory (an input, a block table),
-            # which stays the host's
-            pinned = memory.is_pinned(args[1])
-            if blocking or not pinned:
-                # torch_npu synchronizes the stream for a blocking copy; CANN's async copy
-                # from pageable memory returns once it has run: either way the host waits
-                st.drain(
-                    f"a {'blocking' if blocking else 'non-blocking'} copy into device memory from "
-                    f"{'' if pinned else 'pageable '}host memory (which waits for {stream!r}; "
-                    "copy non-blocking from page-locked memory, tensor.pin_memory(), not to wait)",
-                    stream,
-                )
-                return func(*args, **kwargs)
-            touched = (args[0], kwargs)  # not the source
+        if func is _copy and isinstance(args[1], torch.Tensor):
+            # a copy between host memory and device memory.  From host memory: memory no device
+            # work touched (an input, a block table), which stays the host's.  Either way,
+            # torch_npu synchronizes the stream for a blocking copy and CANN's async copy from or
+            # into pageable memory returns once it has run: the host waits for the stream
+            # (queued instead, a copy into the host had returned with its destination unwritten)
+            into_host = not memory.knows(args[0]) and memory.knows(args[1])
+            from_host = not memory.knows(args[1])
+            if into_host or from_host:
+                blocking = not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking")
+                pinned = memory.is_pinned(args[0] if into_host else args[1])
+                if blocking or not pinned:
+                    kind, host = "blocking" if blocking else "non-blocking", "host" if pinned else "pageable host"
+                    st.drain(
+                        f"a {kind} copy from device memory into {host} memory (which waits for {stream!r})"
+                        if into_host
+                        else f"a {kind} copy into device memory from {host} memory (which waits for {stream!r}; "
+                        "copy non-blocking from page-locked memory, tensor.pin_memory(), not to wait)",
+                        stream,
+                    )
+                    return func(*args, **kwargs)
+                if from_host:
+                    touched = (args[0], kwargs)  # not the source
         memory.adopt(touched)  # device memory from now on: ops on it are ordered
         st.enqueue(stream, EagerOp(st, func, args, tree_map(lambda x: x, kwargs), planned.fresh))
         return planned.result
