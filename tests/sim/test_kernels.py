@@ -284,6 +284,67 @@ def test_fia_takes_a_4_dim_paged_cache_only_as_cann_documents_it():
         torch_npu.npu_fused_infer_attention_score(q.view(2, 1, 4, d), cache, cache, input_layout="BSND", **kw)
 
 
+@settings(max_examples=40, deadline=None)
+@given(bs=st.sampled_from([1, 4, 16]), four=st.booleans(), data=st.data())
+def test_a_paged_gather_reads_each_length_then_block_zero(bs, four, data):
+    """Positions inside a request's length read its table's blocks; past it, block 0 at the
+    same offset (what the kernels mask), whatever the table holds there (a stale id, -1)."""
+    from npusim.kernels.numerics import gather_paged
+
+    nb, kvn, d, cols = 9, 2, 3, 4
+    b = data.draw(st.integers(1, 5))
+    lens = [data.draw(st.integers(0, cols * bs)) for _ in range(b)]
+    max_len = data.draw(st.integers(max(lens), cols * bs))
+    table = [
+        [data.draw(st.integers(0, nb - 1)) if c * bs < n else data.draw(st.integers(-1, 3 * nb)) for c in range(cols)]
+        for n in lens
+    ]
+    cache = torch.arange(nb * bs * kvn * d, dtype=torch.float32).view(nb, bs, kvn, d)
+    if four:  # the [blocks, KV heads, block size, D] cache's view, as FIA's gather sees it
+        cache = cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    got = gather_paged(cache, torch.tensor(table, dtype=torch.int32), torch.tensor(lens), max_len, bs, "t")
+    want = torch.stack(
+        [
+            torch.stack([cache[table[r][p // bs] if p < lens[r] else 0, p % bs] for p in range(max_len)])
+            if max_len
+            else cache.new_zeros(0, kvn, d)
+            for r in range(b)
+        ]
+    )
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=15, deadline=None)
+@given(four=st.booleans(), data=st.data())
+def test_fia_over_a_batch_in_runs_gives_one_runs_bits(four, data):
+    """A paged FIA gathers its requests in runs that fit this host's caches (the simulator's
+    speed); each run gathers the batch's longest context, so the bits are one run's."""
+    import npusim.kernels.fia as fia
+
+    b, kvn, n, d, bs, cols, nb = data.draw(st.integers(2, 6)), 2, 4, 32, 8, 4, 30
+    kvl = [data.draw(st.integers(0, cols * bs)) for _ in range(b)]
+    q = torch.randn(b, n, d, dtype=torch.bfloat16, device=DEVICE)
+    shape = (nb, kvn, bs, d) if four else (nb, bs, kvn * d)
+    kc, vc = (torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE) for _ in "kv")
+    bt = torch.randperm(nb, device=DEVICE)[: b * cols].view(b, cols).to(torch.int32)
+    kw = dict(
+        actual_seq_lengths=list(range(1, b + 1)),
+        actual_seq_lengths_kv=kvl,
+        block_table=bt,
+        num_heads=n,
+        num_key_value_heads=kvn,
+        input_layout="TND",
+        block_size=bs,
+        softmax_lse_flag=True,
+    )
+    outs = []
+    for chunk in (1, 1 << 40):  # every request a run of its own; the whole batch one run
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(fia, "_CHUNK_BYTES", chunk)
+            outs.append(torch_npu.npu_fused_infer_attention_score(q, kc, vc, **kw))
+    assert equal_on_host(outs[0][0], outs[1][0]) and equal_on_host(outs[0][1], outs[1][1])
+
+
 def _band_visible(sq, sk, pre, nxt):
     i = torch.arange(sq, device="cpu").unsqueeze(1)  # the oracle's: on the host
     j = torch.arange(sk, device="cpu").unsqueeze(0)

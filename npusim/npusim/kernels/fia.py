@@ -418,7 +418,6 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     q_per = torch.tensor(info["q_per"], dtype=torch.int64, device=dev)
     kv_per = torch.tensor(info["kv_per"], dtype=torch.int64, device=dev)
     qb = _query_bnsd(q, info, q_per)
-    kb, vb = _keys_bnsd(p, info, kv_per)
     mask = None
     sparse = int(p["sparse_mode"])
     if sparse in (3, 4):
@@ -428,23 +427,53 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     # sparse_mode 4 (band): anchored bottom-right like 3, key j of query i visible iff
     # -pre_tokens <= j - (i + Lk - Lq) <= next_tokens (a sliding window: pre = W - 1, next = 0)
     band = (int(p["pre_tokens"]), int(p["next_tokens"])) if sparse == 4 else None
-    o, lse = K.attention(
-        qb,
-        kb,
-        vb,
-        q_per,
-        kv_per,
-        float(p["scale"]),
-        causal=sparse == 3,
-        mask=mask,
-        band=band,
-        sink=p.get("learnable_sink"),
-    )
+    # every run gathers the batch's longest context, as one run would: a request's sums then
+    # run over the same length whatever the runs, and the output is bit for bit the same
+    parts, lkv = [], max(info["kv_per"], default=0)
+    for lo, hi in _request_chunks(p, info, mask):
+        sub = slice(lo, hi)
+        kb, vb = _keys_bnsd(
+            p if hi - lo == b else p | {"block_table": p["block_table"][sub]},
+            info | {"batch": hi - lo},
+            kv_per[sub],
+            lkv,
+        )
+        parts.append(
+            K.attention(
+                qb[sub],
+                kb,
+                vb,
+                q_per[sub],
+                kv_per[sub],
+                float(p["scale"]),
+                causal=sparse == 3,
+                mask=mask,
+                band=band,
+                sink=p.get("learnable_sink"),
+            )
+        )
+    o, lse = parts[0] if len(parts) == 1 else (torch.cat([x[i] for x in parts]) for i in (0, 1))
     # o: [B, N, Sq, Dv]; rows past a request's query length are zero
     valid_q = (torch.arange(sq, device=dev).view(1, 1, sq, 1) < q_per.view(b, 1, 1, 1)) if b else None
     if valid_q is not None:
         o = torch.where(valid_q, o, torch.zeros((), dtype=o.dtype, device=dev))
     _write_out(o, lse, q, info, out_layout, out_pair, bool(p["softmax_lse_flag"]))
+
+
+_CHUNK_BYTES = 8 << 20
+
+
+def _request_chunks(p: dict[str, Any], info: dict[str, Any], mask: Any) -> list[tuple[int, int]]:
+    """The requests of a paged call in runs whose gathered keys and values (their dtype and
+    float32) take about 8 MiB: the device's work then stays in this host's caches, and the
+    host's next call (a re-issue while a replay is pending) finds its own there.  One run
+    for a dense call or a mask (its rows are the batch's)."""
+    b = info["batch"]
+    if p.get("block_table") is None or mask is not None or b <= 1:
+        return [(0, b)]
+    per = max(info["kv_per"], default=0) * info["kv_heads"] * (info["d"] + info["dv"]) * 6
+    n = max(1, _CHUNK_BYTES // max(per, 1))
+    return [(lo, min(b, lo + n)) for lo in range(0, b, n)]
 
 
 def _query_bnsd(q: torch.Tensor, info: dict[str, Any], q_per: torch.Tensor) -> torch.Tensor:
@@ -463,13 +492,14 @@ def _query_bnsd(q: torch.Tensor, info: dict[str, Any], q_per: torch.Tensor) -> t
     return q
 
 
-def _keys_bnsd(p: dict[str, Any], info: dict[str, Any], kv_per: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _keys_bnsd(
+    p: dict[str, Any], info: dict[str, Any], kv_per: torch.Tensor, lkv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values as [B, KVN, Lkv, D]: gathered through the block table from a paged cache
     (MLA's rope part from its own), else from the query's layout."""
     k, v = p["key"], p["value"]
     layout, b, kvn, d, dv = (info[x] for x in ("layout", "batch", "kv_heads", "d", "dv"))
     dev = k.device
-    lkv = int(kv_per.max()) if b else 0
     bt = p.get("block_table")
     if bt is not None:
         where = "npu_fused_infer_attention_score: block_table"

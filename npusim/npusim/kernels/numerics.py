@@ -59,23 +59,35 @@ def gather_paged(
     """Gather positions ``[0, max_len)`` of every request from a paged cache.
 
     ``cache`` is ``[num_blocks, block_size, ...]``; returns ``[B, max_len, ...]``.
-    Block ids of valid positions are range-checked (``arg`` names the table);
-    positions past a request's length read block 0 and are masked by the caller.
+    Block ids of valid positions are range-checked (``arg`` names the table); positions
+    past a request's length read block 0 (at the same offset) and are masked by the caller.
+
+    Whole blocks are gathered, not single positions: a block is one contiguous run of the
+    cache, and per-position indexing cost most of a decode kernel's device time.
     """
     num_blocks = cache.shape[0]
-    pos = torch.arange(max_len, device=cache.device)
-    col = pos // block_size
-    blk = block_table[:, col].long()  # [B, max_len]
-    valid = pos.unsqueeze(0) < lens.unsqueeze(1)
-    bad = valid & ((blk < 0) | (blk >= num_blocks))
+    b = block_table.shape[0]
+    cols = -(-max_len // block_size)
+    blk = block_table[:, :cols].long()  # [B, cols]
+    valid_col = (torch.arange(cols, device=cache.device) * block_size).unsqueeze(0) < lens.unsqueeze(1)
+    bad = valid_col & ((blk < 0) | (blk >= num_blocks))
     if bool(bad.any()):
-        b, p = (int(x) for x in bad.nonzero()[0])
+        r, c = (int(x) for x in bad.nonzero()[0])
         raise ValueError(
-            f"{arg}: request {b} position {p} maps to block id {int(blk[b, p])}, outside "
+            f"{arg}: request {r} position {c * block_size} maps to block id {int(blk[r, c])}, outside "
             f"[0, {num_blocks}) (the cache has {num_blocks} blocks)"
         )
-    blk = torch.where(valid, blk, torch.zeros_like(blk))
-    return cache[blk, (pos % block_size).unsqueeze(0).expand_as(blk)]
+    blk = torch.where(valid_col, blk, torch.zeros_like(blk))
+    out = cache[blk]  # [B, cols, block_size, ...]: columns past a request's length read block 0
+    # where a request's length ends inside a block, the rest of that block reads block 0 too
+    tail = lens.long() % block_size
+    rows = ((tail != 0) & (lens > 0)).nonzero().squeeze(1)
+    if rows.numel():
+        last = (lens[rows].long() - 1) // block_size
+        past = torch.arange(block_size, device=cache.device).unsqueeze(0) >= tail[rows].unsqueeze(1)
+        past = past.view(*past.shape, *([1] * (cache.dim() - 2)))
+        out[rows, last] = torch.where(past, cache[0].unsqueeze(0), out[rows, last])
+    return out.reshape(b, cols * block_size, *cache.shape[2:])[:, :max_len]
 
 
 def attention(
@@ -106,7 +118,7 @@ def attention(
         return q.new_zeros(b, n, sq, dv), torch.full((b, n, sq), float("-inf"), device=q.device)
     g = n // kvn
     qf = q.float().reshape(b, kvn, g * sq, d)
-    s = torch.matmul(qf, k.float().transpose(-1, -2)).reshape(b, kvn, g, sq, sk) * scale
+    s = torch.matmul(qf, _float(k).transpose(-1, -2)).reshape(b, kvn, g, sq, sk) * scale
     qi = torch.arange(sq, device=q.device).view(1, sq, 1)
     kj = torch.arange(sk, device=q.device).view(1, 1, sk)
     ql = q_lens.view(b, 1, 1).long()
@@ -137,5 +149,13 @@ def attention(
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
     lse = torch.where(denom > 0, mx + torch.log(denom), torch.full_like(denom, float("-inf")))
     pv = p.to(q.dtype).float().reshape(b, kvn, g * sq, sk)
-    o = torch.matmul(pv, v.float()).reshape(b, kvn, g, sq, dv)
+    o = torch.matmul(pv, _float(v)).reshape(b, kvn, g, sq, dv)
     return o.reshape(b, n, sq, dv).to(q.dtype), lse.reshape(b, n, sq)
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as contiguous float32, whatever its layout: a permuted view's ``float()`` keeps its
+    strides and the matmul then copies it once more.  Contiguous always, because the layout
+    picks BLAS's kernel and so the order of its sums: a cache's layout must not change the
+    bits.  (``to`` returns a float32 view as it is, hence the ``contiguous``.)"""
+    return x.to(torch.float32, memory_format=torch.contiguous_format).contiguous()
