@@ -2,8 +2,10 @@
 
 Numerics (both kernels): scores ``scale * q·k`` and the softmax in float32; the
 probabilities are cast to the input dtype before the product with V, which is
-accumulated in float32 and cast back.  Requests are vectorised (one gather, one
-batched matmul); no Python loop runs per token.
+accumulated in float32 and cast back.  Requests are vectorised (a paged cache gathered by
+whole blocks, one batched matmul; a paged FIA in runs of requests sized to the host's
+caches, each padded to the batch's longest context so the bits are one run's); no Python
+loop runs per token.
 
 Workspace models (bytes).  PA's depends on the *current* lengths and is not
 monotonic: short sequences take a split-KV ("flash decoding") path that spreads each
