@@ -162,12 +162,26 @@ def test_the_frameworks_own_share_is_the_update_less_the_simulators_own(tmp_path
     npugraph = [100e-6 + (i % 4) * 1e-6 for i in range(40)]
     # the simulator's own: 200 us of vllm-ascend's step, 50 of npugraph's (it re-issues cheaper
     # on the simulator: the same tensors every step), so the frameworks' are 100 and 50
+    # the device calls of 40 steps: vllm-ascend records an event a layer (2 layers), npugraph
+    # one a step, and vllm-ascend queries PA's workspace once in four steps
+    calls = {
+        "vllm_ascend": {
+            "update_begin": 80,
+            "op_launch": 80,
+            "update_end": 80,
+            "event_record": 80,
+            "workspace_query": 10,
+        },
+        "npugraph": {"update_begin": 80, "op_launch": 80, "update_end": 80, "event_record": 40},
+    }
     for mode, side, host, own in (
         ("aclgraph", "vllm_ascend", ascend, [200e-6] * 40),
         ("npugraph", "npugraph", npugraph, [50e-6] * 40),
     ):
         runs.result_path(tmp_path, "llama", mode).write_text(
-            json.dumps({f"{side}_update_seconds": host, f"{side}_update_own": own})
+            json.dumps(
+                {f"{side}_update_seconds": host, f"{side}_update_own": own, f"{side}_update_device_calls": calls[side]}
+            )
         )
     assert update_cost.main(["update_cost.py", str(tmp_path)]) == 0
     out = json.loads((tmp_path / "update-cost.json").read_text())
@@ -177,7 +191,14 @@ def test_the_frameworks_own_share_is_the_update_less_the_simulators_own(tmp_path
     assert abs(fw["speedup_median"] - 101.5 / 51.5) < 1e-9
     assert fw["simulator_own_median_us"] == {"vllm_ascend": 200.0, "npugraph": 50.0}
     assert out["framework_only_verdict"] == "npugraph's update is faster in every run"
-    assert "the frameworks' own share" in capsys.readouterr().out
+    # on A2's costs (begin 22, launch 120, end 30, record 12, workspace query 50 us) a step of
+    # vllm-ascend's calls is 2 x 184 + 12.5 us, npugraph's 2 x 172 + 12: both about 4x the frameworks'
+    a2 = row["a2_modeled"]
+    assert abs(a2["vllm_ascend"]["api_us"] - 380.5) < 1e-9 and abs(a2["npugraph"]["api_us"] - 356.0) < 1e-9
+    assert abs(a2["speedup_median"] - (101.5 + 380.5) / (51.5 + 356.0)) < 1e-9
+    assert out["a2_modeled_range"] == [a2["speedup_median"]] * 2
+    printed = capsys.readouterr().out
+    assert "the frameworks' own share" in printed and "on A2's modelled API costs" in printed
     runs.result_path(tmp_path, "llama", "npugraph").write_text(json.dumps({"npugraph_update_seconds": npugraph}))
     assert update_cost.main(["update_cost.py", str(tmp_path)]) == 0
     out = json.loads((tmp_path / "update-cost.json").read_text())
