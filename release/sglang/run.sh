@@ -38,9 +38,9 @@ status=0
 # shellcheck source=release/step.sh
 source "$(dirname "$HERE")/step.sh"
 GENERATED="$RESULTS"  # its engine runs' results, for engine_test
-step "npugraph's plugin against SGLang's classes and hook registry"
+step "npugraph's plugin against SGLang's classes and hook registry; the simulator's torch stand-ins for its Triton kernels"
 (cd "$REPO" && NPUGRAPH_SIM_TORCH_NPU=1 "$PYTHON" -m pytest -q -p no:cacheprovider -o junit_family=xunit1 \
-    --junitxml="$RESULTS/plugin/plugin.xml" tests/test_sglang.py) 2>&1 | tee "$STEP_LOG" || failed
+    --junitxml="$RESULTS/plugin/plugin.xml" tests/test_sglang.py tests/sim/test_triton_substitutes_sglang.py) 2>&1 | tee "$STEP_LOG" || failed
 step "a real generation with SGLang $("$PYTHON" -c 'import importlib.metadata as m; print(m.version("sglang"))'): eager, SGLang's NPU graphs, npugraph"
 "$PYTHON" "$HERE/generate.py" "$RESULTS" 2>&1 | tee "$STEP_LOG" || failed generate.py
 engine_test release/sglang/test_generate.py || failed release/sglang/test_generate.py

@@ -64,8 +64,11 @@ def gather_paged(
     Block ids of valid positions are range-checked (``arg`` names the table); positions
     past a request's length read block 0 (at the same offset) and are masked by the caller.
 
-    Whole blocks are gathered, not single positions: a block is one contiguous run of the
-    cache, and per-position indexing cost most of a decode kernel's device time.
+    Positions are gathered as rows of the cache seen as one row per position
+    (``index_select``, a copy per row): torch's advanced indexing with a block and a position
+    index cost most of a decode kernel's device time.  A cache whose blocks and positions are
+    not one run of memory (FIA's ``[blocks, KV heads, block size, D]`` seen as
+    ``[blocks, block size, KV heads, D]``) is gathered by whole blocks.
     """
     num_blocks = cache.shape[0]
     b = block_table.shape[0]
@@ -79,17 +82,20 @@ def gather_paged(
             f"{arg}: request {r} position {c * block_size} maps to block id {int(blk[r, c])}, outside "
             f"[0, {num_blocks}) (the cache has {num_blocks} blocks)"
         )
+    pos = torch.arange(max_len, device=cache.device)
+    offset = pos % block_size
+    past = pos.unsqueeze(0) >= lens.unsqueeze(1)  # [B, max_len]
+    rest = cache.shape[2:]
+    try:
+        rows = cache.view(num_blocks * block_size, -1)  # one row per position of the cache
+    except RuntimeError:  # blocks and positions not one run of memory (a permuted cache)
+        rows = None
+    if rows is not None:
+        at = torch.where(past, offset.unsqueeze(0), blk[:, pos // block_size] * block_size + offset)
+        return rows.index_select(0, at.view(-1)).view(b, max_len, *rest)
     blk = torch.where(valid_col, blk, torch.zeros_like(blk))
-    out = cache[blk]  # [B, cols, block_size, ...]: columns past a request's length read block 0
-    # where a request's length ends inside a block, the rest of that block reads block 0 too
-    tail = lens.long() % block_size
-    rows = ((tail != 0) & (lens > 0)).nonzero().squeeze(1)
-    if rows.numel():
-        last = (lens[rows].long() - 1) // block_size
-        past = torch.arange(block_size, device=cache.device).unsqueeze(0) >= tail[rows].unsqueeze(1)
-        past = past.view(*past.shape, *([1] * (cache.dim() - 2)))
-        out[rows, last] = torch.where(past, cache[0].unsqueeze(0), out[rows, last])
-    return out.reshape(b, cols * block_size, *cache.shape[2:])[:, :max_len]
+    out = cache.index_select(0, blk.view(-1)).view(b, cols * block_size, *rest)[:, :max_len]
+    return torch.where(past.view(b, max_len, *([1] * len(rest))), cache[0][offset], out)
 
 
 def attention(

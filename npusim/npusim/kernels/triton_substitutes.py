@@ -102,6 +102,29 @@ def _vllm_ascend_rope(sin_from_padded_half: bool) -> Callable[[Mapping[str, Any]
     return run
 
 
+def _sglang_softcap(a: Mapping[str, Any], grid: tuple[int, int, int]) -> None:
+    """SGLang's ``softcap_inplace_logits_kernel`` (``sglang/kernels/ops/activation/softcap.py``):
+    rows of logits, each value ``x`` (widened to float32 with ``CAST_TO_FP32``) made
+    ``tanh(x / cap) * cap`` with ``APPLY_SOFTCAP``, stored in place or into the float32
+    output rows.  SGLang's graphs launch it every decode step (``cast_to_float32_logits``:
+    the cast alone) to fill their logits buffer.  Program ``(pid, row)`` covers columns
+    ``[pid * BLOCK_SIZE, (pid + 1) * BLOCK_SIZE)`` below ``ncols`` of row ``row``.  Triton
+    divides a 16-bit block by the float32 cap in float32 (its rule for a division), and the
+    rest follows in float32, rounded to the block's dtype where stored in place."""
+    rows, width = int(grid[1]), min(int(a["ncols"]), int(grid[0]) * int(a["BLOCK_SIZE"]))
+    if rows <= 0 or width <= 0:
+        return
+    src = _rows(a["full_logits_ptr"], rows, int(a["row_stride"]), width)
+    x = src.to(torch.float32)
+    if a["APPLY_SOFTCAP"]:
+        cap = float(a["softcapping_value"])
+        x = torch.tanh(x / cap) * cap
+    if a["CAST_TO_FP32"]:
+        _rows(a["output_ptr"], rows, int(a["output_row_stride"]), width).copy_(x)
+    else:
+        src.copy_(x)
+
+
 # source digest -> substitute; each checked against the interpreter on that source
 SUBSTITUTES: Mapping[str, Substitute] = {
     "35bfac04e67c9c242d1ad877a5efe243b362ee40e185cd4a220d7dfcca079f00": Substitute(
@@ -109,6 +132,11 @@ SUBSTITUTES: Mapping[str, Substitute] = {
     ),
     "104e321d17cd2bb1d0fa217b14fe6e939cf01a9a8dacdccaa157ad59599174bb": Substitute(
         "_triton_rope", "vllm-ascend 0.30.0rc2", _vllm_ascend_rope(sin_from_padded_half=False)
+    ),
+    # SGLang 0.5.23's (the first with the cast alone, APPLY_SOFTCAP); its softcap is checked
+    # against float64 only: Triton's interpreter cannot run libdevice's tanh
+    "74a9b899fe9af2ce9691089226b5f78c7d66234c0fb9b6d13232d7ab09488c40": Substitute(
+        "softcap_inplace_logits_kernel", "SGLang 0.5.23", _sglang_softcap
     ),
 }
 NAMES = frozenset(s.kernel for s in SUBSTITUTES.values())
