@@ -224,6 +224,36 @@ def _framework(run: dict[str, Any], side: str) -> list[float] | None:
     return [h - o for h, o in zip(host, own)]
 
 
+def print_shares(rows: list[dict[str, Any]]) -> None:
+    """Each run's frameworks-only share, by batch, and on A2's modelled API costs."""
+    for i, r in enumerate(rows, 1):
+        fw = r.get("framework_only")
+        if fw is None:
+            continue
+        low, high = fw["speedup_95"]
+        own = fw["simulator_own_median_us"]
+        print(
+            f"run {i} ({r['model']}): the frameworks' own share (less the simulator's own: vllm-ascend "
+            f"{own['vllm_ascend']:.0f} us, npugraph {own['npugraph']:.0f} us a step): vllm-ascend "
+            f"{fw['vllm_ascend_update_full_graph_params']['median_us']:.0f} us, npugraph "
+            f"{fw['npugraph_update']['median_us']:.0f} us: {fw['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]"
+        )
+        for size, s in fw.get("by_size", {}).items():
+            low, high = s["speedup_95"]
+            print(f"    {size} tokens a step: {s['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]")
+    for i, r in enumerate(rows, 1):
+        a2 = r.get("a2_modeled")
+        if a2 is None:
+            continue
+        sizes = ", ".join(f"{size} tokens {v['speedup_median']:.2f}x" for size, v in a2.get("by_size", {}).items())
+        print(
+            f"run {i} ({r['model']}): on A2's modelled API costs (vllm-ascend {a2['vllm_ascend']['api_us']:.0f} us, "
+            f"npugraph {a2['npugraph']['api_us']:.0f} us of calls a step): vllm-ascend "
+            f"{a2['vllm_ascend']['median_us']:.0f} us, npugraph {a2['npugraph']['median_us']:.0f} us: "
+            f"{a2['speedup_median']:.2f}x" + (f" ({sizes})" if sizes else "")
+        )
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.splitlines()[3].strip(), file=sys.stderr)
@@ -275,32 +305,7 @@ def main(argv: list[str]) -> int:
                 f"npugraph {s['npugraph_update']['median_us']:.0f} us over {s['steps']['npugraph']} steps: "
                 f"{s['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]"
             )
-    for i, r in enumerate(rows, 1):
-        fw = r.get("framework_only")
-        if fw is None:
-            continue
-        low, high = fw["speedup_95"]
-        own = fw["simulator_own_median_us"]
-        print(
-            f"run {i} ({r['model']}): the frameworks' own share (less the simulator's own: vllm-ascend "
-            f"{own['vllm_ascend']:.0f} us, npugraph {own['npugraph']:.0f} us a step): vllm-ascend "
-            f"{fw['vllm_ascend_update_full_graph_params']['median_us']:.0f} us, npugraph "
-            f"{fw['npugraph_update']['median_us']:.0f} us: {fw['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]"
-        )
-        for size, s in fw.get("by_size", {}).items():
-            low, high = s["speedup_95"]
-            print(f"    {size} tokens a step: {s['speedup_median']:.2f}x [{low:.2f}, {high:.2f}]")
-    for i, r in enumerate(rows, 1):
-        a2 = r.get("a2_modeled")
-        if a2 is None:
-            continue
-        sizes = ", ".join(f"{size} tokens {v['speedup_median']:.2f}x" for size, v in a2.get("by_size", {}).items())
-        print(
-            f"run {i} ({r['model']}): on A2's modelled API costs (vllm-ascend {a2['vllm_ascend']['api_us']:.0f} us, "
-            f"npugraph {a2['npugraph']['api_us']:.0f} us of calls a step): vllm-ascend "
-            f"{a2['vllm_ascend']['median_us']:.0f} us, npugraph {a2['npugraph']['median_us']:.0f} us: "
-            f"{a2['speedup_median']:.2f}x" + (f" ({sizes})" if sizes else "")
-        )
+    print_shares(rows)
     print(f"device calls per step (run 1): {rows[0]['device_calls_per_step']}")
     for i, r in enumerate(rows, 1):
         work = {side: f"{ms:.1f} ms" for side, ms in r["device_ms_per_graph_step"].items() if ms is not None}
