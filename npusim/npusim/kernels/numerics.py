@@ -2,8 +2,8 @@
 
 Numerics (both kernels): scores ``scale * q·k`` and the softmax in float32; the
 probabilities are cast to the input dtype before the product with V, which is
-accumulated in float32 and cast back.  Requests are vectorised (a paged cache gathered by
-whole blocks, one batched matmul; a paged FIA in runs of requests sized to the host's
+accumulated in float32 and cast back.  Requests are vectorised (a paged cache gathered a
+row per position, one batched matmul; a paged FIA in runs of requests sized to the host's
 caches, each padded to the batch's longest context so the bits are one run's); no Python
 loop runs per token.
 
