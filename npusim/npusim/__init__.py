@@ -67,6 +67,7 @@ from npusim.kernels.prefill import _npu_flash_attention_qlens, npu_fusion_attent
 from npusim.runtime.capture import weak_ref_tensor as _weak_ref_tensor
 from npusim.runtime.config import HostCostModel, SimConfig
 from npusim.runtime.faults import FaultPlan, InjectedFault
+from npusim.runtime.hbm import A2_HBM_BYTES_PER_S, HbmTimeModel
 from npusim.runtime.state import get_state
 from npusim.runtime.state import reset as _reset
 from npusim.runtime.taskgroups import NPUTaskGroupHandle
@@ -118,6 +119,8 @@ __all__ = [
     "float8_e8m0fnu",
     "float4_e2m1fn_x2",
     "HostCostModel",
+    "HbmTimeModel",
+    "A2_HBM_BYTES_PER_S",
     "SimConfig",
     "configure",
     "counters",
@@ -168,7 +171,8 @@ def configure(
 
     ``adversarial_seed``: defer work and interleave streams in a seeded random order.
     ``cost_model``: charge modelled host time per device call (benchmarks).
-    ``kernel_time_model``: ``f(op_name, params) -> seconds`` of modelled device time.
+    ``kernel_time_model``: ``f(op_name, params) -> seconds`` of modelled device time (``None``
+    from it: that kernel's CPU time), e.g. :class:`HbmTimeModel` (attention from the bytes it reads).
     ``faults``: device faults to inject, in ``NPUGRAPH_SIM_FAULT``'s syntax
     (:mod:`npusim.runtime.faults`); ``None``: that variable's.
     All queues, counters and streams of the previous device are dropped.

@@ -152,6 +152,8 @@ def fia_check(p: dict[str, Any]) -> dict[str, Any]:
     if dk != d:
         raise fail(op, "key", f"head size {dk} differs from the query's {d}")
     _kv_within(op, kv_per, max_kv)
+    if sq == 1 and int(p["sparse_mode"]) == 0 and p.get("atten_mask") is not None:
+        _check_decode_mask(op, p, layout, batch, max_kv if p.get("block_table") is not None else max(kv_per, default=0))
     sink = p.get("learnable_sink")
     if sink is not None and not (
         isinstance(sink, torch.Tensor) and sink.dim() == 1 and sink.shape[0] == n and sink.is_floating_point()
@@ -205,6 +207,43 @@ def _check_mask(op: str, p: dict[str, Any]) -> None:
         raise fail(op, "atten_mask", f"is required with sparse_mode={sparse} (the 2048x2048 compressed mask)")
     if sparse == 4 and int(p["pre_tokens"]) < 0 and int(p["next_tokens"]) < 0:
         raise fail(op, "pre_tokens", "and next_tokens cannot both be negative (an empty band)")
+
+
+_MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+
+
+def _check_decode_mask(op: str, p: dict[str, Any], layout: str, batch: int, width: int) -> None:
+    """A decode call's own mask (``sparse_mode=0``, one query token a request), as CANN's
+    IncreFlashAttention tiling checks it (ops-transformer ``incre_flash_attention_tiling_check.cpp``,
+    ``ProcessAttenMask``, ``CheckTndMaskShapeWithSparseMode``; torch_npu's FIA documentation 7.2+):
+    bool, int8 or uint8; (B, KV_S), (B, 1, KV_S) or (B, 1, 1, KV_S) with B the query's batch;
+    KV_S at least the block table's columns times the block size (paged: the width the kernel
+    may read, whatever the lengths), else the longest key length; TND and the rope
+    arguments take none (TND: no mask with sparse_mode 0, the compressed causal one with 3)."""
+    m = p["atten_mask"]
+    if layout == "TND":
+        raise fail(
+            op,
+            "atten_mask",
+            "is refused with input_layout 'TND' and sparse_mode=0 (CANN: TND takes no mask there, only "
+            "sparse_mode=3 with the 2048x2048 compressed causal mask); pass a decode mask with BSH, BSND or BNSD",
+        )
+    if p.get("query_rope") is not None:
+        raise fail(op, "atten_mask", "is refused in decode with query_rope/key_rope and sparse_mode=0 (CANN: no mask)")
+    if not isinstance(m, torch.Tensor) or m.dtype not in _MASK_DTYPES:
+        got = m.dtype if isinstance(m, torch.Tensor) else type(m).__name__
+        raise fail(op, "atten_mask", f"must be bool, int8 or uint8 (1 = masked), got {got}")
+    shape = list(m.shape)
+    if m.dim() not in (2, 3, 4) or shape[0] != batch or any(x != 1 for x in shape[1:-1]):
+        raise fail(
+            op,
+            "atten_mask",
+            f"has shape {shape}; in decode CANN takes (B, KV_S), (B, 1, KV_S) or (B, 1, 1, KV_S) with B = {batch}, "
+            "the query's batch",
+        )
+    if shape[-1] < width:
+        what = "block_table's columns times block_size" if p.get("block_table") is not None else "the longest key"
+        raise fail(op, "atten_mask", f"is {shape[-1]} keys wide; CANN needs at least {width} ({what})")
 
 
 def _query_geometry(
@@ -422,7 +461,10 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     sparse = int(p["sparse_mode"])
     if sparse in (3, 4):
         check_compressed_mask(p["atten_mask"])
-    if sparse == 0 and p.get("atten_mask") is not None:
+    decode_mask = sparse == 0 and p.get("atten_mask") is not None and sq == 1 and info["layout"] != "TND"
+    if decode_mask:
+        mask = _decode_mask(p["atten_mask"], b, max(info["kv_per"], default=0))
+    elif sparse == 0 and p.get("atten_mask") is not None:
         mask = p["atten_mask"]
     # sparse_mode 4 (band): anchored bottom-right like 3, key j of query i visible iff
     # -pre_tokens <= j - (i + Lk - Lq) <= next_tokens (a sliding window: pre = W - 1, next = 0)
@@ -430,7 +472,7 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
     # every run gathers the batch's longest context, as one run would: a request's sums then
     # run over the same length whatever the runs, and the output is bit for bit the same
     parts, lkv = [], max(info["kv_per"], default=0)
-    for lo, hi in _request_chunks(p, info, mask):
+    for lo, hi in _request_chunks(p, info, None if decode_mask else mask):
         sub = slice(lo, hi)
         kb, vb = _keys_bnsd(
             p if hi - lo == b else p | {"block_table": p["block_table"][sub]},
@@ -447,9 +489,10 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
                 kv_per[sub],
                 float(p["scale"]),
                 causal=sparse == 3,
-                mask=mask,
+                mask=mask[sub] if decode_mask and mask is not None else mask,
                 band=band,
                 sink=p.get("learnable_sink"),
+                mask_fill=_MASKED_SCORE if decode_mask else None,
             )
         )
     o, lse = parts[0] if len(parts) == 1 else (torch.cat([x[i] for x in parts]) for i in (0, 1))
@@ -461,6 +504,24 @@ def fia_compute(p: dict[str, Any], info: dict[str, Any]) -> None:
 
 
 _CHUNK_BYTES = 8 << 20
+# what CANN's decode kernel sets a masked score to (ops-transformer's incre_flash_attention
+# kernels, BOOL_ATTEN_MASK_SCALAR_VALUE): -1e12, not minus infinity, so a row whose keys are
+# all masked averages them (the documentation says only that precision is lost there)
+_MASKED_SCORE = -1e12
+
+
+def _decode_mask(m: torch.Tensor, batch: int, lkv: int) -> torch.Tensor:
+    """A decode mask (checked by :func:`_check_decode_mask`) as [B, 1, 1, Lkv] bool: the keys
+    the gather reads.  An int8 or uint8 mask holds 0 and 1 only (CANN: other values are not
+    defined); the simulated device refuses others where the hardware would compute something."""
+    if m.dtype != torch.bool:
+        if bool(((m != 0) & (m != 1)).any()):
+            raise ValueError(
+                "npu_fused_infer_attention_score: argument 'atten_mask' holds values other than 0 and 1 "
+                f"({m.dtype}; CANN defines only 0 = attend, 1 = masked)"
+            )
+        m = m != 0
+    return m.reshape(batch, 1, 1, -1)[..., :lkv]
 
 
 def _request_chunks(p: dict[str, Any], info: dict[str, Any], mask: Any) -> list[tuple[int, int]]:

@@ -109,6 +109,7 @@ def attention(
     mask: torch.Tensor | None = None,
     band: tuple[int, int] | None = None,
     sink: torch.Tensor | None = None,
+    mask_fill: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked multi-head attention with GQA.
 
@@ -118,7 +119,9 @@ def attention(
     keeps keys with ``-pre <= j - (i + Lk - Lq) <= next``; ``mask``
     (True = masked) broadcasts to ``[B, 1, Sq, Sk]``.  ``sink`` ``[N]``: a learnable
     attention-sink logit per head, one more term of the softmax's denominator that adds
-    nothing to the output (gpt-oss).  Rows with no visible key give zeros.  Returns ``(out [B, N, Sq, Dv] in q.dtype, lse [B, N, Sq] float32)``.
+    nothing to the output (gpt-oss).  Rows with no visible key give zeros.  ``mask_fill``: the
+    score ``mask`` sets instead of removing the key (CANN's decode kernel adds -1e12: a row whose
+    keys are all masked then weighs them alike, where removing them would give zeros).  Returns ``(out [B, N, Sq, Dv] in q.dtype, lse [B, N, Sq] float32)``.
     """
     b, n, sq, d = q.shape
     kvn, sk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -138,12 +141,17 @@ def attention(
         off = kj - (qi + (kl - ql))
         allowed = allowed & (off >= -band[0]) & (off <= band[1])
     allowed = allowed.view(b, 1, 1, sq, sk)
+    masked = None
     if mask is not None:
         m = mask.bool()
         while m.dim() < 4:
             m = m.unsqueeze(0)
-        allowed = allowed & ~m.reshape(m.shape[0], 1, 1, m.shape[-2], m.shape[-1])
+        masked = m.reshape(m.shape[0], 1, 1, m.shape[-2], m.shape[-1])
+        if mask_fill is None:
+            allowed = allowed & ~masked
     s = s.masked_fill(~allowed, float("-inf"))
+    if masked is not None and mask_fill is not None:
+        s = s.masked_fill(masked & allowed, mask_fill)
     mx = s.amax(dim=-1, keepdim=True)
     sinks = None
     if sink is not None:
