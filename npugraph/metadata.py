@@ -79,6 +79,7 @@ def convert(
     check_block_ids: bool | None = None,
     table_device: torch.device | None = None,
     one_query_token: bool = False,
+    width: int | None = None,
 ) -> StepLens:
     """Validate ``meta`` against a captured graph and pad it to that graph's size.
 
@@ -91,7 +92,10 @@ def convert(
     (1: decode; more: speculative verification).  ``table_device``: the device's memory;
     a block table must be there or on the host.  ``one_query_token``: the kernel takes one
     query token per request (PA, FIA without a causal mask), so every real request must have
-    exactly one.
+    exactly one.  ``width``: the graph's kernel reads that many keys of every request
+    (update-free): a longer request is refused, validating or not (its mask would hide nothing
+    past the width, and attention would silently drop its oldest keys), and the block ids of
+    the whole width are checked.
     """
     if not isinstance(meta, AttentionMetadata):
         raise MetadataError(
@@ -118,10 +122,18 @@ def convert(
             "the captured kernel runs one query token per request (PA, or FIA captured without a causal mask); "
             "run this batch on a graph captured for several tokens per request"
         )
+    if width is not None and r and max(kv) > width:
+        i = kv.index(max(kv))
+        raise BatchRefused(
+            f"{where}: request {i} has {kv[i]} keys, over the {width} this update-free graph reads; "
+            "step it on a wider graph (Runtime.step picks the narrowest that holds the batch)"
+        )
     if validate and r:
         _check_bounds(kv, table, max_model_len, block_size, capacity_blocks, where)
         if check_block_ids if check_block_ids is not None else table.device.type == "cpu":
-            _check_block_ids(table, kv, block_size, num_blocks, where)
+            # update-free: the kernel reads the whole width of every row the step copies in
+            rows = min(given, batch, int(table.shape[0]))
+            _check_block_ids(table, kv if width is None else [width] * rows, block_size, num_blocks, where)
     return pad_lens(kv, q_ends, batch, tokens)
 
 

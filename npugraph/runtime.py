@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import attrs
 import torch
 
-from npugraph.capture import CapturedGraph, CaptureManager
+from npugraph.capture import CapturedGraph, CaptureManager, WidthKey
 from npugraph.device import Device, load_device
 from npugraph.dump.manifest import build_manifest, save_manifest
 from npugraph.dump.postmortem import PostMortem
 from npugraph.dump.trace import UpdateTrace
-from npugraph.errors import ConfigError, MetadataError, NpuGraphError, UnknownKeyError
+from npugraph.errors import BatchRefused, ConfigError, MetadataError, NpuGraphError, UnknownKeyError
 from npugraph.metadata import AttentionMetadata, capture_lens, convert, eager_rows
-from npugraph.ops import AttentionCall
+from npugraph.ops import FIA_FROZEN, AttentionCall
 from npugraph.policy import KernelPolicy
 from npugraph.replay import ORDERS, GraphState, ReplayUpdater, StepMetadata
 
@@ -94,6 +94,8 @@ class Runtime:
         self.validate = validate
         self.eager_fallback = eager_fallback
         self._namespaces: dict[str, int] = {}
+        # per (namespace, key): its update-free graphs, narrowest first (rebuilt at capture and reset)
+        self._ladders: dict[tuple[str, Hashable], tuple[tuple[int, CapturedGraph], ...]] = {}
         if policy is not None:
             self.set_policy(policy)
 
@@ -167,6 +169,13 @@ class Runtime:
             tokens_per_request=call.tokens_per_request if meta.query_start_loc is None else 1,
             table_device=self.device.memory,
         )
+        ladder = self._ladders.get((namespace, tokens)) if self._ladders else None
+        longest = max(lens.kv_lens, default=0)
+        frozen = next((w for w, _ in ladder if longest <= w), None) if ladder else None
+        if frozen is not None and FIA_FROZEN.unsupported(run) is None:
+            # the kernel the step's replay would run: update-free at the narrowest width that holds it
+            FIA_FROZEN.run_eager(self.device, run, lens, width=frozen)
+            return
         self.manager.eager_kernel(namespace, tokens, run).run_eager(self.device, run, lens)
 
     # --- capture / update / replay ---------------------------------------------------
@@ -179,24 +188,44 @@ class Runtime:
         tokens: int | None = None,
         static_inputs: Mapping[str, torch.Tensor] | None = None,
         require_attention: bool = True,
+        width: int | None = None,
         **kwargs: Any,
     ) -> Any:
         """Capture ``fn(*args, **kwargs)`` for ``key``; see :meth:`CaptureManager.capture`.
 
+        ``width``: capture it update-free, FIA's lengths frozen to ``width`` keys and each
+        request's own length masked on the device (no per-layer update); stored as
+        ``WidthKey(key, width)``, beside ``key``'s other widths and its updated graph (captured
+        without ``width``).  :meth:`step` of ``key`` then replays the narrowest width that
+        holds the step's longest request, else the updated graph.
         Capturing synchronizes the device first (as ``torch.npu.graph`` does): an error
         of earlier steps is reported here, typed, before anything is captured.
         """
         self.synchronize()
-        return self.manager.capture(
-            fn,
-            *args,
-            key=key,
-            namespace=namespace,
-            tokens=tokens,
-            static_inputs=static_inputs,
-            require_attention=require_attention,
-            **kwargs,
-        )
+        if width is not None and tokens is None and isinstance(key, int) and not isinstance(key, bool):
+            tokens = key
+        try:
+            return self.manager.capture(
+                fn,
+                *args,
+                key=key if width is None else WidthKey(key, width),
+                namespace=namespace,
+                tokens=tokens,
+                static_inputs=static_inputs,
+                require_attention=require_attention,
+                width=width,
+                **kwargs,
+            )
+        finally:
+            self._index_widths()
+
+    def _index_widths(self) -> None:
+        """The update-free graphs of each key, narrowest first (after every capture and reset)."""
+        ladders: dict[tuple[str, Hashable], list[tuple[int, CapturedGraph]]] = {}
+        for e in self.manager.entries():
+            if isinstance(e.key, WidthKey):
+                ladders.setdefault((e.namespace, e.key.key), []).append((e.key.width, e))
+        self._ladders = {k: tuple(sorted(v, key=lambda we: we[0])) for k, v in ladders.items()}
 
     def capture_all(
         self,
@@ -280,6 +309,12 @@ class Runtime:
         """
         self.synchronize()
         self.manager.reset(namespace, key)
+        if key is not None:  # the key's update-free graphs go with it
+            for ns, k in list(self._ladders):
+                if k == key and namespace in (None, ns):
+                    for w, _ in self._ladders[(ns, k)]:
+                        self.manager.reset(ns, WidthKey(k, w))
+        self._index_widths()
 
     def unique_namespace(self, prefix: str) -> str:
         """A namespace name not used yet by this runtime (``prefix.0``, ``prefix.1``, ...)."""
@@ -335,6 +370,9 @@ class Runtime:
         the metadata resolved once (:meth:`refusal` asks the same without stepping).
         """
         entry = self.find(key, namespace=namespace)  # the step's one lookup
+        ladder = self._ladders.get((namespace, key)) if self._ladders else None
+        if ladder:
+            entry = _narrowest(ladder, entry, metadata, f"{namespace}/{key!r}")
         if entry is None:
             if self.eager_fallback is not None:
                 return self.eager_fallback(key, metadata, inputs or {})
@@ -447,6 +485,51 @@ class Runtime:
 
     def save_manifest(self, path: str) -> None:
         save_manifest(self.manifest(), path)
+
+
+def _longest(metadata: StepMetadata) -> tuple[int, int, str] | None:
+    """The step's longest request: (its keys, its index, its metadata's name), or ``None``
+    where the metadata is malformed (the step's validation then says how)."""
+    per = metadata if isinstance(metadata, Sequence) and not isinstance(metadata, (str, bytes)) else [metadata]
+    best: tuple[int, int, str] | None = None
+    seen: set[int] = set()
+    try:
+        for mapping in per:
+            for name, m in mapping.items():
+                if id(m) in seen or m.seq_lens.numel() == 0:
+                    continue
+                seen.add(id(m))
+                i = int(m.seq_lens.argmax())
+                n = int(m.seq_lens[i])
+                if best is None or n > best[0]:
+                    best = (n, i, str(name))
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    return best if best is not None else (0, 0, "")
+
+
+def _narrowest(
+    ladder: tuple[tuple[int, CapturedGraph], ...],
+    updated: CapturedGraph | None,
+    metadata: StepMetadata,
+    where: str,
+) -> CapturedGraph | None:
+    """The graph a step of ``where`` replays: the narrowest update-free width that holds its
+    longest request, else the updated graph (per layer); a request longer than every width,
+    with no updated graph, is refused naming it."""
+    longest = _longest(metadata)
+    if longest is None:
+        return updated if updated is not None else ladder[-1][1]  # its validation reports the metadata
+    for width, entry in ladder:
+        if longest[0] <= width:
+            return entry
+    if updated is not None:
+        return updated
+    n, i, name = longest
+    raise BatchRefused(
+        f"{where}: request {i} of {name!r} has {n} keys, over the widest update-free graph ({ladder[-1][0]}); "
+        "capture a wider width, or this key without a width (lengths updated per step)"
+    )
 
 
 def _widened(call: AttentionCall, tokens_per_request: int) -> AttentionCall:

@@ -8,9 +8,11 @@ progress.  A task keeps its tensor arguments, and a graph its outputs, as non-ow
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import gc
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -33,6 +35,7 @@ __all__ = [
     "alias_tree",
     "batch_of",
     "call_shape",
+    "collector_walks_only_new",
     "host_tuple",
 ]
 
@@ -70,6 +73,7 @@ class Capture:
     schedule: EventSchedule | None = None
     group_event: Any = None  # the ExternalEvent of the group being recorded
     sink: SinkCapture = attrs.field(factory=SinkCapture)  # the tiling-sink path's state
+    width: int | None = None  # update-free: every attention call is FIA with lengths frozen to it
 
     @property
     def where(self) -> str:
@@ -93,6 +97,7 @@ class Request:
     static_inputs: Mapping[str, torch.Tensor] | None
     require_attention: bool
     free_before: int  # device memory free before the first try (a capture done again counts from it)
+    width: int | None = None  # update-free: FIA's lengths frozen to this many keys
 
 
 def call_shape(call: AttentionCall) -> tuple[Any, ...]:
@@ -144,3 +149,21 @@ def host_tuple(v: Any) -> tuple[int, ...]:
 def batch_of(tasks: Sequence[TaskRecord]) -> int:
     """The graph's request slots: rows of its first task's block table (0 without attention)."""
     return int(tasks[0].args[tasks[0].spec.refreshed_buffers[0]].shape[0]) if tasks else 0
+
+
+@contextlib.contextmanager
+def collector_walks_only_new() -> Iterator[None]:
+    """Every capture starts with ``gc.collect()`` (the graph context does, as torch's
+    does); in a serving process that walks the whole heap once per graph.  While many
+    graphs are captured, what existed before is frozen out of those walks (vLLM's model
+    runner does the same) and thawed after.  A process that froze objects itself is left
+    as it is: thawing would undo its freeze."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

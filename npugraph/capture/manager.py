@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -25,12 +23,21 @@ from npugraph.capture.attempt import (
     alias_tree,
     batch_of,
     call_shape,
+    collector_walks_only_new,
     host_tuple,
 )
 from npugraph.capture.events import EventSchedule, group_size
 from npugraph.capture.records import CapturedGraph, TaskRecord
 from npugraph.capture.report import capture_report
-from npugraph.capture.sink import SINK_MIN_LAYERS, SinkCapture, mark_recorder, refusal, upgrade
+from npugraph.capture.sink import (
+    SINK_MIN_LAYERS,
+    SinkCapture,
+    check_width,
+    frozen,
+    mark_recorder,
+    refusal,
+    upgrade,
+)
 from npugraph.device import Device
 from npugraph.errors import CaptureFailed, ConfigError, UnknownKeyError
 from npugraph.metadata import StepLens
@@ -210,8 +217,11 @@ class CaptureManager:
         shape = call_shape(call)
         found = ctx.choices.get(shape)
         if found is None:
-            chosen = self.policy.choose(ctx.namespace, ctx.key, ctx.tokens, [call])
-            choice = upgrade(self.device, self.device_lengths, ctx.sink, ctx.where, chosen, call)
+            if ctx.width is not None:
+                choice = frozen(ctx.where, ctx.layer, call, ctx.width)
+            else:
+                chosen = self.policy.choose(ctx.namespace, ctx.key, ctx.tokens, [call])
+                choice = upgrade(self.device, self.device_lengths, ctx.sink, ctx.where, chosen, call)
             if choice.kernel not in SPECS:
                 raise CaptureFailed(f"kernel policy chose {choice.kernel!r}; expected one of {sorted(SPECS)}")
             found = ctx.choices[shape] = (SPECS[choice.kernel], choice)
@@ -240,6 +250,7 @@ class CaptureManager:
         tokens: int | None = None,
         static_inputs: Mapping[str, torch.Tensor] | None = None,
         require_attention: bool = True,
+        width: int | None = None,
         **kwargs: Any,
     ) -> Any:
         """Capture ``fn(*args, **kwargs)`` as the graph of ``(namespace, key)``; return its outputs.
@@ -247,22 +258,10 @@ class CaptureManager:
         ``tokens`` is the graph's padded token count (default: ``key`` if it is an
         int).  ``static_inputs`` names the buffers a step copies new inputs into.
         ``require_attention=False`` allows graphs without attention (vLLM's
-        PIECEWISE pieces), which then need no update.
+        PIECEWISE pieces), which then need no update.  ``width``: update-free, every
+        attention call FIA with its lengths frozen to ``width`` keys (``fia_frozen``).
         """
-        try:
-            hash(key)
-        except TypeError as exc:
-            raise CaptureFailed(f"graph key {key!r} is not hashable: {exc}") from exc
-        if (namespace, key) in self._entries:
-            raise CaptureFailed(
-                f"{namespace}/{key!r} is already captured; call Runtime.reset({namespace!r}, {key!r}) "
-                "(or CaptureManager.reset) first to capture it again"
-            )
-        if self._ctx is not None:
-            raise CaptureFailed(
-                f"capture of {namespace}/{key!r}: {self._ctx.namespace}/{self._ctx.key!r} is being captured; "
-                "captures do not nest"
-            )
+        self._check_capturable(namespace, key, width)
         if tokens is None:
             if isinstance(key, bool) or not isinstance(key, int):
                 raise CaptureFailed(f"capture of {namespace}/{key!r}: the key is not a token count; pass tokens=")
@@ -283,6 +282,7 @@ class CaptureManager:
             static_inputs=static_inputs,
             require_attention=require_attention,
             free_before=self._free_memory(),
+            width=width,
         )
         for _ in range(MOST_TRIES):
             done = self._try_capture(request, how)
@@ -309,6 +309,24 @@ class CaptureManager:
         for t in entry.tasks:
             self._by_event.setdefault(id(t.event), (entry, t))  # a shared event names its group's first task
         return outputs
+
+    def _check_capturable(self, namespace: str, key: Hashable, width: int | None) -> None:
+        """Refuse, before any device call, a key that cannot be captured now."""
+        check_width(f"{namespace}/{key!r}", width, self.max_model_len)
+        try:
+            hash(key)
+        except TypeError as exc:
+            raise CaptureFailed(f"graph key {key!r} is not hashable: {exc}") from exc
+        if (namespace, key) in self._entries:
+            raise CaptureFailed(
+                f"{namespace}/{key!r} is already captured; call Runtime.reset({namespace!r}, {key!r}) "
+                "(or CaptureManager.reset) first to capture it again"
+            )
+        if self._ctx is not None:
+            raise CaptureFailed(
+                f"capture of {namespace}/{key!r}: {self._ctx.namespace}/{self._ctx.key!r} is being captured; "
+                "captures do not nest"
+            )
 
     def group_size(self, namespace: str) -> int:
         """Tasks per ExternalEvent in ``namespace``'s graphs updated per layer: ``event_group``,
@@ -337,7 +355,8 @@ class CaptureManager:
             key=key,
             tokens=tokens,
             schedule=how.schedule,
-            sink=SinkCapture.start(self.device, self.device_lengths, how.sink_refusal, room, tokens),
+            sink=SinkCapture.start(self.device, self.device_lengths, how.sink_refusal, room, tokens, request.width),
+            width=request.width,
         )
         graph = npu.NPUGraph()
         self.device.name_in_reports(graph, f"{namespace}/{key!r}")
@@ -445,7 +464,7 @@ class CaptureManager:
         if self.progress:
             it = tqdm(order, desc=f"capturing {namespace}", unit="graph", leave=False)
         t0 = time.perf_counter()
-        with _collector_walks_only_new():
+        with collector_walks_only_new():
             for k in it:
                 fn, args, kwargs = make(k)
                 self.capture(fn, *args, key=k, namespace=namespace, **kwargs)
@@ -528,21 +547,3 @@ class CaptureManager:
                 self._by_event.pop(id(t.event), None)
             entry.graph.reset()
             del self._entries[(ns, k)]
-
-
-@contextlib.contextmanager
-def _collector_walks_only_new() -> Iterator[None]:
-    """Every capture starts with ``gc.collect()`` (the graph context does, as torch's
-    does); in a serving process that walks the whole heap once per graph.  While many
-    graphs are captured, what existed before is frozen out of those walks (vLLM's model
-    runner does the same) and thawed after.  A process that froze objects itself is left
-    as it is: thawing would undo its freeze."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

@@ -11,7 +11,20 @@ import torch
 from npugraph.ops import LensGroup, OpSpec
 from npugraph.policy import KernelChoice
 
-__all__ = ["TaskRecord", "CapturedGraph"]
+__all__ = ["CapturedGraph", "TaskRecord", "WidthKey"]
+
+
+@attrs.frozen(repr=False)
+class WidthKey:
+    """The key of an update-free graph: the size ``key`` it runs, captured with FIA's lengths
+    frozen to ``width`` keys (``Runtime.capture(..., width=W)``; ``Runtime.step(key, ...)``
+    picks among a key's widths)."""
+
+    key: Hashable
+    width: int
+
+    def __repr__(self) -> str:
+        return f"{self.key!r}@w{self.width}"
 
 
 @attrs.frozen(kw_only=True)

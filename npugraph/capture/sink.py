@@ -20,10 +20,10 @@ from npugraph.capture.events import EventSchedule
 from npugraph.capture.records import TaskRecord
 from npugraph.device import Device
 from npugraph.errors import CaptureFailed
-from npugraph.ops import FIA_SINK, AttentionCall, LensArena, LensGroup, OpSpec
+from npugraph.ops import FIA_FROZEN, FIA_SINK, AttentionCall, LensArena, LensGroup, OpSpec
 from npugraph.policy import KernelChoice
 
-__all__ = ["SINK_MIN_LAYERS", "SinkCapture", "mark_recorder", "refusal", "upgrade"]
+__all__ = ["SINK_MIN_LAYERS", "SinkCapture", "check_width", "frozen", "mark_recorder", "refusal", "upgrade"]
 
 # Below this many attention layers a graph keeps FIA's per-layer update: one FIA layer's
 # update costs ~184 us of host time (begin + re-issue + end + record, vllm-ascend #13058),
@@ -45,13 +45,16 @@ class SinkCapture:
     short: tuple[int, int] | None = None
 
     @classmethod
-    def start(cls, device: Device, enabled: bool, refused: str, room: tuple[int, int], tokens: int) -> SinkCapture:
-        """The state a capture starts with; where the path may be taken, an arena of ``room``
-        (groups, rows) made outside the graph's pool (a step writes it from outside the graph)."""
+    def start(
+        cls, device: Device, enabled: bool, refused: str, room: tuple[int, int], tokens: int, width: int | None = None
+    ) -> SinkCapture:
+        """The state a capture starts with; where the path may be taken (or the lengths are
+        frozen to ``width``), an arena of ``room`` (groups, rows) made outside the graph's
+        pool (a step writes it from outside the graph)."""
         sink = cls(refused=refused)
-        if enabled and device.device_length_ops is not None and not refused:
+        if width is not None or (enabled and device.device_length_ops is not None and not refused):
             groups, rows = room
-            sink.arena = LensArena.make(device.memory, groups, max(rows, tokens))
+            sink.arena = LensArena.make(device.memory, groups, max(rows, tokens), width=width)
         return sink
 
     def buffers(self, spec: OpSpec, call: AttentionCall, group: str, ubatch: int) -> LensGroup:
@@ -65,11 +68,13 @@ class SinkCapture:
         gkey = (slot, batch, tuple(sorted(plan_args.items())))
         found = self.groups.get(gkey)
         if found is None:
-            found = self.arena.take(batch, plan_args, slot) if self.arena is not None else None
+            bs = call.block_size
+            found = self.arena.take(batch, plan_args, slot, block_size=bs) if self.arena is not None else None
             if found is None:
                 groups, rows = self.short or (0, 0)
                 self.short = (max(groups, len(self.groups) + 1), max(rows, batch))
-                found = LensGroup.make(call.query.device, batch, plan_args, slot)
+                width = self.arena.width if self.arena is not None else None
+                found = LensGroup.make(call.query.device, batch, plan_args, slot, width=width, block_size=bs)
             self.groups[gkey] = found
         return found
 
@@ -116,6 +121,37 @@ def upgrade(
     return KernelChoice(kernel=choice.kernel, reason=f"{choice.reason}; per-layer update: {why}")
 
 
+def check_width(where: str, width: int | None, max_model_len: int) -> None:
+    """An update-free capture's width: keys, at most max_model_len (before any device call)."""
+    if width is None:
+        return
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise CaptureFailed(f"capture of {where}: width must be an int >= 1 (keys), got {width!r}")
+    if width > max_model_len:
+        raise CaptureFailed(f"capture of {where}: width {width} is over max_model_len={max_model_len}")
+
+
+def frozen(where: str, layer: str | None, call: AttentionCall, width: int) -> KernelChoice:
+    """The update-free kernel of a capture at ``width`` (lengths frozen, read from its
+    :class:`~npugraph.ops.LensGroup` as the tiling sink's are), or why it cannot run ``call``."""
+    why = FIA_FROZEN.unsupported(call)
+    bs, cols = call.block_size, int(call.block_table.shape[1])
+    if why is None and width % bs:
+        why = f"the width {width} is not a whole number of blocks of {bs} (the mask covers whole blocks)"
+    if why is None and width > cols * bs:
+        why = f"the width {width} is more keys than the block table's {cols} columns of {bs} hold"
+    if why is not None:
+        raise CaptureFailed(
+            f"capture of {where}: update-free at width {width} cannot run layer {layer!r}: {why}; "
+            "capture this size without a width (lengths updated per step)"
+        )
+    return KernelChoice(
+        kernel="fia_frozen",
+        reason=f"update-free: lengths frozen to {width} keys, the real ones masked on the device",
+        fixed=True,
+    )
+
+
 def refusal(
     tasks: Sequence[TaskRecord], choices: Iterable[KernelChoice], schedule: EventSchedule | None, where: str
 ) -> str:
@@ -124,7 +160,7 @@ def refusal(
     mixed with per-layer tasks under event grouping.  A policy that forced the sink kernel
     is taken as it is, and refused with per-layer tasks under event grouping."""
     on_device = sum(t.lens is not None for t in tasks)
-    forced = any(c.fixed and c.kernel == "fia_sink" for c in choices)
+    forced = any(c.fixed and c.kernel in ("fia_sink", "fia_frozen") for c in choices)
     mixed = on_device and schedule is not None and on_device < len(tasks)
     if forced and mixed:
         raise CaptureFailed(

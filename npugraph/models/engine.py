@@ -25,11 +25,24 @@ class DecodeEngine:
     first ``size`` rows.  The block table buffer is refreshed by the runtime.
     """
 
-    def __init__(self, runtime: Runtime, model: Decoder, sizes: Sequence[int], *, namespace: str = "main") -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        model: Decoder,
+        sizes: Sequence[int],
+        *,
+        namespace: str = "main",
+        widths: Sequence[int] = (),
+        updated: bool = True,
+    ) -> None:
         self.runtime = runtime
         self.model = model
         self.sizes = sorted(set(sizes))
         self.namespace = namespace
+        # update-free graphs of every size at these widths; ``updated``: also each size's
+        # graph updated per step (the steps longer than the widest width run it)
+        self.widths = sorted(set(widths))
+        self.updated = updated
         cfg = model.cfg
         n = self.sizes[-1]
         dev = runtime.device.memory
@@ -41,7 +54,7 @@ class DecodeEngine:
         self.block_table = torch.zeros(n, cfg.max_blocks_per_seq, dtype=torch.int32, device=dev)
 
     def capture(self) -> None:
-        """Capture every size, largest first."""
+        """Capture every size, largest first (its widths too, widest first)."""
 
         def make(size: object) -> tuple:
             assert isinstance(size, int)
@@ -52,7 +65,15 @@ class DecodeEngine:
             args = (views["input_ids"], views["positions"], views["slot_mapping"], meta)
             return self.model, args, {"static_inputs": views}
 
-        self.runtime.capture_all(self.sizes, make, namespace=self.namespace)
+        if not self.widths:
+            self.runtime.capture_all(self.sizes, make, namespace=self.namespace)
+            return
+        for size in reversed(self.sizes):  # each size's graphs before the next smaller size's
+            fn, args, kwargs = make(size)
+            if self.updated:
+                self.runtime.capture(fn, *args, key=size, namespace=self.namespace, **kwargs)
+            for w in reversed(self.widths):
+                self.runtime.capture(fn, *args, key=size, namespace=self.namespace, width=w, **kwargs)
 
     def step(self, batch: StepBatch) -> torch.Tensor:
         """Replay one step; return the logits of its real requests (synchronized)."""

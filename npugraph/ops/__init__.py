@@ -2,6 +2,7 @@
 
 from npugraph.ops.base import AttentionCall, DeviceLengths, LensArena, LensGroup, OpSpec
 from npugraph.ops.fia import FIA
+from npugraph.ops.fia_frozen import FIA_FROZEN
 from npugraph.ops.fia_sink import FIA_SINK
 from npugraph.ops.fia_v2 import FIA_V2
 from npugraph.ops.mla import MLA
@@ -9,6 +10,7 @@ from npugraph.ops.pa import PA
 
 __all__ = [
     "FIA",
+    "FIA_FROZEN",
     "FIA_SINK",
     "FIA_V2",
     "MLA",
@@ -21,4 +23,11 @@ __all__ = [
     "OpSpec",
 ]
 
-SPECS: dict[str, OpSpec] = {"pa": PA, "fia": FIA, "fia_v2": FIA_V2, "mla": MLA, "fia_sink": FIA_SINK}
+SPECS: dict[str, OpSpec] = {
+    "pa": PA,
+    "fia": FIA,
+    "fia_v2": FIA_V2,
+    "mla": MLA,
+    "fia_sink": FIA_SINK,
+    "fia_frozen": FIA_FROZEN,
+}

@@ -72,11 +72,28 @@ class LensGroup:
     plan_args: Mapping[str, Any]  # the metadata op's shape arguments (heads, head dim, block size, mask)
     slot: str
     batch: int
+    # lengths frozen to a width (update-free decode): the graph reads ``width`` keys of every
+    # request through its own ``table`` [batch, width / block_size], and ``mask``
+    # [batch, 1, 1, width] (True = masked) hides the keys past each request's length;
+    # ``positions`` is arange(width), what the mask is made from
+    width: int | None = None
+    table: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
     @classmethod
-    def make(cls, memory: torch.device, batch: int, plan_args: Mapping[str, Any], slot: str) -> LensGroup:
-        arena = LensArena.make(memory, 1, batch)
-        found = arena.take(batch, plan_args, slot)
+    def make(
+        cls,
+        memory: torch.device,
+        batch: int,
+        plan_args: Mapping[str, Any],
+        slot: str,
+        *,
+        width: int | None = None,
+        block_size: int = 1,
+    ) -> LensGroup:
+        arena = LensArena.make(memory, 1, batch, width=width)
+        found = arena.take(batch, plan_args, slot, block_size=block_size)
         assert found is not None  # an arena of one group of this batch
         return found
 
@@ -95,22 +112,53 @@ class LensArena:
     lens: torch.Tensor  # int32 [groups, 2, rows]
     meta: torch.Tensor  # uint32 [groups, 1024]
     used: int = 0
+    # with lengths frozen to ``width``: per group a block table and a mask of up to ``rows``
+    # requests (flat: a group's table is contiguous whatever the block size), and arange(width)
+    width: int | None = None
+    tables: torch.Tensor | None = None  # int32 [groups, rows * width] (block ids: zeros, valid)
+    masks: torch.Tensor | None = None  # bool [groups, rows * width]
+    positions: torch.Tensor | None = None  # int32 [width]
 
     @classmethod
-    def make(cls, memory: torch.device, groups: int, rows: int) -> LensArena:
+    def make(cls, memory: torch.device, groups: int, rows: int, *, width: int | None = None) -> LensArena:
+        frozen: dict[str, Any] = {}
+        if width is not None:
+            frozen = {
+                "width": width,
+                "tables": torch.zeros(groups, rows * width, dtype=torch.int32, device=memory),
+                "masks": torch.ones(groups, rows * width, dtype=torch.bool, device=memory),
+                "positions": torch.arange(width, dtype=torch.int32, device=memory),
+            }
         return cls(
             lens=torch.zeros(groups, 2, rows, dtype=torch.int32, device=memory),
             meta=torch.zeros(groups, 1024, dtype=torch.uint32, device=memory),
+            **frozen,
         )
 
-    def take(self, batch: int, plan_args: Mapping[str, Any], slot: str) -> LensGroup | None:
+    def take(self, batch: int, plan_args: Mapping[str, Any], slot: str, *, block_size: int = 1) -> LensGroup | None:
         if self.used >= int(self.lens.shape[0]) or batch > int(self.lens.shape[2]):
             return None
         g = self.used
         self.used += 1
         lens = self.lens[g, :, :batch]
+        frozen: dict[str, Any] = {}
+        if self.width is not None and self.tables is not None and self.masks is not None:
+            w = self.width
+            frozen = {
+                "width": w,
+                "table": self.tables[g, : batch * (w // block_size)].view(batch, w // block_size),
+                "mask": self.masks[g, : batch * w].view(batch, 1, 1, w),
+                "positions": self.positions,
+            }
         return LensGroup(
-            lens=lens, qlen=lens[0], kvlen=lens[1], meta=self.meta[g], plan_args=plan_args, slot=slot, batch=batch
+            lens=lens,
+            qlen=lens[0],
+            kvlen=lens[1],
+            meta=self.meta[g],
+            plan_args=plan_args,
+            slot=slot,
+            batch=batch,
+            **frozen,
         )
 
 
@@ -124,13 +172,25 @@ def _no_constants(memory: torch.device) -> None:
 
 @attrs.frozen(kw_only=True)
 class DeviceLengths:
-    """What a kernel that reads its lengths (and a tiling plan) from device memory declares
-    beside its arguments: the metadata op a step issues once per :class:`LensGroup` to plan
-    them (``metadata_kernel``, on the device's ``device_length_ops``), and the shape
-    arguments it takes (``plan_args(call)``)."""
+    """What a kernel whose lengths live in device memory declares beside its arguments: how
+    a step turns the lengths it wrote into a :class:`LensGroup` into what the kernel reads,
+    once per group, and the shape arguments that takes (``plan_args(call)``).
 
-    metadata_kernel: str
+    Either ``metadata_kernel``, an op of the device's ``device_length_ops`` that plans from the
+    lengths (the tiling sink; its kernel is there too), or ``plan(device, group)``, device work
+    of the kernel's own (update-free FIA: the mask, from the lengths; its kernel is FIA's).
+    ``width``: the lengths are frozen to the group's width (the graph reads that many keys).
+    """
+
     plan_args: Callable[[AttentionCall], dict[str, Any]]
+    metadata_kernel: str | None = None
+    plan: Callable[[Any, LensGroup], None] | None = None
+    width: bool = False
+
+    @property
+    def on_sink_ops(self) -> bool:
+        """Whether the kernel is one of the device's ``device_length_ops`` (the tiling sink)."""
+        return self.metadata_kernel is not None
 
 
 @attrs.frozen(kw_only=True)
@@ -181,7 +241,9 @@ class OpSpec:
 
     def kernel_fn(self, device: Any) -> Callable[..., Any]:
         """Resolve the entry point on ``device`` (once per capture, not per step)."""
-        fn = getattr(device.ops if self.sink is None else device.device_length_ops, self.kernel)
+        fn = getattr(
+            device.device_length_ops if self.sink is not None and self.sink.on_sink_ops else device.ops, self.kernel
+        )
         return getattr(fn, self.overload) if self.overload else fn
 
     def launch(self, device: Any, kwargs: dict[str, Any]) -> None:
@@ -193,17 +255,39 @@ class OpSpec:
         the lengths in ``group`` (outside any graph: a captured one is not re-run)."""
         if self.sink is None:
             raise TypeError(f"{self.name} reads its lengths from the host: it has no metadata op")
-        fn = getattr(device.device_length_ops, self.sink.metadata_kernel)
+        if self.sink.plan is not None:
+            self.sink.plan(device, group)
+            return
+        fn = getattr(device.device_length_ops, str(self.sink.metadata_kernel))
         fn(group.qlen, group.kvlen, meta_data=group.meta, **group.plan_args)
 
-    def run_eager(self, device: Any, call: AttentionCall, lens: StepLens) -> None:
+    def run_eager(self, device: Any, call: AttentionCall, lens: StepLens, *, width: int | None = None) -> None:
         """Run the kernel outside a graph on ``lens`` (a tiling-sink kernel gets its lengths
-        in fresh device memory, copied from page-locked memory, and its plan first)."""
+        in fresh device memory, copied from page-locked memory, and its plan first; one with
+        its lengths frozen reads ``width`` keys, by default the fewest whole blocks that hold
+        every request)."""
         if self.sink is None:
             self.launch(device, self.arguments(call, lens, None))
             return
-        group = LensGroup.make(call.query.device, len(lens.kv_lens), self.sink.plan_args(call), "eager")
-        host = device.staged(torch.tensor([list(lens.q_ends), list(lens.kv_lens)], dtype=torch.int32, device="cpu"))
+        if not self.sink.width:
+            width = None
+        elif width is None:
+            bs = call.block_size
+            width = max(bs, -(-max(lens.kv_lens, default=1) // bs) * bs)
+        group = LensGroup.make(
+            call.query.device,
+            len(lens.kv_lens),
+            self.sink.plan_args(call),
+            "eager",
+            width=width,
+            block_size=call.block_size,
+        )
+        rows = list(self.host_values(lens).values())
+        host = device.staged(torch.tensor(rows, dtype=torch.int32, device="cpu"))
         group.lens.copy_(host, non_blocking=True)
+        if group.table is not None:
+            cols = int(group.table.shape[1])
+            group.table.copy_(call.block_table[: group.batch, :cols], non_blocking=True)
+            call = attrs.evolve(call, block_table=group.table)
         self.issue_metadata(device, group)
         self.launch(device, self.arguments(call, lens, None, buffers=group))

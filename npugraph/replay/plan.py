@@ -28,6 +28,7 @@ class Geometry:
     table_cols: int  # columns of its captured block-table buffer
     batch: int  # request rows of the graph (its table's rows)
     tokens: int  # query tokens of the graph
+    width: int | None = None  # update-free: the keys the kernel reads of every request
     # query tokens per request where the step's metadata gives no query_start_loc (1: decode;
     # more: speculative verification), the graph's tokens over its rows
     tokens_per_request: int = attrs.field(init=False)
@@ -128,6 +129,7 @@ def build_plan(entry: CapturedGraph, device: Any, fused_fn: Any) -> UpdatePlan:
             table_cols=int(bt.shape[1]),
             batch=int(bt.shape[0]),
             tokens=int(q.shape[0]),
+            width=t.lens.width if t.lens is not None else None,
         )
         tasks.append(
             TaskPlan(

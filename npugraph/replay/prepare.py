@@ -122,10 +122,13 @@ class StepPreparer:
         defer = self.validate and self.resident(meta)
         lens = self.task_lens(t, meta, validate=self.validate, check_block_ids=not defer)
         if defer and lens.num_reqs:
+            width = geometry.width
+            # update-free: the kernel reads the whole width of every row the step copies in
+            rows = min(meta.num_reqs, geometry.batch, int(meta.block_table.shape[0]))
             deferred.append(
                 DeferredCheck(
                     table=meta.block_table,
-                    kv=lens.kv_lens[: lens.num_reqs],
+                    kv=lens.kv_lens[: lens.num_reqs] if width is None else (width,) * rows,
                     block_size=geometry.block_size,
                     num_blocks=geometry.num_blocks,
                     columns=geometry.table_cols,
@@ -156,6 +159,7 @@ class StepPreparer:
             check_block_ids=check_block_ids,
             tokens_per_request=geometry.tokens_per_request,
             one_query_token=t.one_query_token,
+            width=geometry.width,
         )
 
     def refusal(self, entry: CapturedGraph, plan: UpdatePlan, metadata: StepMetadata) -> str | None:
@@ -273,6 +277,8 @@ def stage(device: Any, checks: DeferredBlockChecks, step: PreparedStep) -> None:
     for buf, meta in step.copies:
         src = meta.block_table
         if buf.data_ptr() != src.data_ptr():
-            rows = min(int(src.shape[0]), int(buf.shape[0]))
+            # the step's rows only: what is past them is padding, whose ids were never checked
+            # (an update-free graph reads a padding row's blocks too: they keep checked ones)
+            rows = min(int(src.shape[0]), int(buf.shape[0]), meta.num_reqs)
             cols = min(int(src.shape[1]), int(buf.shape[1]))
             buf[:rows, :cols].copy_(device.staged(src[:rows, :cols]), non_blocking=True)
