@@ -444,7 +444,10 @@ def test_capturing_smaller_first_warns_once_and_the_report_says_what_was_capture
     assert "3 graphs captured in namespace 'main' (6 attention tasks; 1 fia_sink, 2 pa) in" in line
     # what was chosen, and why
     assert "kernels: fia_sink at [8] (lengths on the device, no per-layer update), pa at [2, 4]" in line
-    assert "ExternalEvents: one per step for tiling-sink graphs, 'main': one per layer (auto, 2 tasks)" in line
+    assert (
+        "ExternalEvents: one per step for graphs with their lengths on the device, 'main': one per layer (auto, 2 tasks)"
+        in line
+    )
     assert "graph pool" in line and "MiB" in line
     rt.reset()
     views = {k: v[:2] for k, v in eng.buffers.items()}

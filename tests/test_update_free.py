@@ -42,6 +42,7 @@ def test_update_free_graphs_serve_right_in_both_orders(order):
     kernels = {e.key: e.choice.kernel for e in rt.entries()}
     assert kernels[WidthKey(8, 48)] == kernels[WidthKey(4, 80)] == "fia_frozen"
     assert "update-free" in rt.entry(WidthKey(8, 80)).choice.reason
+    assert "fia_frozen at [4@w48, 4@w80, 8@w48, 8@w80] (update-free" in rt.capture_report()
     assert run(eng, cfg, 40, seed=2) == 0
     assert_engine_serves(eng, steps=8, seed=5)  # also against the float64 reference
     replays = {e["key"]: e["replays"] for e in rt.summary()}

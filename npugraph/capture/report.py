@@ -42,7 +42,7 @@ def _memory_summary(entries: Sequence[CapturedGraph]) -> str:
     if not entries:
         return ""
     taken = sorted(entries, key=lambda e: -e.tokens)
-    mib = [(e.tokens, e.memory_bytes / 2**20) for e in taken]
+    mib = [(_size(e), e.memory_bytes / 2**20) for e in taken]
     each = ", ".join(f"{t}: {m:.1f}" for t, m in mib[:8]) + (", ..." if len(mib) > 8 else "")
     return f", device memory {sum(m for _, m in mib):.1f} MiB (per size, MiB: {each})"
 
@@ -54,14 +54,18 @@ def _choices_summary(
     not on the device), and the ExternalEvents per namespace."""
     if not entries:
         return ""
-    sizes: dict[str, list[int]] = {}
+    sizes: dict[str, list[str]] = {}
     why: dict[str, str] = {}
-    for e in sorted(entries, key=lambda e: e.tokens):
-        sizes.setdefault(e.choice.kernel, []).append(e.tokens)
+    for e in sorted(entries, key=lambda e: (e.tokens, str(e.key))):
+        sizes.setdefault(e.choice.kernel, []).append(_size(e))
         _, _, detail = e.choice.reason.partition("; ")
+        if e.choice.kernel == "fia_frozen":
+            detail = "update-free: lengths frozen to each graph's width (@w), the real ones masked on the device"
         if detail:
             why.setdefault(e.choice.kernel, detail)
-    kernels = ", ".join(f"{k} at {v}" + (f" ({why[k]})" if k in why else "") for k, v in sorted(sizes.items()))
+    kernels = ", ".join(
+        f"{k} at [{', '.join(v)}]" + (f" ({why[k]})" if k in why else "") for k, v in sorted(sizes.items())
+    )
     per_namespace = []
     for ns, (g, tasks) in sorted(events.items()):
         per_layer = any(t.lens is None for e in entries if e.namespace == ns for t in e.tasks)
@@ -72,5 +76,11 @@ def _choices_summary(
             f"{ns!r}: one per layer ({how})" if g == 1 else f"{ns!r}: one per {g} layers updated per layer ({how})"
         )
     sink = any(t.lens is not None for e in entries for t in e.tasks)
-    parts = (["one per step for tiling-sink graphs"] if sink else []) + per_namespace
+    parts = (["one per step for graphs with their lengths on the device"] if sink else []) + per_namespace
     return f"; kernels: {kernels}; ExternalEvents: " + ", ".join(parts)
+
+
+def _size(e: CapturedGraph) -> str:
+    """A graph's size as the report names it: its tokens, and an update-free graph's width."""
+    width = getattr(e.key, "width", None)
+    return f"{e.tokens}" if width is None else f"{e.tokens}@w{width}"
