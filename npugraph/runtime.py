@@ -372,7 +372,7 @@ class Runtime:
         entry = self.find(key, namespace=namespace)  # the step's one lookup
         ladder = self._ladders.get((namespace, key)) if self._ladders else None
         if ladder:
-            entry = _narrowest(ladder, entry, metadata, f"{namespace}/{key!r}")
+            entry = narrowest(ladder, entry, metadata, f"{namespace}/{key!r}")
         if entry is None:
             if self.eager_fallback is not None:
                 return self.eager_fallback(key, metadata, inputs or {})
@@ -508,7 +508,7 @@ def _longest(metadata: StepMetadata) -> tuple[int, int, str] | None:
     return best if best is not None else (0, 0, "")
 
 
-def _narrowest(
+def narrowest(
     ladder: tuple[tuple[int, CapturedGraph], ...],
     updated: CapturedGraph | None,
     metadata: StepMetadata,

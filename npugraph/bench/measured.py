@@ -58,10 +58,12 @@ def _setup(
     event_group: int = 1,
     configure: bool = True,
     table: torch.Tensor | None = None,
+    widths: tuple[int, ...] = (),
 ) -> tuple[Runtime, Any, torch.Tensor, torch.Tensor]:
     """A captured attention stack; returns the runtime, the stack, and the graph's block-table
     and query buffers (the caller keeps them alive: the graph reads them).  ``table``: capture
-    with this block-table buffer (another graph's), as an engine's graphs share its one buffer."""
+    with this block-table buffer (another graph's), as an engine's graphs share its one buffer.
+    ``widths``: capture update-free graphs at these widths instead (``WidthKey(size, w)``)."""
     if configure:
         sim.configure(cost_model=sim.HostCostModel.atlas_a2() if cost else None)
     rt = Runtime(
@@ -78,7 +80,9 @@ def _setup(
         table = torch.randint(0, stack.num_blocks, (size, cols), dtype=torch.int32, device="cpu").to(dev)
     q = torch.randn(size, stack.heads, stack.head_size, device="cpu").to(dtype=stack.dtype, device=dev)
     meta = AttentionMetadata(seq_lens=torch.ones(size, dtype=torch.int32, device="cpu"), block_table=table)
-    rt.capture(stack, q, meta, key=size)
+    ws: list[int | None] = [*sorted(widths, reverse=True)] or [None]
+    for w in ws:
+        rt.capture(stack, q, meta, key=size, width=w)
     return rt, stack, table, q
 
 

@@ -15,7 +15,15 @@ import torch
 
 import npusim as sim
 from npugraph.bench.measured import _MAX_MODEL_LEN, _setup
-from npugraph.bench.rivals import DEFAULT, HEADLINE, TORCH_NPU, _implementations, _sink_step, _step_input
+from npugraph.bench.rivals import (
+    DEFAULT,
+    HEADLINE,
+    TORCH_NPU,
+    _frozen_step,
+    _implementations,
+    _sink_step,
+    _step_input,
+)
 from npugraph.bench.timeline import Call, Costs, StepLog, TimelineResult, min_log, model_steps
 from npugraph.runtime import Runtime
 
@@ -42,6 +50,12 @@ class ModeledShape:
 
 # what npugraph's default must reach over torch_npu's update (steps/s, every seed), per shape
 TORCH_NPU_GOALS = {"host_bound": 2.0, "small_batch": 1.2}
+# what the update-free graphs must reach (issue #77), every seed: over UpdatableGraph, and of
+# the device limit with their own extra attention counted
+UPDATE_FREE_GOALS = {
+    "host_bound": {"update_free_vs_updatable": 2.0, "update_free_vs_own_device_limit": 0.85},
+    "small_batch": {"update_free_vs_updatable": 1.5},
+}
 
 SHAPES = (
     ModeledShape(
@@ -73,6 +87,27 @@ SHAPES = (
         "at batch 16 over 2K tokens = 50 us (estimates)",
     ),
 )
+
+
+# update-free graphs: widths in powers of two from the block size (128) to max_model_len
+WIDTH_LADDER = (128, 256, 512, 1024, 2048)
+UPDATE_FREE = "npugraph_update_free"
+# the bench's stack (AttentionStack): a key and a value of 64 fp16 values, one KV head; the
+# mask adds a byte a key (bool)
+_KV_BYTES_PER_KEY = 2 * 64 * 2
+_MASK_BYTES_PER_KEY = 1
+
+
+def _width_of(longest: int) -> int:
+    """The narrowest width of the ladder that holds ``longest`` keys (Runtime.step's pick)."""
+    return next(w for w in WIDTH_LADDER if longest <= w)
+
+
+def frozen_attention_us(shape: ModeledShape, read: float) -> float:
+    """An update-free layer's attention: the shape's (its requests' own keys) times the bytes it
+    reads instead, ``read`` times the keys and a mask byte each (attention is bound by memory:
+    its time is the bytes it reads; npusim's HbmTimeModel charges the same)."""
+    return shape.attention_us * read * (_KV_BYTES_PER_KEY + _MASK_BYTES_PER_KEY) / _KV_BYTES_PER_KEY
 
 
 # The background update thread (not built; modeled): the engine's own host work for a step
@@ -144,16 +179,26 @@ def bench_timeline(
     if sink is not None:
         sdev, sstep, sink_by = _sink_step(sink, shape.size)
         impls["npugraph_sink"] = (sdev, sstep)
+    frozen, _, _, _fq = _setup(
+        shape.layers, shape.size, "fia", cost=False, configure=False, table=table, widths=WIDTH_LADDER
+    )
+    fdev, fstep, frozen_by = _frozen_step(frozen, shape.size)
+    impls[UPDATE_FREE] = (fdev, fstep)
     for name, (dev, step) in impls.items():
         logs: list[StepLog] = []
+        read: list[float] = []  # update-free: keys read over the requests' own, per step
         for _ in range(repeats + 2):
-            inp = _step_input(rt, shape.size, [rng.randint(1, _MAX_MODEL_LEN) for _ in range(shape.size)], table)
+            lens = [rng.randint(1, _MAX_MODEL_LEN) for _ in range(shape.size)]
+            inp = _step_input(rt, shape.size, lens, table)
             with dev.recording() as log:
                 step(inp)
             logs += log
+            read.append(_width_of(max(lens)) * len(lens) / sum(lens))
         best = min_log(logs[2:])
-        by = recorded_by if name == "npugraph_grouped" else sink_by if name == "npugraph_sink" else None
+        by = {"npugraph_grouped": recorded_by, "npugraph_sink": sink_by, UPDATE_FREE: frozen_by}.get(name)
         own = attrs.evolve(costs, gil_handoff=HANDOFF_US, thread_wake=HANDOFF_US) if name == TORCH_NPU else costs
+        if name == UPDATE_FREE:  # its attention reads the width for every request, and the mask
+            own = attrs.evolve(costs, attention_us=frozen_attention_us(shape, statistics.fmean(read)))
         results[name] = model_steps(best, own, kernel=shape.kernel, layers=shape.layers, recorded_by=by)
         if name == HEADLINE:  # its device-API calls alone: the floor for one updater
             bare = StepLog(calls=tuple(attrs.evolve(c, python_us=0.0) for c in best.calls), fork=best.fork)
@@ -210,6 +255,7 @@ def modeled_summary(
             "npugraph_per_layer_vs_updatable",
             "npugraph_vs_torch_npu_update",
             "npugraph_grouped_vs_torch_npu_update",
+            "update_free_vs_updatable",
         ):
             r = row[key]
             r["claim"] = r["min"] > 1.0 or r["max"] < 1.0  # the whole spread on one side of 1
@@ -218,6 +264,10 @@ def modeled_summary(
             r = row["npugraph_vs_torch_npu_update"]
             r["goal"] = TORCH_NPU_GOALS[shape.label]
             r["meets_goal"] = r["min"] >= r["goal"]  # every seed, not the median
+        for key, goal in UPDATE_FREE_GOALS.get(shape.label, {}).items():
+            r = row[key]
+            r["goal"] = goal
+            r["meets_goal"] = r["min"] >= goal  # every seed
         out[shape.label] = row
         if progress is not None:
             progress(shape.label, traces[shape.label])
@@ -275,6 +325,18 @@ def _shape_row(shape: ModeledShape, runs: Sequence[dict[str, TimelineResult]]) -
         "latency_vs_updatable": ratio(DEFAULT, "updatable_mrv2", lat),
         "grouped_latency_vs_updatable": ratio(HEADLINE, "updatable_mrv2", lat),
         "npugraph_vs_api_floor": ratio(HEADLINE, "api_floor"),
+        # no update at all: lengths frozen to the ladder's narrowest width that holds the step,
+        # masked on the device; its attention reads the whole width (charged in its device time)
+        "update_free_vs_updatable": ratio(UPDATE_FREE, "updatable_mrv2"),
+        "update_free_vs_torch_npu_update": ratio(UPDATE_FREE, TORCH_NPU),
+        "update_free_vs_npugraph_per_layer": ratio(UPDATE_FREE, HEADLINE),
+        "update_free_vs_device_limit": _spread([x / shape.device_limit for x in sps[UPDATE_FREE]]),
+        # against the device limit with its own extra attention counted: its device time a step
+        "update_free_vs_own_device_limit": _spread(
+            [r[UPDATE_FREE].steps_per_s * r[UPDATE_FREE].device_us_per_step / 1e6 for r in runs]
+        ),
+        "update_free_device_us_per_step": round(statistics.median(r[UPDATE_FREE].device_us_per_step for r in runs), 1),
+        "width_ladder": list(WIDTH_LADDER),
         "npugraph_vs_device_limit": _spread([x / shape.device_limit for x in sps[DEFAULT]]),
         "device_limit_steps_per_s": round(shape.device_limit, 1),
         "background_thread": {

@@ -122,11 +122,28 @@ def _modeled(
             f"{row['npugraph_grouped_vs_torch_npu_update']['median']:.3f}",
             flush=True,
         )
+        print(_update_free_line(row), flush=True)
     modeled["tiling_sink"] = _sink(host_costs)
     if timeline:
         write_text(timeline, json.dumps(chrome_trace(traces)))
         print(f"  timelines of every modeled shape: {timeline} (open in https://ui.perfetto.dev)")
     return modeled
+
+
+def _update_free_line(row: dict[str, Any]) -> str:
+    """One shape's update-free figures, with their goals (issue #77) where the shape has them."""
+
+    def cell(key: str) -> str:
+        r = row[key]
+        goal = "" if "goal" not in r else f", goal {r['goal']:g}: " + ("met" if r["meets_goal"] else "NOT met")
+        return f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]{goal}"
+
+    return (
+        f"    update-free (widths {row['width_ladder']}, no update) / UpdatableGraph {cell('update_free_vs_updatable')}; "
+        f"/ npugraph per layer, grouped {row['update_free_vs_npugraph_per_layer']['median']:.3f}; of its own "
+        f"device limit (the whole width read) {cell('update_free_vs_own_device_limit')}; of the device limit "
+        f"{row['update_free_vs_device_limit']['median']:.3f}"
+    )
 
 
 def _sink(host_costs: dict[str, Any] | None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import attrs
@@ -18,9 +18,10 @@ import torch
 import npusim as sim
 from npugraph.bench.measured import _legacy_loop
 from npugraph.bench.timeline import RecordingDevice, ShadowGraph
+from npugraph.capture import WidthKey
 from npugraph.metadata import AttentionMetadata
 from npugraph.replay import ReplayUpdater
-from npugraph.runtime import Runtime
+from npugraph.runtime import Runtime, narrowest
 from npusim.surfaces.graphs import _GraphDispatchRecord, update_records
 
 
@@ -52,7 +53,7 @@ DEFAULT = "npugraph_default"
 TORCH_NPU = "torch_npu_update"
 
 
-def _shadow(rt: Runtime, size: int, dev: RecordingDevice) -> Any:
+def _shadow(rt: Runtime, size: Hashable, dev: RecordingDevice) -> Any:
     entry = rt.entry(size)
     tasks = tuple(attrs.evolve(t, handle=dev.handle(t.index), event=dev.event(t.index)) for t in entry.tasks)
     return attrs.evolve(entry, tasks=tasks, graph=ShadowGraph(dev))
@@ -369,6 +370,27 @@ def _sink_step(rt: Runtime, size: int) -> tuple[RecordingDevice, Callable[[Any],
 
     def step(meta: Any) -> None:
         upd.step("main", size, {"default": meta.meta})
+
+    dev.calibrate()
+    return dev, step, [rec] * len(shadow.tasks)
+
+
+def _frozen_step(rt: Runtime, size: int) -> tuple[RecordingDevice, Callable[[Any], None], list[int]]:
+    """npugraph's step of an update-free graph on a recording device: the pick of the
+    narrowest width (``Runtime.step``'s), then the step of that graph (one length copy, one
+    mask comparison, one event, the replay: the same calls at every width, so the widest
+    graph's shadow stands for all), and which task's event lets each layer run."""
+    dev = RecordingDevice("fia", rt.device.memory)
+    keys = sorted((e.key for e in rt.entries() if isinstance(e.key, WidthKey)), key=lambda k: k.width)
+    ladder = tuple((k.width, rt.entry(k)) for k in keys)
+    shadow = _shadow(rt, ladder[-1][1].key, dev)
+    upd = ReplayUpdater(_ShadowManager(dev, shadow, rt.max_model_len), order="replay-first")  # type: ignore[arg-type]
+    rec = next(t.index for t in shadow.tasks if t.records)
+
+    def step(meta: Any) -> None:
+        metadata = {"default": meta.meta}
+        narrowest(ladder, None, metadata, "main/bench")
+        upd.step("main", size, metadata)
 
     dev.calibrate()
     return dev, step, [rec] * len(shadow.tasks)

@@ -95,6 +95,11 @@ class Costs:
     # length copy, then the metadata op's AI-CPU time on the update stream before its event lands
     metadata_launch: float = 170.0  # 150-190 us measured
     metadata_device_us: float = 220.0  # 130-320 us measured: a parameter of the sink rows
+    # update-free FIA's step: the launches of the length copy (an H2D aclrtMemcpyAsync) and of
+    # one elementwise comparison (the mask). Not measured on A2: charged as two eager
+    # torch_npu op launches of 25 us each, a figure above what an eager elementwise op
+    # costs the host and below FIA's 120 us launch with its tiling
+    mask_launch: float = 50.0
     attention_us: float = 60.0  # device time of one layer's attention kernel
     other_us: float = 0.0  # device time of one layer's non-attention work
 
@@ -132,6 +137,8 @@ class Costs:
             return self.update_begin + self.op_launch_fia + self.update_end + self.event_record
         if call.kind == "metadata":
             return self.metadata_launch
+        if call.kind == "mask":
+            return self.mask_launch
         return float(getattr(self, call.kind, 0.0))
 
 
@@ -177,6 +184,9 @@ class RecordingDevice:
 
     def device_seconds(self) -> float:
         return 0.0  # the recording device does no work
+
+    def mask_past(self, positions: Any, lengths: Any, out: Any) -> None:
+        self.log("mask")  # update-free FIA's mask: the length copy's and the comparison's launches
 
     # what a device adapter answers on hardware (npugraph.device.Device): no names in its
     # reports, no task group in its errors, no pool sizes

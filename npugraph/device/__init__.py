@@ -104,6 +104,11 @@ class Device:
             return t if self.ops.is_pinned(t) else self.ops.pin_memory(t)
         return t if t.is_pinned() else t.pin_memory()  # kept by the caching host allocator until the copy ran
 
+    def mask_past(self, positions: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[i, j] = positions[j] >= lengths[i]`` (True = masked: the keys past each request's
+        length), one elementwise kernel on the current stream, into ``out`` (no allocation)."""
+        torch.ge(positions, lengths.view(-1, 1), out=out)
+
     @property
     def fused_update_pays(self) -> bool:
         """Whether the 4-in-1 FIA update is worth taking by default: where it is C++ without the

@@ -60,7 +60,7 @@ def _mask(device: Any, group: LensGroup) -> None:
     """The step's mask from the lengths just written (device work, no allocation): key ``j``
     of request ``i`` is masked where ``j >= kvlen[i]``."""
     assert group.mask is not None and group.positions is not None  # a group made with a width
-    torch.ge(group.positions, group.kvlen.view(-1, 1), out=group.mask.view(group.batch, -1))
+    device.mask_past(group.positions, group.kvlen, group.mask.view(group.batch, -1))
 
 
 def _host_values(lens: StepLens) -> dict[str, Any]:
