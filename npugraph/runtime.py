@@ -17,7 +17,7 @@ from npugraph.dump.trace import UpdateTrace
 from npugraph.errors import BatchRefused, ConfigError, MetadataError, NpuGraphError, UnknownKeyError
 from npugraph.metadata import AttentionMetadata, capture_lens, convert, eager_rows
 from npugraph.ops import FIA_FROZEN, AttentionCall
-from npugraph.policy import KernelPolicy
+from npugraph.policy import KernelPolicy, UpdateFreeCosts
 from npugraph.replay import ORDERS, GraphState, ReplayUpdater, StepMetadata
 
 __all__ = ["PAD_SLOT_ID", "Runtime"]
@@ -67,6 +67,7 @@ class Runtime:
         defer_block_check: bool | None = None,
         event_group: int | None = None,
         device_lengths: bool = True,
+        update_free: UpdateFreeCosts | None = None,
     ) -> None:
         if order not in ORDERS:  # before any device work
             raise ConfigError(f"order must be 'replay-first' or 'update-first', got {order!r}")
@@ -93,6 +94,9 @@ class Runtime:
         self.postmortem = PostMortem(self.manager, self.updater, self.trace, postmortem_dir)
         self.validate = validate
         self.eager_fallback = eager_fallback
+        # per step, a key's update-free graph or its updated one, by these modeled costs
+        # (None: the update-free graph whenever a width holds the step)
+        self.update_free = update_free
         self._namespaces: dict[str, int] = {}
         # per (namespace, key): its update-free graphs, narrowest first (rebuilt at capture and reset)
         self._ladders: dict[tuple[str, Hashable], tuple[tuple[int, CapturedGraph], ...]] = {}
@@ -170,8 +174,11 @@ class Runtime:
             table_device=self.device.memory,
         )
         ladder = self._ladders.get((namespace, tokens)) if self._ladders else None
-        longest = max(lens.kv_lens, default=0)
-        frozen = next((w for w, _ in ladder if longest <= w), None) if ladder else None
+        frozen = None
+        if ladder:
+            updated = self.manager.has(namespace, tokens)
+            widths = [w for w, _ in ladder]
+            frozen = pick_width(widths, max(lens.kv_lens), sum(lens.kv_lens), batch, self.update_free, updated)
         if frozen is not None and FIA_FROZEN.unsupported(run) is None:
             # the kernel the step's replay would run: update-free at the narrowest width that holds it
             FIA_FROZEN.run_eager(self.device, run, lens, width=frozen)
@@ -372,7 +379,7 @@ class Runtime:
         entry = self.find(key, namespace=namespace)  # the step's one lookup
         ladder = self._ladders.get((namespace, key)) if self._ladders else None
         if ladder:
-            entry = narrowest(ladder, entry, metadata, f"{namespace}/{key!r}")
+            entry = narrowest(ladder, entry, metadata, f"{namespace}/{key!r}", self.update_free)
         if entry is None:
             if self.eager_fallback is not None:
                 return self.eager_fallback(key, metadata, inputs or {})
@@ -487,11 +494,22 @@ class Runtime:
         save_manifest(self.manifest(), path)
 
 
-def _longest(metadata: StepMetadata) -> tuple[int, int, str] | None:
-    """The step's longest request: (its keys, its index, its metadata's name), or ``None``
-    where the metadata is malformed (the step's validation then says how)."""
+@attrs.frozen
+class _Longest:
+    """A step's longest request (its keys, index and metadata name) and all its keys."""
+
+    keys: int
+    index: int
+    name: str
+    total: int
+
+
+def _longest(metadata: StepMetadata) -> _Longest | None:
+    """The step's longest request and its keys in all (each distinct metadata once), or
+    ``None`` where the metadata is malformed (the step's validation then says how)."""
     per = metadata if isinstance(metadata, Sequence) and not isinstance(metadata, (str, bytes)) else [metadata]
-    best: tuple[int, int, str] | None = None
+    best = _Longest(0, 0, "", 0)
+    total = 0
     seen: set[int] = set()
     try:
         for mapping in per:
@@ -499,13 +517,26 @@ def _longest(metadata: StepMetadata) -> tuple[int, int, str] | None:
                 if id(m) in seen or m.seq_lens.numel() == 0:
                     continue
                 seen.add(id(m))
-                i = int(m.seq_lens.argmax())
-                n = int(m.seq_lens[i])
-                if best is None or n > best[0]:
-                    best = (n, i, str(name))
-    except (AttributeError, TypeError, RuntimeError):
+                lens = m.seq_lens.tolist()
+                n = max(lens)
+                total += sum(lens)
+                if n > best.keys:
+                    best = _Longest(n, lens.index(n), str(name), 0)
+    except (AttributeError, TypeError, RuntimeError, ValueError):
         return None
-    return best if best is not None else (0, 0, "")
+    return attrs.evolve(best, total=total)
+
+
+def pick_width(
+    widths: Sequence[int], longest: int, keys: int, rows: int, costs: UpdateFreeCosts | None, updated: bool
+) -> int | None:
+    """The update-free width a step runs at: the narrowest of ``widths`` that holds its
+    ``longest`` request, unless ``costs`` model the updated graph (there is one: ``updated``)
+    faster for its ``keys`` on ``rows`` request rows; ``None``: the updated graph."""
+    width = next((w for w in widths if longest <= w), None)
+    if width is not None and costs is not None and updated and not costs.prefers_update_free(width, rows, keys):
+        return None
+    return width
 
 
 def narrowest(
@@ -513,22 +544,24 @@ def narrowest(
     updated: CapturedGraph | None,
     metadata: StepMetadata,
     where: str,
+    costs: UpdateFreeCosts | None = None,
 ) -> CapturedGraph | None:
     """The graph a step of ``where`` replays: the narrowest update-free width that holds its
-    longest request, else the updated graph (per layer); a request longer than every width,
-    with no updated graph, is refused naming it."""
+    longest request (unless ``costs`` model the updated graph faster), else the updated graph
+    (per layer); a request longer than every width, with no updated graph, is refused naming it."""
     longest = _longest(metadata)
     if longest is None:
         return updated if updated is not None else ladder[-1][1]  # its validation reports the metadata
-    for width, entry in ladder:
-        if longest[0] <= width:
-            return entry
+    rows = ladder[0][1].batch
+    width = pick_width([w for w, _ in ladder], longest.keys, longest.total, rows, costs, updated is not None)
+    if width is not None:
+        return next(e for w, e in ladder if w == width)
     if updated is not None:
         return updated
-    n, i, name = longest
     raise BatchRefused(
-        f"{where}: request {i} of {name!r} has {n} keys, over the widest update-free graph ({ladder[-1][0]}); "
-        "capture a wider width, or this key without a width (lengths updated per step)"
+        f"{where}: request {longest.index} of {longest.name!r} has {longest.keys} keys, over the widest "
+        f"update-free graph ({ladder[-1][0]}); capture a wider width, or this key without a width "
+        "(lengths updated per step)"
     )
 
 

@@ -21,7 +21,9 @@ from npugraph.errors import BatchRefused, CaptureFailed, MetadataError
 from npugraph.models import Decoder, DecoderConfig
 from npugraph.models.engine import DecodeEngine
 from npugraph.models.stack import AttentionStack
+from npugraph.policy import UpdateFreeCosts
 from npugraph.reference import paged_attention_reference
+from npugraph.runtime import pick_width
 
 from .helpers import assert_engine_serves, run
 
@@ -86,15 +88,9 @@ def test_one_update_free_layer_sees_exactly_each_requests_keys(lens, seed):
 
 
 def test_a_step_replays_the_narrowest_width_that_holds_it_else_the_updated_graph():
-    rt, _stack, _q = _layer(width=32, updated=True)
-    rt.capture(_stack, _q, _meta([1] * 4), key=4, width=64)
-    picked = []
-    for lens in ([5, 32, 1], [33, 2], [64, 64, 64, 64], [65, 1], [128]):
-        before = {repr(e.key): rt.graph_state(e.key).steps for e in rt.entries()}
-        rt.step(4, {"default": _meta(lens)})
-        rt.synchronize()
-        after = {repr(e.key): rt.graph_state(e.key).steps for e in rt.entries()}
-        picked += [k for k in after if after[k] != before[k]]
+    rt, stack, q = _layer(width=32, updated=True)
+    rt.capture(stack, q, _meta([1] * 4), key=4, width=64)
+    picked = _picked(rt, ([5, 32, 1], [33, 2], [64, 64, 64, 64], [65, 1], [128]))
     assert picked == ["4@w32", "4@w64", "4@w64", "4", "4"]
 
 
@@ -159,3 +155,68 @@ def test_a_speculative_or_windowed_graph_is_not_captured_update_free():
     eng = DecodeEngine(rt, Decoder(cfg, rt), [4], widths=[64])
     with pytest.raises(CaptureFailed, match="update-free at width 64 cannot run layer .*sliding window"):
         eng.capture()
+
+
+def _picked(rt, steps):
+    picked = []
+    for lens in steps:
+        before = {repr(e.key): rt.graph_state(e.key).steps for e in rt.entries()}
+        rt.step(4, {"default": _meta(lens)})
+        rt.synchronize()
+        after = {repr(e.key): rt.graph_state(e.key).steps for e in rt.entries()}
+        picked += [k for k in after if after[k] != before[k]]
+    return picked
+
+
+@pytest.mark.parametrize(
+    ("per_key", "expect"),
+    [(0.01, ["4@w32", "4@w64", "4@w32"]), (1.0, ["4", "4", "4"]), (0.1, ["4@w32", "4", "4@w32"])],
+)
+def test_modeled_costs_send_each_step_to_the_faster_graph(per_key, expect):
+    """Update-free over 4 rows reads 128 keys at width 32, 256 at 64; the updated graph pays
+    20 us of host update and reads the step's own keys."""
+    costs = UpdateFreeCosts(
+        updated_host_us=20.0, update_free_host_us=2.0, device_other_us=0.0, attention_us_per_key=per_key
+    )
+    rt, stack, q = _layer(width=32, updated=True, update_free=costs)
+    rt.capture(stack, q, _meta([1] * 4), key=4, width=64)
+    assert _picked(rt, ([1, 1, 1, 1], [33, 2], [30, 2])) == expect
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    host=st.tuples(st.floats(0, 1e4), st.floats(0, 1e4)),
+    other=st.floats(0, 1e4),
+    per_key=st.floats(0, 10),
+    rows=st.integers(1, 64),
+    lens=st.lists(st.integers(1, 4096), min_size=1, max_size=64),
+    widths=st.lists(st.integers(1, 8192), min_size=1, max_size=6),
+)
+def test_the_choice_takes_the_faster_of_the_two_and_never_a_width_too_narrow(host, other, per_key, rows, lens, widths):
+    costs = UpdateFreeCosts(
+        updated_host_us=host[0], update_free_host_us=host[1], device_other_us=other, attention_us_per_key=per_key
+    )
+    ladder = sorted(set(widths))
+    w = pick_width(ladder, max(lens), sum(lens), rows, costs, updated=True)
+    fits = [x for x in ladder if x >= max(lens)]
+    if w is None:
+        assert not fits or costs.update_free_us(fits[0], rows) > costs.updated_us(sum(lens))
+    else:
+        assert w == fits[0] and costs.update_free_us(w, rows) <= costs.updated_us(sum(lens))
+    # with no updated graph the narrowest width that fits is taken, whatever the costs
+    assert pick_width(ladder, max(lens), sum(lens), rows, costs, updated=False) == (fits[0] if fits else None)
+
+
+def test_steps_chosen_either_way_by_cost_stay_equal_to_eager():
+    costs = UpdateFreeCosts(
+        updated_host_us=300.0, update_free_host_us=30.0, device_other_us=100.0, attention_us_per_key=0.5
+    )
+    cfg, rt, eng = _engine(update_free=costs)
+    assert run(eng, cfg, 30, seed=3) == 0
+    replays = {e["key"]: e["replays"] for e in rt.summary()}
+    assert replays[8] + replays[4] > 0 and sum(replays[WidthKey(s, w)] for s in (4, 8) for w in (48, 80)) > 0
+
+
+def test_update_free_costs_refuse_a_negative_figure():
+    with pytest.raises(ValueError, match="attention_us_per_key must be >= 0"):
+        UpdateFreeCosts(updated_host_us=1, update_free_host_us=1, device_other_us=0, attention_us_per_key=-1)

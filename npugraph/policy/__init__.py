@@ -9,6 +9,9 @@ once per attention shape of a graph at capture:
   :func:`npugraph.tools.measure.measure_policy` and saved to / loaded from a JSON file so that
   every rank (and the next start) makes the same choice without measuring.
 
+Per step, :class:`UpdateFreeCosts` weighs a key's update-free graph (lengths frozen to a
+width) against its graph updated per layer.
+
 Both pick FIA whenever PA cannot run the graph: more than one query token per
 request (speculative verification), or a head size or dtype PA does not support.
 """
@@ -17,6 +20,7 @@ from npugraph.policy.choice import KernelChoice, KernelPolicy
 from npugraph.policy.fixed import FixedPolicy
 from npugraph.policy.measured import POLICY_SCHEMA, MeasuredPolicy, PolicySignature, SizeMeasurement, load_policy
 from npugraph.policy.static import DEFAULT_PA_SIZES, StaticPolicy
+from npugraph.policy.width import UpdateFreeCosts
 
 __all__ = [
     "DEFAULT_PA_SIZES",
@@ -28,5 +32,6 @@ __all__ = [
     "PolicySignature",
     "SizeMeasurement",
     "StaticPolicy",
+    "UpdateFreeCosts",
     "load_policy",
 ]
