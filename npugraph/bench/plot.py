@@ -27,6 +27,7 @@ SHAPES = ("host_bound", "small_batch", "device_bound")
 # the bars, in order: (key in steps_per_s, label); a key the document lacks is left out
 BARS = (
     ("npugraph_default", "npugraph default\n(Runtime())"),
+    ("npugraph_update_free", "npugraph\nupdate-free"),
     ("npugraph", "npugraph\nper layer"),
     ("npugraph_grouped", "npugraph\nevents grouped"),
     ("updatable_mrv2", "UpdatableGraph\n(MRV2)"),
@@ -36,6 +37,7 @@ BARS = (
 )
 COLORS = {
     "npugraph_default": "#c62828",
+    "npugraph_update_free": "#ff8f00",
     "npugraph": "#ef9a9a",
     "npugraph_grouped": "#e57373",
     "updatable_mrv2": "#1565c0",
@@ -79,7 +81,8 @@ def plot_bench(doc: dict[str, Any], path: str, *, what: str = "the bench result"
     spread_missing = False
     for i, label in enumerate(SHAPES):
         spread_missing |= _shape_panel(fig.add_subplot(grid[0, i]), label, modeled[label])
-    _sink_panel(fig.add_subplot(grid[1, :]), modeled.get("tiling_sink"))
+    _sink_panel(fig.add_subplot(grid[1, : len(SHAPES) - 1]), modeled.get("tiling_sink"))
+    _sweep_panel(fig.add_subplot(grid[1, len(SHAPES) - 1]), modeled.get("update_free_sweep"))
     seeds = modeled.get("seeds", "?")
     costs = modeled.get("host_costs", "?")
     bars = f"bars: the median of {seeds} seeds" + (
@@ -171,6 +174,31 @@ def _sink_panel(ax: Any, sink: Any) -> None:
     ax.set_title(
         f"tiling sink (FIA's lengths on the device), host-bound FIA at batch {sink.get('size', '?')}, "
         f"{sink.get('attention_us', 0) + sink.get('other_us', 0):g} us of device work a layer",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, loc="upper right")
+
+
+def _sweep_panel(ax: Any, sweep: Any) -> None:
+    """The update-free sweep: update-free over updated per layer against the longest context,
+    a line per batch; above 1 the update-free graph is faster, the crossing is the crossover."""
+    if not isinstance(sweep, dict) or not sweep.get("rows"):
+        ax.axis("off")
+        ax.text(0.5, 0.5, "update-free sweep: not in this document (recorded since 2026-12-08)", ha="center")
+        return
+    for j, row in enumerate(sweep["rows"]):
+        xs = [p["context"] for p in row["points"]]
+        ys = [p["update_free_vs_updated"] for p in row["points"]]
+        ax.plot(xs, ys, marker="o", color=f"C{j}", label=f"batch {row['batch']} ({row['updated_kernel']})")
+    ax.axhline(1.0, color="black", ls="--", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("longest request's context (keys)")
+    ax.set_ylabel("update-free / updated per layer (steps/s)")
+    ax.grid(alpha=0.3)
+    ax.set_title(
+        f"update-free / updated, {sweep.get('layers', '?')} layers\n(the per-step choice: "
+        f"{sweep.get('choice_vs_better_min', float('nan')):.3f} of the better)",
         fontsize=10,
     )
     ax.legend(fontsize=8, loc="upper right")

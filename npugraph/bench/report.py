@@ -10,6 +10,7 @@ from typing import Any
 from npugraph.bench.measured import bench_capture, bench_replay_vs_eager, bench_validation, python_loop_ns, run_bench
 from npugraph.bench.modeled import modeled_summary
 from npugraph.bench.sink import bench_sink
+from npugraph.bench.sweep import update_free_sweep
 from npugraph.bench.timeline import chrome_trace
 from npugraph.errors import NpuGraphError
 from npugraph.files import write_text
@@ -124,6 +125,7 @@ def _modeled(
         )
         print(_update_free_line(row), flush=True)
     modeled["tiling_sink"] = _sink(host_costs)
+    modeled["update_free_sweep"] = _sweep()
     if timeline:
         write_text(timeline, json.dumps(chrome_trace(traces)))
         print(f"  timelines of every modeled shape: {timeline} (open in https://ui.perfetto.dev)")
@@ -144,6 +146,31 @@ def _update_free_line(row: dict[str, Any]) -> str:
         f"device limit (the whole width read) {cell('update_free_vs_own_device_limit')}; of the device limit "
         f"{row['update_free_vs_device_limit']['median']:.3f}"
     )
+
+
+def _sweep() -> dict[str, Any]:
+    """The update-free sweep over context and batch (A2's host costs), one line per batch."""
+    sweep = update_free_sweep()
+    print(
+        f"  update-free or updated per layer, by the longest request's context ({sweep['layers']} layers, "
+        f"{sweep['other_us']:g} us of other device work a layer; the others' drawn below it):",
+        flush=True,
+    )
+    for row in sweep["rows"]:
+        cells = ", ".join(f"{p['context']}: {p['update_free_vs_updated']:.2f}x" for p in row["points"])
+        cross = row["crossover_context"]
+        print(
+            f"    batch {row['batch']} (updated: {row['updated_kernel']}): update-free / updated {cells}; "
+            + (f"the updated graph faster from {cross}" if cross else "update-free faster throughout"),
+            flush=True,
+        )
+    verdict = "met" if sweep["meets_goal"] else "NOT met"
+    print(
+        f"    the per-step choice (UpdateFreeCosts) / the better path: at least {sweep['choice_vs_better_min']:.3f} "
+        f"(goal {sweep['goal']:g}: {verdict})",
+        flush=True,
+    )
+    return sweep
 
 
 def _sink(host_costs: dict[str, Any] | None) -> dict[str, Any]:
