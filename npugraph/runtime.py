@@ -232,7 +232,10 @@ class Runtime:
         for e in self.manager.entries():
             if isinstance(e.key, WidthKey):
                 ladders.setdefault((e.namespace, e.key.key), []).append((e.key.width, e))
-        self._ladders = {k: tuple(sorted(v, key=lambda we: we[0])) for k, v in ladders.items()}
+                if e.key.key != e.tokens:  # an engine's own key (vLLM's batch descriptor): eager
+                    # steps, which know only their token count, find the widths by it too
+                    ladders.setdefault((e.namespace, e.tokens), []).append((e.key.width, e))
+        self._ladders = {k: tuple(sorted(dict(v).items())) for k, v in ladders.items()}
 
     def capture_all(
         self,
@@ -376,15 +379,24 @@ class Runtime:
         reported as a fault: one call per engine step,
         the metadata resolved once (:meth:`refusal` asks the same without stepping).
         """
-        entry = self.find(key, namespace=namespace)  # the step's one lookup
-        ladder = self._ladders.get((namespace, key)) if self._ladders else None
-        if ladder:
-            entry = narrowest(ladder, entry, metadata, f"{namespace}/{key!r}", self.update_free)
+        entry = self.graph_for(key, metadata, namespace=namespace)  # the step's one lookup
         if entry is None:
             if self.eager_fallback is not None:
                 return self.eager_fallback(key, metadata, inputs or {})
             entry = self.manager.entry(namespace, key)  # raises, listing the captured keys
         return self.step_graph(entry, metadata, inputs, pad_values=pad_values, refusable=refusable)
+
+    def graph_for(self, key: Hashable, metadata: StepMetadata, *, namespace: str = "main") -> CapturedGraph | None:
+        """The graph a step of ``key`` with ``metadata`` replays, or ``None`` (none captured):
+        with update-free graphs of ``key``, the narrowest width that holds the step (unless
+        ``update_free``'s costs model the updated graph faster), else its updated graph; a
+        request longer than every width with no updated graph is refused
+        (:class:`~npugraph.errors.BatchRefused`, naming it)."""
+        entry = self.find(key, namespace=namespace)
+        ladder = self._ladders.get((namespace, key)) if self._ladders else None
+        if ladder:
+            entry = narrowest(ladder, entry, metadata, f"{namespace}/{key!r}", self.update_free)
+        return entry
 
     def find(self, key: Hashable, *, namespace: str = "main") -> CapturedGraph | None:
         """The captured graph of ``key``, or ``None``: an engine's one lookup per step, whose

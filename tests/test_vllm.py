@@ -902,3 +902,39 @@ def test_a_token_prompt_outside_the_vocabulary_is_refused_where_vllm_validates_i
     finally:
         restore(InputProcessor, "_validate_model_input")
     assert InputProcessor._validate_model_input is real
+
+
+def test_update_free_graphs_through_the_wrapper_equal_eager_and_the_reference(monkeypatch):
+    """NPUGRAPH_UPDATE_FREE=1: each FULL size also captured at the default widths (the block
+    size's powers of two up to max_model_len); each step replays the narrowest that holds it,
+    bitwise equal to the same step run eagerly with the same width and mask, and close to the
+    float64 reference."""
+    monkeypatch.setenv("NPUGRAPH_UPDATE_FREE", "1")
+    runner = Runner()
+    runner.vllm_config.cache_config.block_size = runner.cfg.block_size  # as an engine's cache config says
+    runner.capture()
+    widths = {(e.key.key.num_tokens, e.key.width) for e in runner.rt.entries("main") if hasattr(e.key, "width")}
+    assert widths == {(s, w) for s in SIZES for w in (16, 32, 64, 128)}
+    assert all(e.choice.kernel == "fia_frozen" for e in runner.rt.entries("main") if hasattr(e.key, "width"))
+    for i, batch in enumerate(_batches(runner, 30, seed=4)):
+        _, bd, got = runner.step(batch)
+        ref = runner.eager(batch, bd.num_tokens)
+        assert torch.equal(got, ref)
+        if i % 5 == 0:  # the float64 reference: none of npugraph's padding, masks or kernels
+            lens = batch.meta.seq_lens.tolist()
+            ind = runner.decoder.reference_logits(
+                batch.input_ids, batch.positions, batch.slot_mapping, lens, [1] * len(lens), batch.meta.block_table
+            )
+            assert (got - ind).abs().max() < 0.06 * ind.abs().max()
+    replays = {repr(e["key"]): e["replays"] for e in runner.rt.summary()}
+    frozen = sum(n for k, n in replays.items() if "@w" in k)
+    assert frozen >= 25, replays  # most steps fit a width; the rest ran the updated graphs
+    assert "fia_frozen at [" in runner.rt.capture_report()
+
+
+def test_a_bad_update_free_setting_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("NPUGRAPH_UPDATE_FREE", "wide")
+    with pytest.raises(ConfigError, match="NPUGRAPH_UPDATE_FREE='wide' is neither a switch nor widths"):
+        common.check_settings()
+    monkeypatch.setenv("NPUGRAPH_UPDATE_FREE", "1024, 256")
+    assert common.env_update_free() == (256, 1024)

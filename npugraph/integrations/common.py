@@ -20,11 +20,13 @@ __all__ = [
     "ENV_ENABLE",
     "ENV_EVENT_GROUP",
     "ENV_REPORT_DIR",
+    "ENV_UPDATE_FREE",
     "check_settings",
     "enabled",
     "env_device",
     "env_device_lengths",
     "env_event_group",
+    "env_update_free",
     "report_folder",
     "report_path",
     "restore",
@@ -40,6 +42,7 @@ ENV_DEVICE = "NPUGRAPH_DEVICE"
 ENV_EVENT_GROUP = "NPUGRAPH_EVENT_GROUP"
 ENV_DEVICE_LENGTHS = "NPUGRAPH_DEVICE_LENGTHS"
 ENV_REPORT_DIR = "NPUGRAPH_REPORT_DIR"
+ENV_UPDATE_FREE = "NPUGRAPH_UPDATE_FREE"
 
 
 def enabled() -> bool:
@@ -86,12 +89,33 @@ def env_device_lengths() -> bool:
     raise ConfigError(f"{ENV_DEVICE_LENGTHS}={value!r} is not a switch; use 1 (the default) or 0, or unset it")
 
 
+def env_update_free() -> tuple[int, ...] | None:
+    """``NPUGRAPH_UPDATE_FREE``: capture each decode size's update-free graphs too (lengths
+    frozen to a width, masked on the device; each step runs the narrowest that holds it, else
+    the updated graph): ``1`` (or ``auto``) at the default ladder (powers of two from the block
+    size to max_model_len), or the widths, comma-separated; unset or ``0``: none (``None``;
+    ``()`` is the default ladder)."""
+    raw = os.environ.get(ENV_UPDATE_FREE, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return None
+    if raw in ("1", "true", "yes", "on", "auto"):
+        return ()
+    parts = [p.strip() for p in raw.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(
+            f"{ENV_UPDATE_FREE}={os.environ.get(ENV_UPDATE_FREE)!r} is neither a switch nor widths; use 1 "
+            "(the default ladder), widths in keys such as 1024,4096, or 0 (or unset it)"
+        )
+    return tuple(sorted({int(p) for p in parts}))
+
+
 def check_settings() -> str | None:
     """Check every ``NPUGRAPH_*`` setting (a plugin does, before it touches its engine: a bad
     one is :class:`~npugraph.errors.ConfigError`); returns ``NPUGRAPH_DEVICE``'s value."""
     device = env_device()
     env_event_group()
     env_device_lengths()
+    env_update_free()
     return device
 
 

@@ -20,7 +20,7 @@ from npugraph.policy.choice import KernelChoice, KernelPolicy
 from npugraph.policy.fixed import FixedPolicy
 from npugraph.policy.measured import POLICY_SCHEMA, MeasuredPolicy, PolicySignature, SizeMeasurement, load_policy
 from npugraph.policy.static import DEFAULT_PA_SIZES, StaticPolicy
-from npugraph.policy.width import UpdateFreeCosts
+from npugraph.policy.width import UpdateFreeCosts, default_widths
 
 __all__ = [
     "DEFAULT_PA_SIZES",
@@ -33,5 +33,6 @@ __all__ = [
     "SizeMeasurement",
     "StaticPolicy",
     "UpdateFreeCosts",
+    "default_widths",
     "load_policy",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["UpdateFreeCosts"]
+__all__ = ["UpdateFreeCosts", "default_widths"]
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -62,3 +62,19 @@ class UpdateFreeCosts:
             f"{pick}: update-free at width {width} models {free:.0f} us a step (reads {width * rows} keys), "
             f"updated {upd:.0f} us (reads {keys} keys, {self.updated_host_us:.0f} us of host update)"
         )
+
+
+def default_widths(block_size: int, max_model_len: int) -> tuple[int, ...]:
+    """The width ladder a size's update-free graphs take by default: powers of two from the
+    block size up to ``max_model_len`` (the last whole blocks within it), so a step reads at
+    most twice its longest request's keys; a longer step runs the updated graph."""
+    if block_size < 1 or max_model_len < block_size:
+        return ()
+    widths, w = [], block_size
+    while w < max_model_len:
+        widths.append(w)
+        w *= 2
+    top = max_model_len // block_size * block_size
+    if not widths or widths[-1] != top:
+        widths.append(top)
+    return tuple(widths)

@@ -14,10 +14,12 @@ from unittest import mock
 
 import torch
 
-from npugraph.errors import BatchRefused, ConfigError, NpuGraphError
-from npugraph.integrations.common import runtime_from_env
+from npugraph.capture import WidthKey
+from npugraph.errors import BatchRefused, CaptureFailed, ConfigError, NpuGraphError
+from npugraph.integrations.common import env_update_free, runtime_from_env
 from npugraph.integrations.vllm import vllm_ascend
 from npugraph.integrations.vllm.metadata import step_metadata
+from npugraph.policy import default_widths
 from npugraph.runtime import Runtime
 
 __all__ = ["DraftNpuGraphWrapper", "NpuGraphWrapper", "attach_runtime", "platform_has_npu_graphs", "runtime_for"]
@@ -141,6 +143,10 @@ class NpuGraphWrapper:
         self._strong: dict[Any, Any] = {}
         self._kept: dict[Any, list[Any]] = {}  # per key: device memory a recorder made for its graph
         self._eager_keys: set[Any] = set()  # keys that ran a batch eagerly (warned once each)
+        # NPUGRAPH_UPDATE_FREE: each FULL size's update-free graphs too, at these widths
+        # (None: none; set at the first capture, from the engine's block size)
+        self._widths: tuple[int, ...] | None = None
+        self._update_free = env_update_free() if self._full else None
 
     # vllm-ascend 0.30's ACLGraphWrapper interface, which its runners and proposers call: the
     # update stream, attention backend and a draft's metadata feed its own UpdatableGraph
@@ -188,6 +194,8 @@ class NpuGraphWrapper:
             self._check_addresses(key, args, kwargs)
         metadata = step_metadata(self._attn_metadata(ctx)) if self._full and entry.tasks else {}
         try:
+            if self._widths is not None and metadata:  # the narrowest update-free graph that holds it
+                entry = self.runtime.graph_for(key, metadata, namespace=self.namespace) or entry
             # the runtime's one step protocol, in its order (replay-first by default: the
             # device starts the graph while the host updates layer by layer)
             return self.runtime.step_graph(entry, metadata, refusable=True)
@@ -235,12 +243,42 @@ class NpuGraphWrapper:
                     require_attention=self._full,
                     **kwargs,
                 )
+                if self._update_free is not None and self.runtime.entry(key, namespace=self.namespace).tasks:
+                    self._capture_widths(key, args, kwargs)
             finally:
                 ctx.capturing = was_capturing
         compilation_counter.num_cudagraph_captured += 1
         if not opts.weak_ref_output:
             self._strong[key] = out  # the caller asked the wrapper to own the outputs
         return self.runtime.entry(key, namespace=self.namespace).outputs
+
+    def _capture_widths(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """``key``'s update-free graphs (NPUGRAPH_UPDATE_FREE), widest first, in the updated
+        graph's capturing state; where the mode cannot run the model (MLA, sliding windows,
+        speculative steps) this wrapper keeps updated graphs alone, and says so once."""
+        if self._widths is None:
+            cache = getattr(self.vllm_config, "cache_config", None)
+            block = int(getattr(cache, "block_size", 0) or 0)
+            asked = self._update_free or default_widths(block, self.runtime.max_model_len)
+            self._widths = tuple(w for w in asked if block and w % block == 0 and w <= self.runtime.max_model_len)
+        captured = []
+        try:
+            for w in reversed(self._widths):
+                self.runtime.capture(
+                    self.runnable,
+                    *args,
+                    key=key,
+                    namespace=self.namespace,
+                    tokens=int(key.num_tokens),
+                    width=w,
+                    **kwargs,
+                )
+                captured.append(w)
+        except CaptureFailed as exc:
+            for w in captured:
+                self.runtime.reset(self.namespace, WidthKey(key, w))
+            self._update_free = self._widths = None
+            logger.warning("npugraph: no update-free graphs in %s (updated per step instead): %s", self.namespace, exc)
 
     def _check_addresses(self, key: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         expected = self._addresses.get(key, [])
