@@ -29,6 +29,7 @@ class EngineCounts:
             "npugraph_update_seconds": [],
             "npugraph_update_device_calls": collections.Counter(),
             "npugraph_steps": 0,
+            "npugraph_update_free_steps": 0,  # of them, steps of an update-free graph (its key has a width)
             "npugraph_update_tokens": [],
             "npugraph_capture_report": [],
         }
@@ -93,7 +94,11 @@ class EngineCounts:
         """One of npugraph's steps counted, with its padded size (vLLM's batch descriptor)
         beside its update's seconds."""
         self.values["npugraph_steps"] += 1
-        self.values["npugraph_update_tokens"].append(int(getattr(entry.key, "num_tokens", 0) or 0))
+        key = entry.key
+        if hasattr(key, "width"):  # npugraph's WidthKey: the size's own key inside
+            self.values["npugraph_update_free_steps"] += 1
+            key = key.key
+        self.values["npugraph_update_tokens"].append(int(getattr(key, "num_tokens", 0) or 0))
         if write:
             self.write()
 

@@ -1,7 +1,8 @@
 """A real generation on vllm-ascend's platform, on npugraph's simulator (release/run.sh).
 
     generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | aclgraph | npugraph | vllm-default |
-                                               vllm-default-npugraph | aclgraph-v2 | npugraph-v2
+                                               vllm-default-npugraph | aclgraph-v2 | npugraph-v2 |
+                                               npugraph-update-free
     generate.py OUT_DIR [RUNS]                 each model and mode in its own process, into
                                                OUT_DIR; the side-by-side's graph modes RUNS
                                                times, in turn (default: 5 for the 32-layer
@@ -99,11 +100,14 @@ DEFAULT_MODES = ("vllm-default", "vllm-default-npugraph")
 # graph manager captures FULL graphs itself, vllm-ascend's ModelAclGraphManager updates them,
 # and under the plugin npugraph's (npugraph/integrations/vllm/runner_v2.py) (release/test_runner_v2.py)
 V2_MODES = ("aclgraph-v2", "npugraph-v2")
+# npugraph's plugin with NPUGRAPH_UPDATE_FREE=1: each FULL size also captured update-free (its
+# lengths frozen to widths 128 and 256, masked on the device) (release/test_update_free.py)
+UPDATE_FREE_MODES = ("npugraph-update-free",)
 
 
 def graph_mode(mode: str) -> bool:
     """Whether ``mode`` captures FULL_DECODE_ONLY graphs (vllm-ascend's or npugraph's, either runner)."""
-    return mode in MODES[1:] + V2_MODES
+    return mode in MODES[1:] + V2_MODES + UPDATE_FREE_MODES
 
 
 @attrs.frozen(kw_only=True)
@@ -339,6 +343,8 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         os.environ["NPUGRAPH_ENABLE"] = "1"
     if mode in V2_MODES:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    if mode in UPDATE_FREE_MODES:
+        os.environ["NPUGRAPH_UPDATE_FREE"] = "1"
     from vllm import LLM
 
     kwargs = engine_args(model, mode)
@@ -373,6 +379,7 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         "vllm_ascend_update_device_calls": counts.get("vllm_ascend_update_device_calls", {}),
         "npugraph_update_device_calls": counts.get("npugraph_update_device_calls", {}),
         "npugraph_steps": counts.get("npugraph_steps", 0),
+        "npugraph_update_free_steps": counts.get("npugraph_update_free_steps", 0),
         "graph_steps": counts.get("graph_steps", 0),
         "graph_steps_device_at": counts.get("graph_steps_device_at", []),
         # a draft model's (MTP) graph steps: its own graph, after the target's
@@ -463,7 +470,11 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 or (len(argv) == 3 and argv[2].isdigit() and int(argv[2]) >= 1):
         generate(Path(argv[1]), int(argv[2]) if len(argv) == 3 else None)
         return 0
-    if len(argv) != 4 or argv[2] not in MODES + DEFAULT_MODES + V2_MODES or Path(argv[1]).name not in MODELS:
+    if (
+        len(argv) != 4
+        or argv[2] not in MODES + DEFAULT_MODES + V2_MODES + UPDATE_FREE_MODES
+        or Path(argv[1]).name not in MODELS
+    ):
         print("usage:\n" + "\n".join(__doc__.splitlines()[2:7]), file=sys.stderr)
         return 2
     model = Path(argv[1])

@@ -34,6 +34,7 @@
 #   7. vLLM's default compilation config (no compilation_config: FULL_AND_PIECEWISE) on the
 #      Llama, with and without npugraph's plugin (release/test_default_mode.py); vLLM's model
 #      runner v2 with vllm-ascend's graphs and with npugraph's (release/test_runner_v2.py: from 0.30);
+#      npugraph's update-free graphs on the Llama and the Qwen3 (release/test_update_free.py);
 #   8. vLLM's Ray executor (release/test_ray.py; where the release's lock has Ray: 0.30.0rc2): a
 #      two-node Ray cluster on this machine, the Llama at tensor parallel 2 (and pipeline
 #      parallel 2, not at CHECK_SCOPE=ci), eager and with the plugin: eager's tokens, npugraph's
@@ -212,6 +213,9 @@ engine_test release/test_default_mode.py || failed
 
 step "vLLM's model runner v2 (VLLM_USE_V2_MODEL_RUNNER=1), vllm-ascend's graphs and npugraph's (0.30.0rc2 on)"
 engine_test release/test_runner_v2.py || failed
+
+step "npugraph's update-free graphs (NPUGRAPH_UPDATE_FREE=1): the Llama and the Qwen3 against eager and Hugging Face"
+engine_test release/test_update_free.py || failed
 
 if compat; then
     step "vLLM's Ray executor and vllm serve: not at CHECK_SCOPE=compat (make release-check's)"
