@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["check_greedy_choices", "greedy_choices"]
+__all__ = ["check_forks_are_near_ties", "check_greedy_choices", "greedy_choices"]
 
 
 def greedy_choices(
@@ -52,3 +52,24 @@ def check_greedy_choices(
     exact, total = sum(n for _, n in choices), sum(len(t) for t in generations)
     if exact < exact_share * total:
         raise AssertionError(f"{exact} of {total} tokens are Hugging Face's argmax, fewer than {exact_share:.0%}")
+
+
+def check_forks_are_near_ties(
+    model_dir: Path | str, prompts: list[list[int]], mine: list[list[int]], theirs: list[list[int]], near: float
+) -> int:
+    """Where a request's tokens first differ between two generations (``mine``, ``theirs``),
+    both tokens must be within ``near`` of Hugging Face's best there (a near-tie that another
+    order of the same sums may break the other way); raise ``AssertionError`` otherwise.
+    Returns how many requests forked."""
+    forks = []
+    for prompt, a, b in zip(prompts, mine, theirs):
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is not None:
+            forks.append((prompt, a[: at + 1], b[: at + 1]))
+    if not forks:
+        return 0
+    gaps = greedy_choices(model_dir, [p for p, _, _ in forks for _ in (0, 1)], [t for _, a, b in forks for t in (a, b)])
+    worst = max(gap for gap, _ in gaps)
+    if worst > near:
+        raise AssertionError(f"{len(forks)} requests fork; a forking token is {worst:.3f} below the best (> {near})")
+    return len(forks)

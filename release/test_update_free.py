@@ -23,7 +23,7 @@ pytest.importorskip("vllm_ascend", reason="needs the release environment (releas
 
 sys.path.insert(0, str(Path(__file__).parent))
 import generate
-from hf_reference import check_greedy_choices, greedy_choices
+from hf_reference import check_forks_are_near_ties, check_greedy_choices
 from runs import result_path
 
 MODE = "npugraph-update-free"
@@ -49,17 +49,8 @@ def test_update_free_graphs_give_eagers_tokens_but_at_near_ties_and_hugging_face
     Face's best; every token is within the generation check's tolerance of it."""
     model, got, eager = results[0], results[1][MODE], results[1]["eager"]
     check_greedy_choices(generated_dir / model, got["prompts"], got["tokens"], 0.15)
-    forks = []
-    for prompt, mine, theirs in zip(got["prompts"], got["tokens"], eager["tokens"]):
-        at = next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
-        if at is not None:
-            forks.append((prompt, mine[: at + 1], theirs[: at + 1]))
-    if forks:
-        gaps = greedy_choices(
-            generated_dir / model, [p for p, _, _ in forks for _ in (0, 1)], [t for _, a, b in forks for t in (a, b)]
-        )
-        assert all(gap <= NEAR_TIE for gap, _ in gaps), (forks, gaps)
-    print(f"{model}: {len(forks)} of {len(got['tokens'])} requests left eager's text at a near-tie")
+    forks = check_forks_are_near_ties(generated_dir / model, got["prompts"], got["tokens"], eager["tokens"], NEAR_TIE)
+    print(f"{model}: {forks} of {len(got['tokens'])} requests left eager's text at a near-tie")
     log = result_path(generated_dir, model, MODE).with_suffix(".log").read_text()
     assert "Traceback" not in log, log[-4000:]
     assert "no update-free graphs" not in log, "the plugin fell back to updated graphs alone"

@@ -102,3 +102,12 @@ class CapturedGraph:
     @property
     def layers(self) -> tuple[str, ...]:
         return tuple(t.layer for t in self.tasks)
+
+    @property
+    def block_size(self) -> int | None:
+        """The block size of its first attention task's KV cache (None: no attention)."""
+        if not self.tasks:
+            return None
+        t = self.tasks[0]
+        cache = t.tensor(t.spec.cache_arg)
+        return int(cache.shape[1]) if cache is not None else None

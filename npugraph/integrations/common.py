@@ -11,7 +11,9 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from npugraph.errors import ConfigError
+from npugraph.capture import CapturedGraph, WidthKey
+from npugraph.errors import CaptureFailed, ConfigError
+from npugraph.policy import default_widths
 from npugraph.runtime import Runtime
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "env_device_lengths",
     "env_event_group",
     "env_update_free",
+    "capture_widths",
+    "widths_for",
     "report_folder",
     "report_path",
     "restore",
@@ -107,6 +111,43 @@ def env_update_free() -> tuple[int, ...] | None:
             "(the default ladder), widths in keys such as 1024,4096, or 0 (or unset it)"
         )
     return tuple(sorted({int(p) for p in parts}))
+
+
+def widths_for(runtime: Runtime, entry: CapturedGraph, asked: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The widths an engine's update-free graphs take (``NPUGRAPH_UPDATE_FREE``'s, ``()``: the
+    default ladder), whole blocks of the captured graph's KV cache within max_model_len."""
+    block = entry.block_size or 0
+    if asked is None or not block:
+        return ()
+    ladder = asked or default_widths(block, runtime.max_model_len)
+    return tuple(w for w in ladder if w % block == 0 and w <= runtime.max_model_len)
+
+
+def capture_widths(
+    runtime: Runtime,
+    widths: tuple[int, ...],
+    fn: Callable[..., Any],
+    *args: Any,
+    key: Any,
+    namespace: str,
+    log: logging.Logger,
+    **kwargs: Any,
+) -> dict[int, Any] | None:
+    """Capture ``fn`` for ``key`` update-free at each of ``widths``, widest first, as the
+    engine captured its updated graph; returns each width's outputs.  Where the mode cannot
+    run the model (MLA, sliding windows, speculative steps), what it captured is freed,
+    ``log`` (the engine's logger) warns why, and ``None`` says to capture no more: the key
+    keeps its updated graph alone."""
+    done: dict[int, Any] = {}
+    try:
+        for w in sorted(widths, reverse=True):
+            done[w] = runtime.capture(fn, *args, key=key, namespace=namespace, width=w, **kwargs)
+    except CaptureFailed as exc:
+        for w in done:
+            runtime.reset(namespace, WidthKey(key, w))
+        log.warning("npugraph: no update-free graphs in %s (updated per step instead): %s", namespace, exc)
+        return None
+    return done
 
 
 def check_settings() -> str | None:

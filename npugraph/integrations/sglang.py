@@ -43,15 +43,19 @@ from typing import Any
 import attrs
 import torch
 
+from npugraph.capture import WidthKey
 from npugraph.errors import ConfigError, NpuGraphError
 from npugraph.integrations.common import (
     ENV_ENABLE,
+    capture_widths,
     check_settings,
     enabled,
+    env_update_free,
     report_path,
     runtime_from_env,
     say_captured,
     vocabulary_refusal,
+    widths_for,
 )
 from npugraph.metadata import AttentionMetadata
 from npugraph.ops import AttentionCall
@@ -80,6 +84,12 @@ class _State:
     namespace: str
     tables: dict[Any, torch.Tensor] = attrs.field(factory=dict)  # shape key -> the graph's block table
     capturing: Any = None  # the shape key being captured
+    # NPUGRAPH_UPDATE_FREE: the widths each size's update-free graphs take (None: none; ()
+    # the default ladder, set at the first capture from its block size), and their outputs
+    # (a step returns those of the graph it replayed)
+    update_free: tuple[int, ...] | None = None
+    widths: tuple[int, ...] | None = None
+    outputs: dict[Any, Any] = attrs.field(factory=dict)
 
 
 # The backend whose capture is running (set around npugraph's capture): the attention hook
@@ -95,7 +105,8 @@ def _after_init(result: Any, backend: Any, cuda_graph_runner: Any, *args: Any, *
         return
     model_config = cuda_graph_runner.model_runner.model_config
     runtime = runtime_from_env(int(model_config.context_len), "npu")
-    setattr(backend, _STATE, _State(runtime=runtime, namespace=runtime.unique_namespace("sglang.decode")))
+    state = _State(runtime=runtime, namespace=runtime.unique_namespace("sglang.decode"), update_free=env_update_free())
+    setattr(backend, _STATE, state)
 
 
 def _state(backend: Any) -> _State | None:
@@ -124,9 +135,18 @@ def _capture_one(
     token = _CAPTURING.set(state)
     try:
         size = getattr(shape_key, "size", shape_key)
-        out = state.runtime.capture(
-            forward_fn, key=shape_key, namespace=state.namespace, tokens=int(size) if isinstance(size, int) else None
-        )
+        tokens = int(size) if isinstance(size, int) else None
+        out = state.runtime.capture(forward_fn, key=shape_key, namespace=state.namespace, tokens=tokens)
+        if state.update_free is not None:
+            if state.widths is None:
+                entry = state.runtime.entry(shape_key, namespace=state.namespace)
+                state.widths = widths_for(state.runtime, entry, state.update_free)
+            kw = {"key": shape_key, "namespace": state.namespace, "tokens": tokens, "log": logger}
+            outs = capture_widths(state.runtime, state.widths, forward_fn, **kw)
+            if outs is None:
+                state.update_free = state.widths = None
+            else:
+                state.outputs.update({WidthKey(shape_key, w): o for w, o in outs.items()})
     finally:
         _CAPTURING.reset(token)
         state.capturing = None
@@ -222,8 +242,15 @@ def _replay_with_input_update(
     meta = AttentionMetadata(
         seq_lens=torch.tensor(lens, dtype=torch.int32, device="cpu"), block_table=state.tables[shape_key]
     )
-    state.runtime.step(shape_key, {"default": meta}, namespace=state.namespace)
-    return backend._outputs[shape_key]
+    metadata = {"default": meta}
+    if not state.outputs:
+        state.runtime.step(shape_key, metadata, namespace=state.namespace)
+        return backend._outputs[shape_key]
+    # with update-free graphs: the narrowest that holds the step (else the updated one), and its outputs
+    entry = state.runtime.graph_for(shape_key, metadata, namespace=state.namespace)
+    assert entry is not None  # the size was captured (state.tables has it)
+    state.runtime.step_graph(entry, metadata)
+    return state.outputs.get(entry.key, backend._outputs[shape_key])
 
 
 def _after_capture(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:

@@ -1,6 +1,6 @@
 """A real generation with SGLang 0.5.23 on npugraph's simulator (release/sglang/run.sh).
 
-    generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | sglang | npugraph
+    generate.py MODEL_DIR MODE OUT_JSON        MODE: eager | sglang | npugraph | npugraph-update-free
     generate.py OUT_DIR [RUNS]                 each model and mode in its own process, into
                                                OUT_DIR; the Llama's graph modes RUNS times
                                                (default 3, or 1 at CHECK_SCOPE=ci), in turn
@@ -12,7 +12,10 @@ given as token ids, greedy:
 
 * ``eager``: ``disable_cuda_graph=True``;
 * ``sglang``: SGLang's own NPU decode graphs (torch_npu's ``NPUGraph.update`` each step);
-* ``npugraph``: the same with npugraph's plugin (``NPUGRAPH_ENABLE=1``).
+* ``npugraph``: the same with npugraph's plugin (``NPUGRAPH_ENABLE=1``);
+* ``npugraph-update-free``: the plugin with ``NPUGRAPH_UPDATE_FREE=1``: each decode size also
+  captured update-free (lengths frozen to widths, masked on the device), each step replaying
+  the narrowest that holds it.
 
 Requests arrive while others decode (streamed: a group is sent once an earlier request has
 produced some tokens), have prompts of different lengths, finish at different steps, and
@@ -37,6 +40,9 @@ import tiny_model
 from runs import check_scope, clear_results, counts_folder, order, result_path, run_logged
 
 MODES = ("eager", "sglang", "npugraph")
+# npugraph's plugin with NPUGRAPH_UPDATE_FREE=1 (its update-free graphs beside the updated
+# ones): the Llama at CHECK_SCOPE=ci, both models at the full scope (release/sglang/test_generate.py)
+UPDATE_FREE = "npugraph-update-free"
 MODELS = ("llama", "qwen3")
 VOCAB = 1024
 # (sent when request `after` has produced `tokens` tokens (None: at once), prompt length, new tokens)
@@ -88,8 +94,10 @@ async def _serve(engine: Any) -> list[list[int]]:
 
 
 def run(model: Path, mode: str) -> dict[str, Any]:
-    if mode == "npugraph":
+    if mode.startswith("npugraph"):
         os.environ["NPUGRAPH_ENABLE"] = "1"
+    if mode == UPDATE_FREE:
+        os.environ["NPUGRAPH_UPDATE_FREE"] = "1"
     import sglang
 
     kwargs: dict[str, Any] = {"model_path": str(model), "device": "npu"}
@@ -116,6 +124,7 @@ def run(model: Path, mode: str) -> dict[str, Any]:
         "torch_npu_update_seconds": counts.get("torch_npu_update_seconds", []),
         "npugraph_update_seconds": counts.get("npugraph_update_seconds", []),
         "npugraph_steps": counts.get("npugraph_steps", 0),
+        "npugraph_update_free_steps": counts.get("npugraph_update_free_steps", 0),
         "torch_npu_update_device_calls": counts.get("torch_npu_update_device_calls", {}),
         "npugraph_update_device_calls": counts.get("npugraph_update_device_calls", {}),
     }
@@ -126,11 +135,17 @@ def run(model: Path, mode: str) -> dict[str, Any]:
 RUNS = {"full": 3, "ci": 1, "compat": 1}
 
 
+def update_free_models() -> tuple[str, ...]:
+    """The models the update-free mode runs: the Llama at CI's scope and make compat's, both else."""
+    return MODELS if check_scope() == "full" else ("llama",)
+
+
 def generate(out_dir: Path, runs: int = 1) -> None:
     """Each model and mode in its own process, into ``out_dir``: eager once, SGLang's graphs
     and npugraph's once each for Qwen3 and ``runs`` times, in turn, for the Llama (the update
     cost's verdict takes every run)."""
     plan = order(MODELS, MODES[1:], runs, "llama")
+    plan += [(arch, UPDATE_FREE, 1) for arch in update_free_models()]
     # One at a time, unlike vLLM's untimed runs: an SGLang engine keeps both cores busy (its
     # scheduler, tokenizer and detokenizer processes), and two side by side took about 100 s
     # each where one alone takes about 45 (2026-12-06)
@@ -148,8 +163,8 @@ def generate(out_dir: Path, runs: int = 1) -> None:
 def main(argv: list[str]) -> int:
     if len(argv) == 4:
         model, mode, out = Path(argv[1]), argv[2], Path(argv[3])
-        if mode not in MODES:
-            print(f"generate.py: MODE must be one of {', '.join(MODES)}, not {mode!r}", file=sys.stderr)
+        if mode not in (*MODES, UPDATE_FREE):
+            print(f"generate.py: MODE must be one of {', '.join(MODES)}, {UPDATE_FREE}, not {mode!r}", file=sys.stderr)
             return 2
         out.write_text(json.dumps(run(model, mode)))
         return 0

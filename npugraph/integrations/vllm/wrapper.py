@@ -14,12 +14,10 @@ from unittest import mock
 
 import torch
 
-from npugraph.capture import WidthKey
-from npugraph.errors import BatchRefused, CaptureFailed, ConfigError, NpuGraphError
-from npugraph.integrations.common import env_update_free, runtime_from_env
+from npugraph.errors import BatchRefused, ConfigError, NpuGraphError
+from npugraph.integrations.common import capture_widths, env_update_free, runtime_from_env, widths_for
 from npugraph.integrations.vllm import vllm_ascend
 from npugraph.integrations.vllm.metadata import step_metadata
-from npugraph.policy import default_widths
 from npugraph.runtime import Runtime
 
 __all__ = ["DraftNpuGraphWrapper", "NpuGraphWrapper", "attach_runtime", "platform_has_npu_graphs", "runtime_for"]
@@ -257,28 +255,21 @@ class NpuGraphWrapper:
         graph's capturing state; where the mode cannot run the model (MLA, sliding windows,
         speculative steps) this wrapper keeps updated graphs alone, and says so once."""
         if self._widths is None:
-            cache = getattr(self.vllm_config, "cache_config", None)
-            block = int(getattr(cache, "block_size", 0) or 0)
-            asked = self._update_free or default_widths(block, self.runtime.max_model_len)
-            self._widths = tuple(w for w in asked if block and w % block == 0 and w <= self.runtime.max_model_len)
-        captured = []
-        try:
-            for w in reversed(self._widths):
-                self.runtime.capture(
-                    self.runnable,
-                    *args,
-                    key=key,
-                    namespace=self.namespace,
-                    tokens=int(key.num_tokens),
-                    width=w,
-                    **kwargs,
-                )
-                captured.append(w)
-        except CaptureFailed as exc:
-            for w in captured:
-                self.runtime.reset(self.namespace, WidthKey(key, w))
+            self._widths = widths_for(
+                self.runtime, self.runtime.entry(key, namespace=self.namespace), self._update_free
+            )
+        if None is capture_widths(
+            self.runtime,
+            self._widths,
+            self.runnable,
+            *args,
+            key=key,
+            namespace=self.namespace,
+            tokens=int(key.num_tokens),
+            log=logger,
+            **kwargs,
+        ):
             self._update_free = self._widths = None
-            logger.warning("npugraph: no update-free graphs in %s (updated per step instead): %s", self.namespace, exc)
 
     def _check_addresses(self, key: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         expected = self._addresses.get(key, [])
