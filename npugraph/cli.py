@@ -23,7 +23,7 @@ from npugraph.errors import NpuGraphError
 from npugraph.files import FileError, check_writable, read_json, write_text
 from npugraph.models import Decoder, DecoderConfig, MLADecoder, Workload
 from npugraph.models.engine import DecodeEngine
-from npugraph.policy import KernelPolicy, MeasuredPolicy, StaticPolicy, load_policy
+from npugraph.policy import KernelPolicy, MeasuredPolicy, StaticPolicy, default_widths, load_policy
 from npugraph.runtime import Runtime
 from npugraph.tools import demo
 from npugraph.tools.measure import measure_policy
@@ -166,7 +166,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 block_size=cfg.block_size,
             )
         rt.set_policy(policy)
-    engine = DecodeEngine(rt, _MODELS[args.model](cfg, rt), args.sizes)
+    widths = default_widths(cfg.block_size, cfg.max_model_len) if args.update_free else ()
+    engine = DecodeEngine(rt, _MODELS[args.model](cfg, rt), args.sizes, widths=widths)
     # made before the capture, so that a workload this config cannot run is refused first
     wl = Workload(cfg, engine.sizes, seed=args.seed, adversarial=args.adversarial is not None, device=rt.device.memory)
     run = demo.decode(
@@ -177,7 +178,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         progress=not args.no_progress,
     )
-    settings = {"order": args.order, "dtype": args.dtype, "adversarial_seed": args.adversarial}
+    settings = {"order": args.order, "dtype": args.dtype, "adversarial_seed": args.adversarial, "widths": list(widths)}
     summary = demo.report(run, engine, model=args.model, layers=cfg.layers, settings=settings)
     if args.json:
         write_text(args.json, json.dumps(summary, indent=1))
@@ -344,6 +345,12 @@ def _demo_parser(sub: Any) -> None:
         help="also check every Nth step against the float64-attention reference (default 10)",
     )
     d.add_argument("--steps", type=_positive, default=200, help="decode steps (default 200)")
+    d.add_argument(
+        "--update-free",
+        action="store_true",
+        help="also capture each size update-free (FIA's lengths frozen to widths, powers of two from the block "
+        "size to --max-model-len, the real ones masked on the device); a step replays the narrowest that holds it",
+    )
     d.add_argument(
         "--order",
         choices=["update-first", "replay-first"],

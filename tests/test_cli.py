@@ -183,3 +183,33 @@ def test_selftest_on_the_simulator_passes(tmp_path, capsys):
     assert {"weak aliases after capture", "two graphs, one pool", "argument placement"} <= set(names)
     sink = next(c for c in doc["checks"] if c["name"] == "fia tiling sink, size 8")
     assert "no per-layer update" in sink["detail"], "the simulator has the tiling-sink pair: the check runs"
+
+
+def test_demo_update_free_replays_width_graphs_equal_to_eager_and_the_reference(capsys, tmp_path):
+    out_json = tmp_path / "demo.json"
+    code = main(
+        [
+            "demo",
+            "--layers",
+            "2",
+            "--sizes",
+            "2,8",
+            "--steps",
+            "20",
+            "--max-model-len",
+            "128",
+            "--num-blocks",
+            "64",
+            "--no-progress",
+            "--update-free",
+            "--json",
+            str(out_json),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "20 steps, 0 mismatches" in out and "0 beyond tolerance" in out
+    rows = [cells for cells in map(str.split, out.splitlines()) if cells and "@w" in cells[0]]
+    assert rows and all(r[1] == "fia_frozen" and int(r[2]) > 0 for r in rows), out
+    summary = json.loads(out_json.read_text())
+    assert summary["widths"] == [16, 32, 64, 128]
+    assert summary["kernel_by_size"]["8@w128"] == "fia_frozen"

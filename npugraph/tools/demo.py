@@ -27,7 +27,7 @@ class DemoRun:
     whichever host call unblocks it), and the whole step with its synchronize."""
 
     capture_s: float
-    times: dict[int, dict[str, list[float]]]
+    times: dict[Any, dict[str, list[float]]]  # per graph key (a size, or a size at a width)
     steps: int = 0
     mismatches: int = 0
     first_mismatch: int | None = None
@@ -43,21 +43,20 @@ def decode(
     rt = engine.runtime
     t0 = time.perf_counter()
     engine.capture()
-    run = DemoRun(
-        capture_s=time.perf_counter() - t0,
-        times={s: {"update": [], "replay": [], "device": [], "total": []} for s in engine.sizes},
-    )
+    run = DemoRun(capture_s=time.perf_counter() - t0, times={})
     for i, batch in enumerate(tqdm(wl.steps(steps), total=steps, desc="decoding", unit="step", disable=not progress)):
         ref = engine.eager(batch).clone()
         inputs = {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": batch.slot_mapping}
-        t = run.times[batch.size]
         metadata = engine.metadata(batch.meta)
+        entry = rt.graph_for(batch.size, metadata)  # Runtime.step's pick: a width's graph, or the size's
+        assert entry is not None  # every size was captured
+        t = run.times.setdefault(entry.key, {"update": [], "replay": [], "device": [], "total": []})
         t1, d1 = time.perf_counter(), rt.device.device_seconds()
-        out = rt.step(batch.size, metadata, inputs=inputs)
+        out = rt.step_graph(entry, metadata, inputs)
         rt.synchronize()
         t["total"].append(time.perf_counter() - t1)
         t["device"].append(rt.device.device_seconds() - d1)
-        state = rt.graph_state(batch.size)
+        state = rt.graph_state(entry.key)
         t["update"].append(state.last_update_s)
         t["replay"].append(state.last_replay_s)
         got = out[: batch.num_reqs]
@@ -85,6 +84,11 @@ def _check_reference(run: DemoRun, engine: DecodeEngine, batch: Any, got: torch.
         run.reference_failures += 1
 
 
+def _ordered(entries: list[Any]) -> list[Any]:
+    """Graphs by size, each size's update-free widths before its updated graph."""
+    return sorted(entries, key=lambda e: (e.tokens, getattr(e.key, "width", 1 << 62)))
+
+
 def _median_us(xs: list[float]) -> float | None:
     return statistics.median(xs) * 1e6 if xs else None
 
@@ -102,17 +106,27 @@ def report(run: DemoRun, engine: DecodeEngine, *, model: str, layers: int, setti
         f"captured in {run.capture_s:.2f}s"
     )
     device_col = "sim dev us" if rt.device.is_sim else "device us"
+    widths = any(hasattr(e.key, "width") for e in rt.entries())
+    sw, kw = (8, 10) if widths else (5, 8)  # columns wide enough for "32@w1024" and "fia_frozen"
     print(
-        f"{'size':>5} {'kernel':>8} {'replays':>8} {'update us':>10} {'replay us':>10} {device_col:>10} "
+        f"{'size':>{sw}} {'kernel':>{kw}} {'replays':>8} {'update us':>10} {'replay us':>10} {device_col:>10} "
         f"{'total us':>10}  why"
     )
-    for e in sorted(rt.entries(), key=lambda e: e.tokens):
-        t = run.times[e.tokens]
+    idle = 0
+    for e in _ordered(rt.entries()):
+        t = run.times.get(e.key, {"update": [], "replay": [], "device": [], "total": []})
+        width = getattr(e.key, "width", None)
+        if width is not None and not t["total"]:
+            idle += 1  # an update-free graph no step needed: counted, not listed
+            continue
         dev_cell = med(t["device"]) if rt.device.is_sim else "-"
+        size = f"{e.tokens}" if width is None else f"{e.tokens}@w{width}"
         print(
-            f"{e.tokens:>5} {e.choice.kernel:>8} {rt.graph_state(e.key).replays:>8} {med(t['update']):>10} "
+            f"{size:>{sw}} {e.choice.kernel:>{kw}} {rt.graph_state(e.key).replays:>8} {med(t['update']):>10} "
             f"{med(t['replay']):>10} {dev_cell:>10} {med(t['total']):>10}  {e.choice.reason}"
         )
+    if idle:
+        print(f"({idle} update-free graphs at widths no step needed are not listed)")
     verdict = f"{run.steps} steps, {run.mismatches} mismatches"
     if run.first_mismatch is not None:
         verdict += f" (first at step {run.first_mismatch})"
@@ -129,8 +143,8 @@ def report(run: DemoRun, engine: DecodeEngine, *, model: str, layers: int, setti
         "capture_sizes": engine.sizes,
         "steps": run.steps,
         "mismatches": run.mismatches,
-        "kernel_by_size": {str(k): v for k, v in sorted({e.key: e.choice.kernel for e in rt.entries()}.items())},
-        "kernel_reason_by_size": {str(e.key): e.choice.reason for e in rt.entries()},
+        "kernel_by_size": {repr(e.key): e.choice.kernel for e in _ordered(rt.entries())},
+        "kernel_reason_by_size": {repr(e.key): e.choice.reason for e in _ordered(rt.entries())},
         "update_us_median": _median_us(every["update"]),
         "replay_us_median": _median_us(every["replay"]),
         # the simulator's device work per step (it runs on the CPU); None on hardware
