@@ -85,6 +85,9 @@ CHECK_SOAK_S = float(os.environ.get("SOAK_S", "120"))
 # (SWEEP_TOP), which those checks leave out to stay inside CI's time (make soak judges it)
 CHECK_MEMORY = ("device_bytes",)
 ENGINES = ("vllm", "sglang")
+# "npugraph-update-free": npugraph's plugin with NPUGRAPH_UPDATE_FREE=1 (not a default mode:
+# name it; judged as npugraph's mode is)
+UPDATE_FREE = "npugraph-update-free"
 MODES = {"vllm": ("eager", "vllm-ascend", "npugraph"), "sglang": ("eager", "sglang", "npugraph")}
 
 
@@ -381,7 +384,7 @@ def variants(by_mode: dict[str, list[Request]]) -> dict[str, Any]:
 
 
 PLOT_SIZE, PLOT_DPI = (13.0, 10.0), 100  # the PNG: 1300 x 1000 pixels
-COLORS = {"eager": "#757575", "npugraph": "#c62828"}  # the engine's own graphs: OTHER
+COLORS = {"eager": "#757575", "npugraph": "#c62828", UPDATE_FREE: "#ff8f00"}  # the engine's own graphs: OTHER
 OTHER = "#1565c0"
 PANELS = (
     ("host_rss", "engine's resident memory\noutside the card's KV blocks (MiB)"),
@@ -478,7 +481,8 @@ def _server(engine: str, mode: str, model_dir: Path, folder: Path) -> tuple[list
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "NPUGRAPH_SOAK_SAMPLES": str(folder),
-        "NPUGRAPH_ENABLE": "1" if mode == "npugraph" else "0",
+        "NPUGRAPH_ENABLE": "1" if mode.startswith("npugraph") else "0",
+        "NPUGRAPH_UPDATE_FREE": "1" if mode == UPDATE_FREE else "0",
     }
     if engine == "vllm":
         env["VLLM_CACHE_ROOT"] = str(folder / "vllm-cache")
@@ -605,8 +609,8 @@ def main(argv: list[str]) -> int:
     engine, out = argv[1], Path(argv[2])
     seconds = float(argv[3]) if len(argv) > 3 else 600.0
     modes = argv[4].split(",") if len(argv) > 4 else list(MODES[engine])
-    if not modes or not set(modes) <= set(MODES[engine]):
-        print(f"soak.py: MODES from {', '.join(MODES[engine])}", file=sys.stderr)
+    if not modes or not set(modes) <= {*MODES[engine], UPDATE_FREE}:
+        print(f"soak.py: MODES from {', '.join(MODES[engine])}, {UPDATE_FREE}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     model_dir, context, vocab = _model(engine, out)
@@ -619,7 +623,8 @@ def main(argv: list[str]) -> int:
     # the judgement is npugraph's; the other modes are its comparison (a soak of them alone
     # reports, and fails on what would fail npugraph's, as a baseline)
     why = [line for mode, run in runs.items() for line in failures(f"{engine} {mode}", run, choices[mode])]
-    why = [line for line in why if " npugraph:" in line] if "npugraph" in runs else why
+    judged = [m for m in runs if m.startswith("npugraph")]
+    why = [line for line in why if any(f" {m}:" in line for m in judged)] if judged else why
     report = {
         "engine": engine,
         "date": time.strftime("%Y-%m-%d"),
