@@ -9,6 +9,8 @@ the device, by the width each step picks, and by its refusals.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,8 +19,8 @@ from hypothesis import strategies as st
 import npusim as sim
 from npugraph import AttentionMetadata, Runtime
 from npugraph.capture import WidthKey
-from npugraph.errors import BatchRefused, CaptureFailed, MetadataError
-from npugraph.models import Decoder, DecoderConfig
+from npugraph.errors import BatchRefused, CaptureFailed, MetadataError, NpuGraphError
+from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.models.stack import AttentionStack
 from npugraph.policy import UpdateFreeCosts
@@ -220,3 +222,50 @@ def test_steps_chosen_either_way_by_cost_stay_equal_to_eager():
 def test_update_free_costs_refuse_a_negative_figure():
     with pytest.raises(ValueError, match="attention_us_per_key must be >= 0"):
         UpdateFreeCosts(updated_host_us=1, update_free_host_us=1, device_other_us=0, attention_us_per_key=-1)
+
+
+_SHARED: dict[str, tuple] = {}
+
+
+def _shared(order):
+    if order not in _SHARED:  # one engine per order: hypothesis runs many sequences
+        _SHARED[order] = _engine(sizes=(8,), widths=(32, 64), layers=2, order=order)
+    return _SHARED[order]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ops=st.lists(st.sampled_from(["step", "long", "badblock", "replay", "update", "sync"]), min_size=2, max_size=10),
+    order=st.sampled_from(["replay-first", "update-first"]),
+)
+def test_any_sequence_of_steps_refusals_and_halves_leaves_update_free_graphs_serving(ops, order):
+    """Steps, a request over the widest width (refused), a block id out of the cache within the
+    width (refused), and the halves of a step on a width's graph alone, in any order: the next
+    good step is right."""
+    cfg, rt, eng = _shared(order)
+    batches = list(Workload(cfg, [8], seed=11).steps(len(ops) + 1))
+    for op, b in zip(ops, batches):
+        meta = b.meta
+        try:
+            if op == "step":
+                eng.step(b)
+            elif op == "long":
+                lens = meta.seq_lens.clone()
+                lens[0] = 100  # over the widest width (64), under max_model_len (128)
+                rt.update(WidthKey(8, 64), {"default": AttentionMetadata(seq_lens=lens, block_table=meta.block_table)})
+            elif op == "badblock":
+                table = meta.block_table.clone()
+                table[0, 3] = 10_000  # within width 64's 4 columns, past the request's own blocks
+                rt.update(WidthKey(8, 64), {"default": AttentionMetadata(seq_lens=meta.seq_lens, block_table=table)})
+            elif op == "replay":
+                rt.replay(WidthKey(8, 64))
+            elif op == "update":
+                rt.update(WidthKey(8, 64), {"default": meta})
+            else:
+                rt.synchronize()
+        except NpuGraphError:  # every failure is typed; what matters is the next good step
+            pass
+    with contextlib.suppress(NpuGraphError):
+        rt.synchronize()
+    last = batches[-1]
+    assert torch.equal(eng.step(last), eng.eager(last))
