@@ -23,7 +23,7 @@ from npugraph.errors import BatchRefused, CaptureFailed, MetadataError, NpuGraph
 from npugraph.models import Decoder, DecoderConfig, Workload
 from npugraph.models.engine import DecodeEngine
 from npugraph.models.stack import AttentionStack
-from npugraph.policy import UpdateFreeCosts
+from npugraph.policy import KernelChoice, UpdateFreeCosts
 from npugraph.reference import paged_attention_reference
 from npugraph.runtime import pick_width
 
@@ -269,3 +269,15 @@ def test_any_sequence_of_steps_refusals_and_halves_leaves_update_free_graphs_ser
         rt.synchronize()
     last = batches[-1]
     assert torch.equal(eng.step(last), eng.eager(last))
+
+
+class _Frozen:
+    """A policy of the user's own that names the update-free kernel (FixedPolicy refuses it)."""
+
+    def choose(self, namespace, key, tokens, calls):
+        return KernelChoice(kernel="fia_frozen", reason="mine")
+
+
+def test_a_policy_cannot_choose_the_update_free_kernel_without_a_width():
+    with pytest.raises(CaptureFailed, match="fia_frozen is captured with width=W, not chosen by a policy"):
+        _layer(width=64, updated=True, policy=_Frozen())

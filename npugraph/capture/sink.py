@@ -97,7 +97,9 @@ def upgrade(
     device: Device, enabled: bool, sink: SinkCapture, where: str, choice: KernelChoice, call: AttentionCall
 ) -> KernelChoice:
     """FIA with host lengths becomes the tiling-sink kernel where that is possible; a
-    tiling-sink kernel chosen as it is must be possible."""
+    tiling-sink kernel chosen as it is must be possible; the update-free one is no policy's."""
+    if choice.kernel == "fia_frozen":  # its width is the capture's (Runtime.capture(width=W))
+        raise CaptureFailed(f"capture of {where}: fia_frozen is captured with width=W, not chosen by a policy")
     if choice.kernel != "fia_sink" and (choice.fixed or choice.kernel not in ("fia", "fia_v2")):
         return choice
     why: str | None
