@@ -281,3 +281,14 @@ class _Frozen:
 def test_a_policy_cannot_choose_the_update_free_kernel_without_a_width():
     with pytest.raises(CaptureFailed, match="fia_frozen is captured with width=W, not chosen by a policy"):
         _layer(width=64, updated=True, policy=_Frozen())
+
+
+def test_a_block_size_cann_does_not_take_in_decode_is_refused_at_capture():
+    rt = Runtime("sim", max_model_len=64)
+    stack = AttentionStack(rt, layers=1, heads=2, kv_heads=1, head_size=64, block_size=8, num_blocks=16)
+    dev = rt.device.memory
+    table = torch.zeros(2, 8, dtype=torch.int32, device=dev)
+    q = torch.zeros(2, 2, 64, dtype=torch.float16, device=dev)
+    meta = AttentionMetadata(seq_lens=torch.ones(2, dtype=torch.int32), block_table=table)
+    with pytest.raises(CaptureFailed, match="block size 8 is not a multiple of 16"):
+        rt.capture(stack, q, meta, key=2, width=32)

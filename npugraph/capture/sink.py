@@ -20,7 +20,7 @@ from npugraph.capture.events import EventSchedule
 from npugraph.capture.records import TaskRecord
 from npugraph.device import Device
 from npugraph.errors import CaptureFailed
-from npugraph.ops import FIA_FROZEN, FIA_SINK, AttentionCall, LensArena, LensGroup, OpSpec
+from npugraph.ops import FIA_FROZEN, FIA_SINK, MIN_BLOCK, AttentionCall, LensArena, LensGroup, OpSpec
 from npugraph.policy import KernelChoice
 
 __all__ = ["SINK_MIN_LAYERS", "SinkCapture", "check_width", "frozen", "mark_recorder", "refusal", "upgrade"]
@@ -138,6 +138,8 @@ def frozen(where: str, layer: str | None, call: AttentionCall, width: int) -> Ke
     :class:`~npugraph.ops.LensGroup` as the tiling sink's are), or why it cannot run ``call``."""
     why = FIA_FROZEN.unsupported(call)
     bs, cols = call.block_size, int(call.block_table.shape[1])
+    if why is None and bs % MIN_BLOCK:
+        why = f"the block size {bs} is not a multiple of {MIN_BLOCK} (CANN's FIA decode takes 16-aligned blocks)"
     if why is None and width % bs:
         why = f"the width {width} is not a whole number of blocks of {bs} (the mask covers whole blocks)"
     if why is None and width > cols * bs:

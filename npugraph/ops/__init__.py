@@ -1,6 +1,6 @@
 """One declaration per attention kernel (:class:`OpSpec`); capture and update use only these."""
 
-from npugraph.ops.base import AttentionCall, DeviceLengths, LensArena, LensGroup, OpSpec
+from npugraph.ops.base import MIN_BLOCK, AttentionCall, DeviceLengths, LensArena, LensGroup, OpSpec
 from npugraph.ops.fia import FIA
 from npugraph.ops.fia_frozen import FIA_FROZEN
 from npugraph.ops.fia_sink import FIA_SINK
@@ -9,6 +9,7 @@ from npugraph.ops.mla import MLA
 from npugraph.ops.pa import PA
 
 __all__ = [
+    "MIN_BLOCK",
     "FIA",
     "FIA_FROZEN",
     "FIA_SINK",

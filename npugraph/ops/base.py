@@ -11,7 +11,7 @@ import torch
 from npugraph.errors import ConfigError
 from npugraph.metadata import StepLens
 
-__all__ = ["AttentionCall", "DeviceLengths", "LensArena", "LensGroup", "OpSpec"]
+__all__ = ["MIN_BLOCK", "AttentionCall", "DeviceLengths", "LensArena", "LensGroup", "OpSpec"]
 
 
 @attrs.frozen(kw_only=True)
@@ -115,7 +115,7 @@ class LensArena:
     # with lengths frozen to ``width``: per group a block table and a mask of up to ``rows``
     # requests (flat: a group's table is contiguous whatever the block size), and arange(width)
     width: int | None = None
-    tables: torch.Tensor | None = None  # int32 [groups, rows * width] (block ids: zeros, valid)
+    tables: torch.Tensor | None = None  # int32 [groups, rows * width / MIN_BLOCK] (block ids: zeros, valid)
     masks: torch.Tensor | None = None  # bool [groups, rows * width]
     positions: torch.Tensor | None = None  # int32 [width]
 
@@ -125,7 +125,8 @@ class LensArena:
         if width is not None:
             frozen = {
                 "width": width,
-                "tables": torch.zeros(groups, rows * width, dtype=torch.int32, device=memory),
+                # the block size is the capture's first call's: room for the smallest CANN takes
+                "tables": torch.zeros(groups, rows * max(1, width // MIN_BLOCK), dtype=torch.int32, device=memory),
                 "masks": torch.ones(groups, rows * width, dtype=torch.bool, device=memory),
                 "positions": torch.arange(width, dtype=torch.int32, device=memory),
             }
@@ -160,6 +161,12 @@ class LensArena:
             batch=batch,
             **frozen,
         )
+
+
+# The least block size a lengths-frozen graph takes: CANN's FIA decode with a block table wants
+# it 16-aligned (fp16/bf16; 32 for int8) (torch_npu's FIA documentation), so a graph's own block
+# table needs at most width / 16 columns
+MIN_BLOCK = 16
 
 
 def _never(args: Mapping[str, Any]) -> bool:
