@@ -104,6 +104,16 @@ class CapturedGraph:
         return tuple(t.layer for t in self.tasks)
 
     @property
+    def width(self) -> int | None:
+        """An update-free graph's width (its key a :class:`WidthKey`), else None."""
+        return self.key.width if isinstance(self.key, WidthKey) else None
+
+    @property
+    def label(self) -> str:
+        """Its size as reports name it: the token count, and an update-free graph's width."""
+        return f"{self.tokens}" if self.width is None else f"{self.tokens}@w{self.width}"
+
+    @property
     def block_size(self) -> int | None:
         """The block size of its first attention task's KV cache (None: no attention)."""
         if not self.tasks:

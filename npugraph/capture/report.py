@@ -42,7 +42,7 @@ def _memory_summary(entries: Sequence[CapturedGraph]) -> str:
     if not entries:
         return ""
     taken = sorted(entries, key=lambda e: -e.tokens)
-    mib = [(_size(e), e.memory_bytes / 2**20) for e in taken]
+    mib = [(e.label, e.memory_bytes / 2**20) for e in taken]
     each = ", ".join(f"{t}: {m:.1f}" for t, m in mib[:8]) + (", ..." if len(mib) > 8 else "")
     return f", device memory {sum(m for _, m in mib):.1f} MiB (per size, MiB: {each})"
 
@@ -57,7 +57,7 @@ def _choices_summary(
     sizes: dict[str, list[str]] = {}
     why: dict[str, str] = {}
     for e in sorted(entries, key=lambda e: (e.tokens, str(e.key))):
-        sizes.setdefault(e.choice.kernel, []).append(_size(e))
+        sizes.setdefault(e.choice.kernel, []).append(e.label)
         _, _, detail = e.choice.reason.partition("; ")
         if e.choice.kernel == "fia_frozen":
             detail = "update-free: lengths frozen to each graph's width (@w), the real ones masked on the device"
@@ -79,8 +79,3 @@ def _choices_summary(
     parts = (["one per step for graphs with their lengths on the device"] if sink else []) + per_namespace
     return f"; kernels: {kernels}; ExternalEvents: " + ", ".join(parts)
 
-
-def _size(e: CapturedGraph) -> str:
-    """A graph's size as the report names it: its tokens, and an update-free graph's width."""
-    width = getattr(e.key, "width", None)
-    return f"{e.tokens}" if width is None else f"{e.tokens}@w{width}"

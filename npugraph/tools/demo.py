@@ -86,7 +86,7 @@ def _check_reference(run: DemoRun, engine: DecodeEngine, batch: Any, got: torch.
 
 def _ordered(entries: list[Any]) -> list[Any]:
     """Graphs by size, each size's update-free widths before its updated graph."""
-    return sorted(entries, key=lambda e: (e.tokens, getattr(e.key, "width", 1 << 62)))
+    return sorted(entries, key=lambda e: (e.tokens, e.width if e.width is not None else 1 << 62))
 
 
 def _median_us(xs: list[float]) -> float | None:
@@ -106,7 +106,7 @@ def report(run: DemoRun, engine: DecodeEngine, *, model: str, layers: int, setti
         f"captured in {run.capture_s:.2f}s"
     )
     device_col = "sim dev us" if rt.device.is_sim else "device us"
-    widths = any(hasattr(e.key, "width") for e in rt.entries())
+    widths = any(e.width is not None for e in rt.entries())
     sw, kw = (8, 10) if widths else (5, 8)  # columns wide enough for "32@w1024" and "fia_frozen"
     print(
         f"{'size':>{sw}} {'kernel':>{kw}} {'replays':>8} {'update us':>10} {'replay us':>10} {device_col:>10} "
@@ -115,12 +115,11 @@ def report(run: DemoRun, engine: DecodeEngine, *, model: str, layers: int, setti
     idle = 0
     for e in _ordered(rt.entries()):
         t = run.times.get(e.key, {"update": [], "replay": [], "device": [], "total": []})
-        width = getattr(e.key, "width", None)
-        if width is not None and not t["total"]:
+        if e.width is not None and not t["total"]:
             idle += 1  # an update-free graph no step needed: counted, not listed
             continue
         dev_cell = med(t["device"]) if rt.device.is_sim else "-"
-        size = f"{e.tokens}" if width is None else f"{e.tokens}@w{width}"
+        size = e.label
         print(
             f"{size:>{sw}} {e.choice.kernel:>{kw}} {rt.graph_state(e.key).replays:>8} {med(t['update']):>10} "
             f"{med(t['replay']):>10} {dev_cell:>10} {med(t['total']):>10}  {e.choice.reason}"
