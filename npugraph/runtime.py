@@ -98,8 +98,9 @@ class Runtime:
         # (None: the update-free graph whenever a width holds the step)
         self.update_free = update_free
         self._namespaces: dict[str, int] = {}
-        # per (namespace, key): its update-free graphs, narrowest first (rebuilt at capture and reset)
-        self._ladders: dict[tuple[str, Hashable], tuple[tuple[int, CapturedGraph], ...]] = {}
+        # per (namespace, key): its update-free graphs' widths and the graphs, narrowest first
+        # (rebuilt at capture and reset, so a step builds nothing to pick among them)
+        self._ladders: dict[tuple[str, Hashable], _Ladder] = {}
         if policy is not None:
             self.set_policy(policy)
 
@@ -177,8 +178,8 @@ class Runtime:
         frozen = None
         if ladder:
             updated = self.manager.has(namespace, tokens)
-            widths = [w for w, _ in ladder]
-            frozen = pick_width(widths, max(lens.kv_lens), sum(lens.kv_lens), batch, self.update_free, updated)
+            kv = lens.kv_lens
+            frozen = pick_width(ladder.widths, max(kv), sum(kv), batch, self.update_free, updated)
         if frozen is not None and FIA_FROZEN.unsupported(run) is None:
             # the kernel the step's replay would run: update-free at the narrowest width that holds it
             FIA_FROZEN.run_eager(self.device, run, lens, width=frozen)
@@ -235,7 +236,7 @@ class Runtime:
                 if e.key.key != e.tokens:  # an engine's own key (vLLM's batch descriptor): eager
                     # steps, which know only their token count, find the widths by it too
                     ladders.setdefault((e.namespace, e.tokens), []).append((e.key.width, e))
-        self._ladders = {k: tuple(sorted(dict(v).items())) for k, v in ladders.items()}
+        self._ladders = {k: _Ladder.of(dict(v)) for k, v in ladders.items()}
 
     def capture_all(
         self,
@@ -322,7 +323,7 @@ class Runtime:
         if key is not None:  # the key's update-free graphs go with it
             for ns, k in list(self._ladders):
                 if k == key and namespace in (None, ns):
-                    for w, _ in self._ladders[(ns, k)]:
+                    for w in self._ladders[(ns, k)].widths:
                         self.manager.reset(ns, WidthKey(k, w))
         self._index_widths()
 
@@ -395,7 +396,7 @@ class Runtime:
         entry = self.find(key, namespace=namespace)
         ladder = self._ladders.get((namespace, key)) if self._ladders else None
         if ladder:
-            entry = narrowest(ladder, entry, metadata, f"{namespace}/{key!r}", self.update_free)
+            entry = _narrowest(ladder, entry, metadata, f"{namespace}/{key!r}", self.update_free)
         return entry
 
     def find(self, key: Hashable, *, namespace: str = "main") -> CapturedGraph | None:
@@ -507,6 +508,19 @@ class Runtime:
 
 
 @attrs.frozen
+class _Ladder:
+    """A key's update-free graphs: their widths, narrowest first, and the graph of each."""
+
+    widths: tuple[int, ...]
+    graphs: tuple[CapturedGraph, ...]
+
+    @classmethod
+    def of(cls, by_width: Mapping[int, CapturedGraph]) -> _Ladder:
+        widths = tuple(sorted(by_width))
+        return cls(widths=widths, graphs=tuple(by_width[w] for w in widths))
+
+
+@attrs.frozen
 class _Longest:
     """A step's longest request (its keys, index and metadata name) and all its keys."""
 
@@ -520,23 +534,23 @@ def _longest(metadata: StepMetadata) -> _Longest | None:
     """The step's longest request and its keys in all (each distinct metadata once), or
     ``None`` where the metadata is malformed (the step's validation then says how)."""
     per = metadata if isinstance(metadata, Sequence) and not isinstance(metadata, (str, bytes)) else [metadata]
-    best = _Longest(0, 0, "", 0)
-    total = 0
+    keys = index = total = 0
+    name = ""
     seen: set[int] = set()
     try:
         for mapping in per:
-            for name, m in mapping.items():
+            for label, m in mapping.items():
                 if id(m) in seen or m.seq_lens.numel() == 0:
                     continue
                 seen.add(id(m))
                 lens = m.seq_lens.tolist()
                 n = max(lens)
                 total += sum(lens)
-                if n > best.keys:
-                    best = _Longest(n, lens.index(n), str(name), 0)
+                if n > keys:
+                    keys, index, name = n, lens.index(n), str(label)
     except (AttributeError, TypeError, RuntimeError, ValueError):
         return None
-    return attrs.evolve(best, total=total)
+    return _Longest(keys, index, name, total)
 
 
 def pick_width(
@@ -551,8 +565,8 @@ def pick_width(
     return width
 
 
-def narrowest(
-    ladder: tuple[tuple[int, CapturedGraph], ...],
+def _narrowest(
+    ladder: _Ladder,
     updated: CapturedGraph | None,
     metadata: StepMetadata,
     where: str,
@@ -563,16 +577,16 @@ def narrowest(
     (per layer); a request longer than every width, with no updated graph, is refused naming it."""
     longest = _longest(metadata)
     if longest is None:
-        return updated if updated is not None else ladder[-1][1]  # its validation reports the metadata
-    rows = ladder[0][1].batch
-    width = pick_width([w for w, _ in ladder], longest.keys, longest.total, rows, costs, updated is not None)
+        return updated if updated is not None else ladder.graphs[-1]  # its validation reports the metadata
+    rows = ladder.graphs[0].batch
+    width = pick_width(ladder.widths, longest.keys, longest.total, rows, costs, updated is not None)
     if width is not None:
-        return next(e for w, e in ladder if w == width)
+        return ladder.graphs[ladder.widths.index(width)]
     if updated is not None:
         return updated
     raise BatchRefused(
         f"{where}: request {longest.index} of {longest.name!r} has {longest.keys} keys, over the widest "
-        f"update-free graph ({ladder[-1][0]}); capture a wider width, or this key without a width "
+        f"update-free graph ({ladder.widths[-1]}); capture a wider width, or this key without a width "
         "(lengths updated per step)"
     )
 

@@ -18,10 +18,9 @@ import torch
 import npusim as sim
 from npugraph.bench.measured import _legacy_loop
 from npugraph.bench.timeline import RecordingDevice, ShadowGraph
-from npugraph.capture import WidthKey
 from npugraph.metadata import AttentionMetadata
 from npugraph.replay import ReplayUpdater
-from npugraph.runtime import Runtime, narrowest
+from npugraph.runtime import Runtime
 from npusim.surfaces.graphs import _GraphDispatchRecord, update_records
 
 
@@ -381,15 +380,14 @@ def _frozen_step(rt: Runtime, size: int) -> tuple[RecordingDevice, Callable[[Any
     mask comparison, one event, the replay: the same calls at every width, so the widest
     graph's shadow stands for all), and which task's event lets each layer run."""
     dev = RecordingDevice("fia", rt.device.memory)
-    keys = sorted((e.key for e in rt.entries() if isinstance(e.key, WidthKey)), key=lambda k: k.width)
-    ladder = tuple((k.width, rt.entry(k)) for k in keys)
-    shadow = _shadow(rt, ladder[-1][1].key, dev)
+    widest = max((e for e in rt.entries() if e.width is not None), key=lambda e: e.width or 0)
+    shadow = _shadow(rt, widest.key, dev)
     upd = ReplayUpdater(_ShadowManager(dev, shadow, rt.max_model_len), order="replay-first")  # type: ignore[arg-type]
     rec = next(t.index for t in shadow.tasks if t.records)
 
     def step(meta: Any) -> None:
         metadata = {"default": meta.meta}
-        narrowest(ladder, None, metadata, "main/bench")
+        rt.graph_for(size, metadata)  # the runtime's own pick, as Runtime.step makes it
         upd.step("main", size, metadata)
 
     dev.calibrate()

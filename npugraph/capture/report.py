@@ -78,4 +78,3 @@ def _choices_summary(
     sink = any(t.lens is not None for e in entries for t in e.tasks)
     parts = (["one per step for graphs with their lengths on the device"] if sink else []) + per_namespace
     return f"; kernels: {kernels}; ExternalEvents: " + ", ".join(parts)
-
