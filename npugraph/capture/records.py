@@ -109,7 +109,7 @@ class CapturedGraph:
         return self.key.width if isinstance(self.key, WidthKey) else None
 
     @property
-    def label(self) -> str:
+    def size_label(self) -> str:
         """Its size as reports name it: the token count, and an update-free graph's width."""
         return f"{self.tokens}" if self.width is None else f"{self.tokens}@w{self.width}"
 

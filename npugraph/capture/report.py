@@ -42,7 +42,7 @@ def _memory_summary(entries: Sequence[CapturedGraph]) -> str:
     if not entries:
         return ""
     taken = sorted(entries, key=lambda e: -e.tokens)
-    mib = [(e.label, e.memory_bytes / 2**20) for e in taken]
+    mib = [(e.size_label, e.memory_bytes / 2**20) for e in taken]
     each = ", ".join(f"{t}: {m:.1f}" for t, m in mib[:8]) + (", ..." if len(mib) > 8 else "")
     return f", device memory {sum(m for _, m in mib):.1f} MiB (per size, MiB: {each})"
 
@@ -57,7 +57,7 @@ def _choices_summary(
     sizes: dict[str, list[str]] = {}
     why: dict[str, str] = {}
     for e in sorted(entries, key=lambda e: (e.tokens, str(e.key))):
-        sizes.setdefault(e.choice.kernel, []).append(e.label)
+        sizes.setdefault(e.choice.kernel, []).append(e.size_label)
         _, _, detail = e.choice.reason.partition("; ")
         if e.choice.kernel == "fia_frozen":
             detail = "update-free: lengths frozen to each graph's width (@w), the real ones masked on the device"

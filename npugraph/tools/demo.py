@@ -119,7 +119,7 @@ def report(run: DemoRun, engine: DecodeEngine, *, model: str, layers: int, setti
             idle += 1  # an update-free graph no step needed: counted, not listed
             continue
         dev_cell = med(t["device"]) if rt.device.is_sim else "-"
-        size = e.label
+        size = e.size_label
         print(
             f"{size:>{sw}} {e.choice.kernel:>{kw}} {rt.graph_state(e.key).replays:>8} {med(t['update']):>10} "
             f"{med(t['replay']):>10} {dev_cell:>10} {med(t['total']):>10}  {e.choice.reason}"
